@@ -1,0 +1,335 @@
+"""Typed run configuration: a tree of dataclasses, loaded from TOML with `--section.key=value` overrides.
+
+Invariants:
+- Every key a user can write is a dataclass field below; an unknown key, a wrong type or an
+  out-of-range value raises `ConfigError` naming the key (and the file it came from).
+- Overrides are parsed as TOML values (`--rollout.n=4`, `--reward.functions='["a.py:f"]'`); a value
+  that is not valid TOML is taken as a string, so `--logging.run_dir=runs/x` needs no quotes.
+- The resolved config round-trips: `to_toml(load(...))` loads back to an equal config.
+Names follow verl where verl has the same knob, so configs translate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.toml"
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the key and the source."""
+
+
+def _range(ge: float | None = None, gt: float | None = None, le: float | None = None) -> dict:
+    return {"ge": ge, "gt": gt, "le": le}
+
+
+def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a validated range
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=_range(**bounds))
+    return field(default=default, metadata=_range(**bounds))
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = ""  # a Hugging Face model folder; empty: build a tiny model into the run folder
+    arch: Literal["qwen3", "llama"] = "qwen3"  # used when path is empty
+    size: Literal["tiny", "small"] = "tiny"  # used when path is empty
+    seed: int = 0  # weights seed of the built tiny model
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    device: Literal["cpu", "cuda", "tpu", "xla"] = "cpu"
+    world_size: int = F(2, ge=1)  # trainer ranks (one Ray actor each)
+    total_steps: int = F(20, ge=0)
+    lr: float = F(1e-5, gt=0)
+    weight_decay: float = F(0.0, ge=0)
+    betas: list[float] = F([0.9, 0.999])
+    warmup_steps: int = F(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = F(0.0, ge=0, le=1)
+    grad_clip: float = F(1.0, ge=0)  # 0 disables clipping
+    ppo_epochs: int = F(1, ge=1)
+    ppo_mini_batches: int = F(1, ge=1)  # optimizer steps per epoch over one rollout batch
+    micro_batch_size: int = F(8, ge=1)  # sequences per forward/backward on one rank
+    logprob_chunk_size: int = F(2048, ge=1)  # vocabulary chunk for log-softmax
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
+    reference: bool = False  # keep a frozen reference model for the KL term
+    critic: bool = False  # train a value model (needed by adv_estimator = "gae")
+    critic_lr: float = F(1e-5, gt=0)
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engines: int = F(1, ge=1)  # vLLM engines (one Ray actor each)
+    tensor_parallel_size: int = F(1, ge=1)
+    n: int = F(8, ge=1)  # samples per prompt (the GRPO group)
+    temperature: float = F(1.0, ge=0)
+    top_p: float = F(1.0, gt=0, le=1)
+    top_k: int = F(-1, ge=-1)  # -1: off
+    max_tokens: int = F(64, ge=1)
+    stop: list[str] = F([])
+    stop_token_ids: list[int] = F([])
+    seed: int = 0
+    max_model_len: int = F(512, ge=32)
+    kv_cache_gb: float = F(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = F(0.5, gt=0, le=1)
+    enforce_eager: bool = True
+    multiprocess: bool = False  # vLLM engine core in its own process
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = F(1.0, ge=0, le=1)
+    lam: float = F(1.0, ge=0, le=1)
+    policy_loss: Literal["vanilla", "gspo"] = "vanilla"  # vanilla = PPO clip (verl's name)
+    clip_ratio_low: float = F(0.2, ge=0)
+    clip_ratio_high: float = F(0.2, ge=0)
+    clip_ratio_c: float = F(3.0, gt=1)  # dual-clip bound for negative advantages
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = F(0.001, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    use_kl_in_reward: bool = False
+    kl_coef: float = F(0.001, ge=0)
+    entropy_coeff: float = F(0.0, ge=0)
+    rollout_is: Literal["none", "token", "sequence"] = "none"  # truncated IS, inference vs trainer
+    rollout_is_threshold: float = F(2.0, gt=0)
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
+    max_refill_rounds: int = F(3, ge=0)
+    overlong_buffer_len: int = F(0, ge=0)  # DAPO soft overlong penalty; 0 disables
+    overlong_penalty_factor: float = F(1.0, ge=0)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    # `module:function` or `path/to/file.py:function`, verl's compute_score signature
+    functions: list[str] = F(["rl_tpu.rewards.arithmetic:compute_score"])
+    weights: list[float] = F([])  # one per function; empty: all 1.0
+    on_error: Literal["zero", "raise"] = "zero"
+    timeout_s: float = F(10.0, gt=0)
+    workers: int = F(2, ge=1)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str] = F([])  # verl parquet or JSONL; empty: the synthetic task below
+    test_files: list[str] = F([])
+    synthetic: Literal["arithmetic", "countdown"] = "arithmetic"
+    synthetic_train_size: int = F(2048, ge=1)
+    synthetic_test_size: int = F(128, ge=1)
+    batch_size: int = F(8, ge=1)  # prompts per RL step
+    max_prompt_length: int = F(128, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class SyncConfig:
+    transport: Literal["inprocess", "shm", "ray", "collective"] = "shm"
+    bucket_mb: float = F(64.0, gt=0)
+    verify: bool = False  # compare every engine parameter with the trainer's after each sync
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    address: str = ""  # Ray address; empty: start a local Ray instance
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = F(1, ge=0)
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    num_cpus: int = F(0, ge=0)  # for a local Ray instance; 0: all
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    run_dir: str = "runs/tiny"
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "rl-tpu"
+    samples_per_step: int = F(4, ge=0)  # completions written to samples.jsonl per step
+    progress: bool = True
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = F(0, ge=0)  # steps between checkpoints; 0: only at the end
+    keep_last: int = F(2, ge=1)
+    resume: str = ""  # "", "auto" (newest complete checkpoint in run_dir) or a checkpoint folder
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading and validation
+
+
+def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
+    """Return `value` converted to `tp`, or raise ConfigError naming `key`."""
+
+    def bad(msg: str) -> ConfigError:
+        return ConfigError(f"config error{where}: `{key}` {msg}")
+
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise bad(f"must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad(f"must be a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_check_value(f"{key}[{i}]", item_tp, v, meta, where) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad(f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(f"must be an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(f"must be a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise bad(f"must be a string, got {value!r}")
+        return value
+    bounds = meta or {}
+    if bounds.get("ge") is not None and value < bounds["ge"]:
+        raise bad(f"must be >= {bounds['ge']}, got {value!r}")
+    if bounds.get("gt") is not None and value <= bounds["gt"]:
+        raise bad(f"must be > {bounds['gt']}, got {value!r}")
+    if bounds.get("le") is not None and value > bounds["le"]:
+        raise bad(f"must be <= {bounds['le']}, got {value!r}")
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=False)
+
+
+def _apply(section_obj: Any, section: str, values: dict[str, Any], where: str) -> None:
+    hints = _hints(type(section_obj))
+    fields = {f.name: f for f in dataclasses.fields(section_obj)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"config error{where}: unknown key `{section}.{key}`; "
+                f"known keys in [{section}]: {', '.join(sorted(fields))}"
+            )
+        checked = _check_value(f"{section}.{key}", hints[key], value, fields[key].metadata, where)
+        setattr(section_obj, key, checked)
+
+
+def _merge(cfg: Config, data: dict[str, Any], where: str) -> None:
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    for section, values in data.items():
+        if section not in sections:
+            raise ConfigError(
+                f"config error{where}: unknown section `{section}`; known sections: {', '.join(sorted(sections))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"config error{where}: `{section}` must be a table ([{section}])")
+        _apply(getattr(cfg, section), section, values, where)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`--section.key=value` (leading dashes optional) -> (section, key, value)."""
+    body = text.lstrip("-")
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"config error: override {text!r} must look like --section.key=value")
+    dotted, raw = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare strings such as paths
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- TOML file (if any) <- overrides, each validated as it is applied."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config error: file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config error in {path}: not valid TOML: {e}") from None
+        _merge(cfg, data, f" in {path}")
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _merge(cfg, {section: {key: value}}, f" in override {text!r}")
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    r = cfg.reward
+    if r.weights and len(r.weights) != len(r.functions):
+        raise ConfigError(
+            f"config error: `reward.weights` has {len(r.weights)} entries but `reward.functions` has "
+            f"{len(r.functions)}; give one weight per function or none"
+        )
+    if not r.functions:
+        raise ConfigError("config error: `reward.functions` is empty; name at least one `module:function`")
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.trainer.critic:
+        raise ConfigError("config error: `algorithm.adv_estimator = \"gae\"` needs `trainer.critic = true`")
+    if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
+        raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (what `rl-tpu config show` prints)."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+

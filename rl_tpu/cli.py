@@ -1,7 +1,7 @@
 """`rl-tpu` command line. Each subcommand imports what it needs only when it runs, so `--help` and
 config errors answer in well under a second.
 
-Subcommands: make-tiny-model, config show, generate, train, demo.
+Subcommands: make-tiny-model, config show, generate, train, plot, demo.
 A config problem exits with status 2 and a message naming the key and the file.
 """
 
@@ -77,6 +77,15 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.plot import plot_run
+
+    if extra:
+        raise ConfigError(f"plot: unrecognised argument(s) {extra}")
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -105,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", help="'auto' or a checkpoint folder")
     s.set_defaults(fn=cmd_train)
 
+    s = sub.add_parser("plot", help="write PNG curves of a run's metrics.jsonl")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
+    s.set_defaults(fn=cmd_plot)
+
     s = sub.add_parser("demo", help="the CPU demo: build a model, train it, report")
     s.add_argument("--out", type=Path, default=Path("runs/demo"))
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
@@ -116,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     try:
         return args.fn(args, extra)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
         print(f"rl-tpu: {e}", file=sys.stderr)
         return 2
 

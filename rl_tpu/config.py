@@ -137,6 +137,7 @@ class DataConfig:
     synthetic_test_size: int = F(128, ge=1)
     batch_size: int = F(8, ge=1)  # prompts per RL step
     max_prompt_length: int = F(128, ge=1)
+    truncation: Literal["error", "left"] = "error"  # an over-long prompt: fail naming it, or keep its tail
     shuffle: bool = True
     seed: int = 0
 

@@ -50,9 +50,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     if not model_path:
         model_path = str(make_tiny_model(Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed))
     prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
-    for prompt, completions in zip(prompts, generate_text(model_path, prompts, cfg)):
-        for c in completions:
-            print(f"{prompt!r} -> {c.text!r} ({len(c.response_ids)} tokens, {c.finish_reason})")
+    for prompt, c in zip(prompts, generate_text(model_path, prompts, cfg)):
+        print(f"{prompt!r} -> {c.text!r} ({len(c.response_ids)} tokens, {c.finish_reason})")
     return 0
 
 

@@ -66,7 +66,9 @@ class TrainerConfig:
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")
     critic_lr: float = F(1e-5, gt=0)
+    test_freq: int = F(0, ge=0)  # steps between held-out evaluations (greedy); 0: none
     seed: int = 0
+    num_threads: int = F(1, ge=1)  # CPU threads per trainer rank (torch threads; the actor's Ray num_cpus)
 
 
 @dataclass(kw_only=True)

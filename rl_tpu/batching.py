@@ -1,0 +1,51 @@
+"""Pure glue between the rollout and the trainer: completions + scores -> a padded TrainBatch.
+
+Invariants: rows are ordered prompt-major (all samples of prompt 0, then prompt 1, ...); `group_index[i]`
+is the prompt's position in the step, so advantage estimators group a prompt's samples; a sequence's
+scalar score sits on its last response token (`token_level_scores`), as verl places it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rl_tpu.types import Completion, TrainBatch
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    batch: TrainBatch  # input_ids, masks, rollout_log_probs
+    group_index: torch.Tensor  # [B] int64
+    scores: torch.Tensor  # [B] sequence-level reward
+    token_level_scores: torch.Tensor  # [B, T] the score on each sequence's last response token
+    response_lengths: torch.Tensor  # [B]
+    policy_versions: torch.Tensor  # [B] version of the weights that sampled each row
+
+
+def flatten(groups: list[list[Completion]]) -> list[Completion]:
+    return [c for group in groups for c in group]
+
+
+def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad_id: int) -> RolloutBatch:
+    flat = flatten(groups)
+    if len(flat) != len(scores):
+        raise ValueError(f"{len(flat)} completions but {len(scores)} scores")
+    # an empty response (immediate EOS trimmed by the engine) still needs one token for the loss
+    # mask to be meaningful; vLLM returns the EOS token itself, so this only guards odd engines.
+    responses = [c.response_ids for c in flat]
+    batch = TrainBatch.from_sequences(
+        [c.prompt_ids for c in flat], responses, pad_id,
+        rollout_log_probs=[list(c.logprobs) for c in flat],
+    )
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    score_t = torch.tensor(scores, dtype=torch.float32)
+    token_scores = torch.zeros_like(batch.response_mask)
+    rows = torch.arange(len(flat))
+    last = (lengths - 1).clamp(min=0)
+    token_scores[rows, last] = score_t * (lengths > 0)
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+    versions = torch.tensor([c.policy_version for c in flat], dtype=torch.long)
+    return RolloutBatch(batch=batch, group_index=group_index, scores=score_t, token_level_scores=token_scores,
+                        response_lengths=lengths, policy_versions=versions)

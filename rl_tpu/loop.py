@@ -1,0 +1,343 @@
+"""The RL driver: one function that reads top to bottom.
+
+    prompts -> rollout.generate (vLLM actors) -> rewards (process pool) -> advantages (pure math)
+            -> trainer.train_step (TorchTitan actors) -> weight sync (version v+1) -> log, checkpoint
+
+Modes (`cluster.mode`):
+- `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
+- `async`: generation of step k+1 is submitted before training step k, so it overlaps training; its
+  data is one version old (`staleness` = trainer version - sampling version, bounded by
+  `cluster.max_staleness`, which the one-step pipeline keeps at <= 1). Trainer log-probs are recomputed
+  before each update (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
+  mismatch; `mismatch/kl` measures it.
+The controller holds no weights. Every call into an actor is an explicit method call on a group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_tpu.algorithms import apply_kl_in_reward, compute_advantages, keep_groups_with_variance, overlong_penalty
+from rl_tpu.batching import RolloutBatch, build_rollout_batch
+from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
+from rl_tpu.config import Config, to_dict, to_toml
+from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
+from rl_tpu.metrics import MetricsLogger
+from rl_tpu.rewards import RewardInput, RewardPool
+from rl_tpu.types import Completion
+
+log = logging.getLogger("rl_tpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# setup
+
+
+def ensure_model(cfg: Config, run_dir: Path) -> str:
+    """`model.path`, or a tiny model built (once) into the run folder."""
+    if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path = {cfg.model.path!r} is not a Hugging Face model folder (no config.json)")
+        return cfg.model.path
+    out = run_dir / "model"
+    if not (out / "model.safetensors").is_file():
+        from rl_tpu.tiny_model import make_tiny_model
+
+        make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed)
+    return str(out)
+
+
+def start_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    from rl_tpu.devices import get_device
+
+    get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True,
+                                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}})
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, **kwargs)
+    else:
+        # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
+        ray.init(num_cpus=cfg.cluster.num_cpus or max(8, os.cpu_count() or 1), **kwargs)
+
+
+class WeightSyncer:
+    """Push the trainer's weights into every engine under a new policy version.
+
+    Uses the plan-based `rl_tpu.weight_sync.WeightSync` when it is available for this configuration;
+    otherwise the full-tensor reference path (trainer exports HF safetensors, engines reload them)."""
+
+    def __init__(self, cfg: Config, trainer, rollout, tmp_dir: Path):
+        self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
+        self.plan_sync = None
+        try:
+            from rl_tpu.weight_sync import WeightSync  # noqa: F401
+        except ImportError:
+            WeightSync = None  # noqa: N806
+        if WeightSync is not None:
+            self.plan_sync = WeightSync(cfg.sync, trainer, rollout)
+
+    def __call__(self, version: int) -> dict[str, float]:
+        t = time.perf_counter()
+        if self.plan_sync is not None:
+            stats = self.plan_sync.sync(version)
+            nbytes = float(stats.get("bytes", 0.0))
+            if self.cfg.sync.verify:
+                report = self.plan_sync.verify()
+                worst = max(report.values()) if report else 0.0
+                if worst != 0.0:
+                    raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's (max diff {worst})")
+        else:
+            folder = self.tmp_dir / "sync"
+            self.trainer.export_hf(str(folder))
+            self.rollout.load_weights_full(str(folder / "model.safetensors"), version)
+            nbytes = float((folder / "model.safetensors").stat().st_size)
+        return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+
+
+# ---------------------------------------------------------------------------------------------------
+# one step's pieces
+
+
+@dataclass
+class Scored:
+    examples: list[Example]
+    groups: list[list[Completion]]
+    scores: list[float]
+    metrics: dict[str, float]
+
+
+def score_groups(pool: RewardPool, examples: list[Example], groups: list[list[Completion]]) -> tuple[list[float], dict]:
+    inputs = [
+        RewardInput(sample_id=f"{ex.uid}#{c.sample_index}", data_source=ex.data_source, solution_str=c.text,
+                    ground_truth=ex.ground_truth, extra_info=ex.extra_info)
+        for ex, group in zip(examples, groups) for c in group
+    ]
+    result = pool.score(inputs)
+    return result.scores, result.metrics()
+
+
+def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok) -> tuple[Scored, dict]:
+    """One step's data. With DAPO dynamic sampling, groups whose rewards do not vary are dropped and
+    more prompts are drawn (up to `algorithm.max_refill_rounds` extra rounds)."""
+    timings = {"time/rollout": 0.0, "time/reward": 0.0}
+    kept = Scored([], [], [], {})
+    rounds = 0
+    drawn_groups = 0
+    while True:
+        examples = next(loader)
+        prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
+        t = time.perf_counter()
+        groups = rollout.generate(prompts)
+        timings["time/rollout"] += time.perf_counter() - t
+        t = time.perf_counter()
+        scores, metrics = score_groups(pool, examples, groups)
+        timings["time/reward"] += time.perf_counter() - t
+        if not kept.metrics:
+            kept.metrics = metrics  # reward metrics describe what the policy produced, before filtering
+        else:
+            for k in ("reward/errors", "reward/timeouts"):
+                kept.metrics[k] = kept.metrics.get(k, 0.0) + metrics.get(k, 0.0)
+        drawn_groups += len(groups)
+        if not cfg.algorithm.dynamic_sampling:
+            return Scored(examples, groups, scores, kept.metrics), timings
+        group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+        keep = keep_groups_with_variance(torch.tensor(scores), group_index)
+        offset = 0
+        for ex, g in zip(examples, groups):
+            if keep[offset]:
+                kept.examples.append(ex)
+                kept.groups.append(g)
+                kept.scores += scores[offset:offset + len(g)]
+            offset += len(g)
+        rounds += 1
+        if len(kept.groups) >= cfg.data.batch_size or rounds > cfg.algorithm.max_refill_rounds:
+            break
+    n = cfg.data.batch_size
+    if not kept.groups:  # every group was uniform: nothing to learn from, train on the last draw as is
+        kept = Scored(examples, groups, scores, kept.metrics)
+    per = len(kept.groups[0])
+    kept = Scored(kept.examples[:n], kept.groups[:n], kept.scores[:n * per], kept.metrics)
+    kept.metrics["dynamic_sampling/kept_groups"] = float(len(kept.groups))
+    kept.metrics["dynamic_sampling/drawn_groups"] = float(drawn_groups)
+    return kept, timings
+
+
+def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch, dict[str, float]]:
+    """Scores -> token rewards -> advantages, with the trainer's log-probs (and reference / values)."""
+    a = cfg.algorithm
+    scores = list(data.scores)
+    rb = build_rollout_batch(data.groups, scores, tok.pad_token_id)
+    metrics: dict[str, float] = {}
+    if a.overlong_buffer_len > 0:
+        pen = overlong_penalty(rb.response_lengths, cfg.rollout.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor)
+        rb = build_rollout_batch(data.groups, (rb.scores + pen).tolist(), tok.pad_token_id)
+        metrics["reward/overlong_penalty"] = pen.mean().item()
+    batch = rb.batch
+    batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch))
+    if cfg.trainer.reference:
+        batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch))
+    if cfg.trainer.critic:
+        batch = batch.replace(values=trainer.compute_values(batch))
+    token_rewards = rb.token_level_scores
+    if a.use_kl_in_reward:
+        token_rewards, kl_metrics = apply_kl_in_reward(token_rewards, batch.old_log_probs, batch.ref_log_probs,
+                                                       batch.response_mask, a.kl_coef, a.kl_loss_type)
+        metrics |= kl_metrics
+    adv, returns = compute_advantages(a, token_rewards, batch.response_mask, rb.group_index, batch.values)
+    rb.batch = batch.replace(advantages=adv, returns=returns)
+    return rb, metrics
+
+
+def step_metrics(rb: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    mask = rb.batch.response_mask
+    old, inf = rb.batch.old_log_probs, rb.batch.rollout_log_probs
+    n_tok = mask.sum().clamp(min=1)
+    return {
+        "reward/std": rb.scores.std().item() if rb.scores.numel() > 1 else 0.0,
+        "response/length_mean": rb.response_lengths.float().mean().item(),
+        "response/length_max": rb.response_lengths.max().item(),
+        "staleness": float(trainer_version - rb.policy_versions.min().item()),
+        # inference vs trainer log-prob gap on the sampled tokens (k1 estimate of KL(engine || trainer))
+        "mismatch/kl": ((inf - old) * mask).sum().item() / n_tok.item(),
+    }
+
+
+def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], tok) -> dict[str, float]:
+    """Greedy decoding on the held-out prompts; accuracy = share of completions scoring >= 1."""
+    if not test_set:
+        return {}
+    prompts = encode_prompts(tok, test_set, cfg.data.max_prompt_length, cfg.data.truncation)
+    groups = rollout.generate(prompts, n=1, temperature=0.0)
+    scores, _ = score_groups(pool, test_set, groups)
+    return {"eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores), "eval/reward_mean": sum(scores) / len(scores)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder)."""
+    from transformers import AutoTokenizer
+
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.trainer import TrainerGroup
+
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    model_path = ensure_model(cfg, run_dir)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    train_set, test_set = build_datasets(cfg.data)
+    loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
+    resume = resolve_resume(run_dir, cfg.checkpoint.resume)
+
+    start_ray(cfg)
+    pool = RewardPool(cfg.reward)
+    trainer = TrainerGroup(cfg, model_path)
+    rollout = RolloutGroup(cfg, model_path)
+    tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
+    syncer = WeightSyncer(cfg, trainer, rollout, tmp)
+    step = version = 0
+    if resume is not None:
+        state = load_state(resume)
+        trainer.load_checkpoint(str(resume / "trainer"))
+        loader.load_state_dict(state["data"])
+        step, version = state["step"], state["version"]
+        syncer(version)  # the engines restart from the original weights: give them the checkpoint's
+        log.info("resumed from %s at step %d", resume, step)
+    logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
+    bar = _progress(cfg, step)
+    pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
+    pending: Future | None = None
+    pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
+    last: dict[str, float] = {}
+    try:
+        while step < cfg.trainer.total_steps:
+            step += 1
+            t_step = time.perf_counter()
+            # 1. data for this step (in async mode, submitted during the previous step's training)
+            if pending is None:
+                pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
+            data, timings = pending.result()
+            pending = None
+            if cfg.cluster.mode == "async" and step < cfg.trainer.total_steps:
+                pending_data_state = loader.state_dict()
+                pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
+            # 2. advantages and the update
+            t = time.perf_counter()
+            rb, prep_metrics = prepare_batch(cfg, data, trainer, tok)
+            train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
+            timings["time/train"] = time.perf_counter() - t
+            metrics = data.metrics | prep_metrics | step_metrics(rb, version) | train_metrics
+            # 3. new weights into the engines (waits for an in-flight generation: the engine is serial)
+            if pending is not None:
+                pending_data = pending.result()
+                pending = _done_future(pending_data)
+            version += 1
+            metrics |= syncer(version)
+            timings["time/sync"] = metrics["sync/seconds"]
+            # 4. evaluation, logging, checkpoint
+            if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+                metrics |= evaluate(cfg, rollout, pool, test_set, tok)
+            timings["time/step"] = time.perf_counter() - t_step
+            n_tokens = int(rb.batch.response_mask.sum().item())
+            metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}
+            logger.log(step, metrics)
+            logger.log_samples(step, _samples(data, cfg.logging.samples_per_step))
+            last = metrics
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.trainer.total_steps:
+                # async: the next step's prompts are already drawn; a resume draws them again (and
+                # samples them with the newer weights, so async resumes are not bit-reproducible)
+                data_state = pending_data_state if pending is not None else loader.state_dict()
+                state = {"version": version, "data": data_state}
+                save_checkpoint(run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last)
+    finally:
+        bar.close()
+        pipeline.shutdown(wait=True, cancel_futures=True)
+        logger.close()
+        pool.close()
+        rollout.shutdown()
+        trainer.shutdown()
+    return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path}
+
+
+def _done_future(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _samples(data: Scored, k: int) -> list[dict[str, Any]]:
+    out = []
+    flat_scores = iter(data.scores)
+    for ex, group in zip(data.examples, data.groups):
+        for c in group:
+            s = next(flat_scores)
+            if len(out) < k:
+                out.append({"uid": ex.uid, "sample": c.sample_index, "text": c.text, "reward": s,
+                            "policy_version": c.policy_version, "ground_truth": str(ex.ground_truth)})
+    return out
+
+
+def _progress(cfg: Config, start: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.trainer.total_steps, initial=start, desc="rl-tpu", unit="step",
+                disable=not cfg.logging.progress, dynamic_ncols=True)
+

@@ -34,7 +34,7 @@ def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
     """Per-sample group size, mean and unbiased std of `scores` `[B]` over `group_index` `[B]`."""
     if group_index.shape != scores.shape:
         raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected {tuple(scores.shape)}")
-    _, inverse = torch.unique(group_index, return_inverse=True)
+    _, inverse = torch.unique(group_index.to(scores.device), return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
         0, inverse, torch.ones_like(scores)
@@ -179,5 +179,7 @@ def compute_advantages(
     if values is not None and values.shape != token_level_rewards.shape:
         raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(token_level_rewards.shape)}")
     if group_index.shape != token_level_rewards.shape[:1]:
-        raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected ({token_level_rewards.shape[0]},)")
+        raise ValueError(
+            f"group_index has shape {tuple(group_index.shape)}, expected ({token_level_rewards.shape[0]},)"
+        )
     return ADV_ESTIMATORS[cfg.adv_estimator](cfg, token_level_rewards, response_mask, group_index, values)

@@ -22,7 +22,7 @@ def keep_groups_with_variance(scores: Tensor, group_index: Tensor) -> Tensor:
         raise ValueError(
             f"scores and group_index must both be [B]; got {tuple(scores.shape)} and {tuple(group_index.shape)}"
         )
-    _, inverse = torch.unique(group_index, return_inverse=True)
+    _, inverse = torch.unique(group_index.to(scores.device), return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     # max != min is exact in any dtype, unlike std > 0 after floating-point cancellation
     hi = torch.full((n_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)

@@ -18,3 +18,85 @@ class Completion:
     text: str
     policy_version: int  # version of the weights that generated it
     extra: dict = field(default_factory=dict)  # engine-specific details (worker id, timings)
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """A padded batch of prompt+response sequences for the trainer (tensors only, no config).
+
+    Layout: row i holds `prompt_lens[i]` prompt tokens then its response, right-padded to `L`
+    (`attention_mask` is 1 on real tokens). Response token j of row i sits at
+    `input_ids[i, prompt_lens[i] + j]`; every per-token field is `[B, T]` indexed by j, with
+    `response_mask[i, j] = 1` on tokens that count in losses. Optional fields are None until the
+    stage that fills them (rollout, reference, critic, advantage estimator) has run.
+    """
+
+    input_ids: "torch.Tensor"  # [B, L] int64
+    attention_mask: "torch.Tensor"  # [B, L] 1 on real tokens
+    prompt_lens: "torch.Tensor"  # [B] int64
+    response_mask: "torch.Tensor"  # [B, T] float32
+    old_log_probs: "torch.Tensor | None" = None  # [B, T] trainer log-probs before the update
+    ref_log_probs: "torch.Tensor | None" = None  # [B, T] frozen reference model
+    rollout_log_probs: "torch.Tensor | None" = None  # [B, T] inference engine's log-probs
+    advantages: "torch.Tensor | None" = None  # [B, T]
+    returns: "torch.Tensor | None" = None  # [B, T] critic targets (GAE)
+    values: "torch.Tensor | None" = None  # [B, T] critic values before the update
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    def tensor_fields(self) -> dict[str, "torch.Tensor"]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def select(self, rows) -> "TrainBatch":
+        """Rows `rows` (index tensor, list or slice) of every field."""
+        return TrainBatch(**{k: v[rows] for k, v in self.tensor_fields().items()})
+
+    def replace(self, **fields) -> "TrainBatch":
+        return TrainBatch(**{**self.__dict__, **fields})
+
+    @classmethod
+    def from_sequences(
+        cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, **per_token: list[list[float]]
+    ) -> "TrainBatch":
+        """Right-pad token lists into a batch; `per_token` lists (e.g. `rollout_log_probs=`,
+        `advantages=`) are padded to `[B, T]` with zeros. A scalar per row broadcasts over its tokens."""
+        import torch
+
+        if len(prompts) != len(responses):
+            raise ValueError(f"TrainBatch: {len(prompts)} prompts but {len(responses)} responses")
+        if not prompts:
+            raise ValueError("TrainBatch: empty batch")
+        B = len(prompts)
+        L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        T = max(max(len(r) for r in responses), 1)
+        ids = torch.full((B, L), pad_id, dtype=torch.long)
+        attn = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, T)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            if not p:
+                raise ValueError(f"TrainBatch: prompt {i} is empty (a response needs a preceding token)")
+            seq = list(p) + list(r)
+            ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[i, : len(seq)] = 1
+            mask[i, : len(r)] = 1
+        extra = {}
+        for name, rows in per_token.items():
+            if len(rows) != B:
+                raise ValueError(f"TrainBatch: `{name}` has {len(rows)} rows, expected {B}")
+            t = torch.zeros(B, T)
+            for i, (row, r) in enumerate(zip(rows, responses)):
+                if isinstance(row, (int, float)):
+                    t[i, : len(r)] = float(row)
+                else:
+                    if len(row) != len(r):
+                        raise ValueError(f"TrainBatch: `{name}`[{i}] has {len(row)} values for {len(r)} tokens")
+                    t[i, : len(r)] = torch.tensor(row, dtype=torch.float32)
+            extra[name] = t
+        return cls(input_ids=ids, attention_mask=attn, prompt_lens=torch.tensor([len(p) for p in prompts]),
+                   response_mask=mask, **extra)

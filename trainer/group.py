@@ -1,0 +1,139 @@
+"""`TrainerGroup`: N `TrainerWorker` Ray actors forming one torch.distributed group, driven by fan-out calls.
+
+Invariants:
+- Rendezvous on 127.0.0.1 and a free port chosen here (single host; a multi-host group would pass the
+  head node's address). Rank r is actor r; results come back in rank order.
+- A batch is put in the object store once and every rank reads the whole batch (see worker.py);
+  per-row results (log-probs, values) are reassembled here in batch order.
+- A dead actor or an exception in one rank raises `TrainerError` naming the rank and the method; the
+  group is then unusable (the other ranks may be blocked in a collective): call `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+
+from rl_tpu.config import AlgorithmConfig, Config
+from rl_tpu.devices import get_device
+from rl_tpu.types import TrainBatch
+from rl_tpu.weight_sync.specs import ParamSpec
+
+
+class TrainerError(RuntimeError):
+    """A trainer rank died or raised; `rank` and `method` say where."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException):
+        self.rank, self.method, self.cause = rank, method, cause
+        died = type(cause).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+        what = "died" if died else "failed"
+        super().__init__(f"trainer rank {rank} {what} in {method}(): {cause}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None):
+        import ray
+
+        from rl_tpu.trainer.worker import TrainerWorker
+
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"TrainerGroup: model folder {model_path!r} has no config.json")
+        self.cfg, self.model_path = cfg, str(model_path)
+        self.world_size = int(world_size or cfg.trainer.world_size)
+        if self.world_size < 1:
+            raise ValueError(f"TrainerGroup: world_size must be >= 1, got {self.world_size}")
+        if not ray.is_initialized():
+            ray.init(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
+        device = get_device(cfg.trainer.device)
+        # Ray schedules accelerators by resource name; only CUDA has a built-in one.
+        gpus = 1 if device.torch_device == "cuda" else 0
+        cls = ray.remote(num_cpus=cfg.trainer.num_threads, num_gpus=gpus)(TrainerWorker)
+        port = _free_port()
+        self.actors = [cls.remote(cfg, self.model_path, r, self.world_size, "127.0.0.1", port)
+                       for r in range(self.world_size)]
+        self.info = self._call("ready")
+
+    # ------------------------------------------------------------------ fan-out
+
+    def _call(self, method: str, *args, **kwargs) -> list:
+        import ray
+
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        rank_of = {r.hex(): i for i, r in enumerate(refs)}
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                rank = rank_of[ref.hex()]
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
+                    raise TrainerError(rank, method, e) from e
+        return [results[i] for i in range(len(refs))]
+
+    def _put(self, batch: TrainBatch):
+        import ray
+
+        if not isinstance(batch, TrainBatch):
+            raise TypeError(f"expected a TrainBatch, got {type(batch).__name__}")
+        return ray.put(batch)
+
+    @staticmethod
+    def _assemble(batch: TrainBatch, per_rank: list, n_out: int) -> list[torch.Tensor]:
+        B, T = batch.num_seqs, batch.response_len
+        outs = [torch.zeros(B, T) for _ in range(n_out)]
+        for rank_res in per_rank:
+            for idx, tensors in rank_res:
+                keep = idx < B  # drop the padding row
+                for o, t in zip(outs, tensors):
+                    o[idx[keep]] = t[keep]
+        return outs
+
+    # ------------------------------------------------------------------ public API
+
+    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False):
+        """Log-probs `[B, T]` of the response tokens (and entropy `[B, T]` when `entropy=True`).
+        Positions outside `response_mask` hold unspecified values."""
+        res = self._assemble(batch, self._call("compute_log_probs", self._put(batch), entropy), 2 if entropy else 1)
+        return (res[0], res[1]) if entropy else res[0]
+
+    def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._assemble(batch, self._call("compute_ref_log_probs", self._put(batch)), 1)[0]
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._assemble(batch, self._call("compute_values", self._put(batch)), 1)[0]
+
+    def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
+        return self._call("train_step", self._put(batch), algo_cfg)[0]
+
+    def save_checkpoint(self, path: str) -> str:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return self._call("save_checkpoint", str(path))[0]
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step."""
+        return self._call("load_checkpoint", str(path))[0]
+
+    def export_hf(self, out_dir: str) -> str:
+        return self._call("export_hf", str(out_dir))[0]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._call("hf_state_dict")[0]
+
+    def param_specs(self) -> list[ParamSpec]:
+        return self._call("param_specs")[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in getattr(self, "actors", []):
+            ray.kill(a)
+        self.actors = []

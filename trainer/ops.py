@@ -1,0 +1,117 @@
+"""Pure tensor and index math of the trainer: chunked log-probs, response gathering, LR schedule, row splits.
+
+Invariants:
+- `chunked_log_probs` never materialises more than `[N, chunk]` logits: the forward keeps a running
+  log-sum-exp over vocabulary chunks, the backward recomputes each chunk's logits. Its values equal
+  `log_softmax(h @ W.T).gather(targets)` up to fp32 summation order, and so do its gradients.
+- `split_rows` is deterministic and depends only on (B, world_size, micro_batch_size): every rank runs
+  the same number of micro-batches (FSDP collectives must match), padding with rows whose
+  response mask is zero, so they add nothing to any loss or count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int):
+        n, acc = h.shape[0], torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
+        m = torch.full((n,), -math.inf, dtype=acc, device=h.device)
+        s = torch.zeros(n, dtype=acc, device=h.device)  # sum exp(z - m)
+        t = torch.zeros(n, dtype=acc, device=h.device)  # sum exp(z - m) * z
+        tgt = torch.zeros(n, dtype=acc, device=h.device)
+        for lo in range(0, w.shape[0], chunk):
+            z = (h @ w[lo: lo + chunk].T).to(acc)
+            m_new = torch.maximum(m, z.max(dim=1).values)
+            scale = torch.exp(m - m_new)
+            e = torch.exp(z - m_new[:, None])
+            s = s * scale + e.sum(dim=1)
+            t = t * scale + (e * z).sum(dim=1)
+            m = m_new
+            inside = (targets >= lo) & (targets < lo + z.shape[1])
+            idx = (targets - lo).clamp(0, z.shape[1] - 1)
+            tgt = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), tgt)
+        lse = m + torch.log(s)
+        ez = t / s  # E_p[z]
+        ctx.save_for_backward(h, w, targets, lse, ez)
+        ctx.chunk = chunk
+        return tgt - lse, lse - ez  # log p(target), entropy
+
+    @staticmethod
+    def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
+        h, w, targets, lse, ez = ctx.saved_tensors
+        chunk = ctx.chunk
+        acc = lse.dtype
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(acc)
+        grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device)
+        for lo in range(0, w.shape[0], chunk):
+            wc = w[lo: lo + chunk]
+            z = (h @ wc.T).to(acc)
+            p = torch.exp(z - lse[:, None])
+            dz = -g_lp[:, None] * p  # d log p_t / dz_k = 1[k = t] - p_k
+            inside = (targets >= lo) & (targets < lo + z.shape[1])
+            idx = (targets - lo).clamp(0, z.shape[1] - 1)
+            dz.scatter_add_(1, idx[:, None], (g_lp * inside)[:, None])
+            if g_ent is not None:  # d H / dz_k = p_k (E_p[z] - z_k)
+                dz = dz + g_ent.to(acc)[:, None] * p * (ez[:, None] - z)
+            dz = dz.to(h.dtype)
+            grad_h += dz @ wc
+            grad_w[lo: lo + chunk] = dz.T @ h
+        return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None
+
+
+def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Log-prob of `targets` `[N]` and entropy `[N]` under logits `h @ w.T`, `h` `[N, D]`, `w` `[V, D]`,
+    computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V))."""
+    if h.shape[0] == 0:
+        z = h.new_zeros(0, dtype=torch.float32)
+        return z, z
+    return _ChunkedLogProbs.apply(h, w, targets, int(chunk))
+
+
+def response_index(prompt_lens: Tensor, T: int, L: int) -> tuple[Tensor, Tensor]:
+    """Positions `[B, T]` of the hidden state predicting response token j (prompt_len + j - 1) and of
+    the token itself (prompt_len + j), clamped into `[0, L)` (out-of-range ones are masked anyway)."""
+    j = torch.arange(T, device=prompt_lens.device)[None, :]
+    tok = prompt_lens[:, None].long() + j
+    return (tok - 1).clamp(0, L - 1), tok.clamp(0, L - 1)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warmup from 1/(warmup+1), then constant
+    or cosine decay to `min_lr_ratio` at `total_steps`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"trainer.lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+    decay = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / decay, 1.0)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def split_rows(B: int, world_size: int, rank: int, micro_batch_size: int) -> list[Tensor]:
+    """Row indices of each micro-batch this rank runs, over a batch of B rows; index B means a padding
+    row. Rank r takes the contiguous block r of ceil(B / world) rows, in micro-batches of at most
+    `micro_batch_size`; all ranks get the same number of micro-batches."""
+    per_rank = max(math.ceil(B / world_size), 1)
+    rows = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+    rows = torch.where(rows < B, rows, torch.full_like(rows, B))
+    return list(rows.split(micro_batch_size))
+
+
+def bucket_length(L: int, buckets: list[int]) -> int:
+    """Smallest bucket >= L (static shapes for XLA/TPU); L itself when no buckets are configured."""
+    if not buckets:
+        return L
+    for b in sorted(buckets):
+        if b >= L:
+            return b
+    raise ValueError(f"sequence length {L} exceeds the largest trainer.seq_len_buckets entry {max(buckets)}")

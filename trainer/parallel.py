@@ -1,0 +1,118 @@
+"""Process group, DeviceMesh and FSDP2 for one trainer rank, through TorchTitan's parallelize functions.
+
+Invariants:
+- One rank per Ray actor; the backend comes from the devices table (`gloo` on CPU, `nccl`, `tpu_dist`,
+  `xla`), never from `if device == ...` here.
+- After `build_parallel_model` every parameter is a DTensor on the `fsdp` mesh dimension
+  (FSDP2 `Shard(0)`), also with one rank, so `param_specs()` looks the same at any world size.
+- Gradients are SUMMED across ranks (`set_force_sum_reduction_for_comms(True)`: gloo has no
+  PREMUL_SUM, so FSDP's default average is unavailable). Losses must therefore be normalised by
+  global (all-rank) token/sequence counts, which is what makes N ranks equal 1 rank.
+- TorchTitan 0.3.0 facts (DESIGN.md): `ParallelDims` builds meshes on `tools.utils.device_type`,
+  which is "cuda" on a CPU-only host, so it is pointed at the devices-table device; the
+  `partial_dtensor` SPMD backend is the one that works on gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rl_tpu.devices import Device
+
+
+def init_process_group(device: Device, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Join the trainer group (blocks until all `world_size` ranks have joined)."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=device.dist_backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=10))
+
+
+def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
+    """FSDP over all ranks (times TP where the backend supports it)."""
+    import torchtitan.distributed.parallel_dims as pd_mod
+    import torchtitan.distributed.utils as dist_utils
+
+    pd_mod.device_type = device.torch_device  # TorchTitan defaults this to "cuda" without a GPU
+    dist_utils.set_spmd_backend("partial_dtensor")
+    pdims = pd_mod.ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1,
+                                world_size=world_size, spmd_backend="partial_dtensor")
+    pdims.build_mesh()
+    return pdims
+
+
+def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduce_dtype: str,
+                         extra_modules: dict | None = None, drop_lm_head: bool = False) -> torch.nn.Module:
+    """Build `spec.config` on meta, parallelize with TorchTitan's fn, materialise on the local device.
+
+    `extra_modules` (name -> TorchTitan Module) are attached to the root before FSDP, so they are
+    sharded with the root unit (used for the critic's value head). Weights are uninitialised until
+    `load_full_state_dict`; buffers (RoPE caches) are initialised here.
+    """
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.device("meta"):
+        model = spec.config.build()
+        if drop_lm_head:
+            model.lm_head = None
+        for name, mod in (extra_modules or {}).items():
+            setattr(model, name, mod.build() if hasattr(mod, "build") else mod)
+    model = spec.parallelize_fn(
+        model,
+        parallel_dims=pdims,
+        training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                      tensor_parallel_degree=pdims.tp, fsdp_reshard_after_forward="default"),
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder="",
+    )
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    local = device.local_device()
+    model.to_empty(device=local)
+    with torch.no_grad():
+        model.init_weights(buffer_device=local)
+    return model
+
+
+def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Copy full (unsharded) tensors into the model's DTensor shards; no communication (every rank
+    holds the full tensor, so each takes its own slice)."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full_sd))
+    unexpected = sorted(set(full_sd) - set(params))
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict mismatch: missing {missing[:5]} unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if name not in full_sd:
+                continue
+            src = full_sd[name]
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
+            src = src.to(device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(src)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on CPU (collective: every rank must call it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        out[name] = t.to("cpu").clone()
+    return out

@@ -1,0 +1,375 @@
+"""`TrainerWorker`: one trainer rank (a Ray actor) holding the FSDP2 policy, optional frozen reference
+and optional critic, all TorchTitan models whose parameters are DTensors.
+
+Invariants:
+- Every rank receives the WHOLE batch and takes its rows with `ops.split_rows` (deterministic; the
+  same number of micro-batches on every rank, padded with zero-mask rows). Global token/sequence
+  counts are therefore computed locally and are identical on all ranks, no all-reduce needed.
+- Gradients are summed across micro-batches and ranks (FSDP sum reduction, see `parallel.py`); each
+  micro-batch's loss is its share of the whole mini-batch loss (`global_tokens` / `global_seqs`),
+  so N ranks x M micro-batches give the same update as one rank with one micro-batch.
+- Log-probs come from the decoder's hidden states and the lm_head weight through
+  `ops.chunked_log_probs`, called INSIDE the FSDP-managed lm_head (its `forward` is replaced), so
+  FSDP unshards the weight and reduce-scatters its gradient as for a normal forward.
+- The critic is the same TorchTitan decoder whose `lm_head` is a `Linear(hidden, 1)` (with bias):
+  the value of response token j is read at the state that predicts it, like the log-prob.
+- Optimizer steps per `train_step` = ppo_epochs x ppo_mini_batches; mini-batches are contiguous row
+  blocks in batch order (no shuffling), the LR schedule advances once per optimizer step.
+Methods that touch parameters are collective: the group calls them on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rl_tpu.config import AlgorithmConfig, Config
+from rl_tpu.devices import get_device
+from rl_tpu.trainer import model as tmodel
+from rl_tpu.trainer import ops, parallel
+from rl_tpu.types import TrainBatch
+from rl_tpu.weight_sync.specs import ParamSpec
+
+
+def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("chunked log-probs assume an lm_head without bias")
+
+    def forward(h: torch.Tensor, targets: torch.Tensor):
+        return ops.chunked_log_probs(h, lm_head.weight, targets, chunk)
+
+    lm_head.forward = forward  # FSDP hooks live in __call__, so they still wrap this
+
+
+def _with_pad_row(batch: TrainBatch) -> TrainBatch:
+    """Append one row (index B) that contributes nothing: row 0's tokens, zero per-token fields."""
+    fields = {}
+    for k, v in batch.tensor_fields().items():
+        extra = v[:1].clone() if k in ("input_ids", "attention_mask", "prompt_lens") else torch.zeros_like(v[:1])
+        fields[k] = torch.cat([v, extra])
+    return TrainBatch(**fields)
+
+
+class TrainerWorker:
+    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        tc = cfg.trainer
+        self.cfg, self.tc, self.rank, self.world_size = cfg, tc, rank, world_size
+        self.model_path = str(model_path)
+        self.device = get_device(tc.device)
+        self.device.require()
+        self.device.apply_env()
+        torch.set_num_threads(tc.num_threads)
+        parallel.init_process_group(self.device, rank, world_size, master_addr, master_port)
+        self.device.seed(tc.seed)
+        self.local = self.device.local_device()
+
+        self.spec = tmodel.build_model_spec(model_path)
+        self.pad_id = int(self.spec.hf_config.get("pad_token_id") or 0)
+        self.max_len = int(self.spec.hf_config.get("max_position_embeddings", 4096))
+        self.pdims = parallel.make_parallel_dims(self.device, world_size)
+        titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
+
+        self.model = self._build(self.spec, titan_sd)
+        self.optimizer, self.scheduler = self._optimizer(self.model, tc.lr)
+        self.ref = None
+        if tc.reference:
+            self.ref = self._build(self.spec, titan_sd)
+            self.ref.requires_grad_(False)
+            self.ref.eval()
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if tc.critic:
+            self.critic = self._build_critic(titan_sd)
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, tc.critic_lr)
+        self.step = 0  # optimizer steps taken by the policy
+
+    # ------------------------------------------------------------------ construction
+
+    def _parallel_model(self, spec) -> torch.nn.Module:
+        return parallel.build_parallel_model(spec, self.pdims, self.device, param_dtype=self.tc.param_dtype,
+                                             reduce_dtype=self.tc.reduce_dtype)
+
+    def _build(self, spec, titan_sd) -> torch.nn.Module:
+        m = self._parallel_model(spec)
+        parallel.load_full_state_dict(m, titan_sd)
+        m._skip_lm_head = True  # forward returns hidden states; the lm_head is applied per chunk
+        _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size)
+        return m
+
+    def _build_critic(self, titan_sd) -> torch.nn.Module:
+        from torchtitan.models.common import Linear
+
+        dim = self.spec.config.dim
+        head = Linear.Config(in_features=dim, out_features=1, bias=True,
+                             param_init={"weight": torch.nn.init.zeros_, "bias": torch.nn.init.zeros_})
+        cspec = dataclasses.replace(self.spec, config=dataclasses.replace(
+            self.spec.config, lm_head=head, enable_weight_tying=False))
+        m = self._parallel_model(cspec)
+        g = torch.Generator().manual_seed(self.tc.seed + 1)  # same value head on every rank
+        sd = {k: v for k, v in titan_sd.items() if not k.startswith("lm_head.")}
+        sd["lm_head.weight"] = torch.randn(1, dim, generator=g) * 0.02
+        sd["lm_head.bias"] = torch.zeros(1)
+        parallel.load_full_state_dict(m, sd)
+        return m
+
+    def _optimizer(self, model: torch.nn.Module, lr: float):
+        tc = self.tc
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, eps=1e-8)
+        total = max(tc.total_steps * tc.ppo_epochs * tc.ppo_mini_batches, 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: ops.lr_factor(
+            s, warmup_steps=tc.warmup_steps, total_steps=total, schedule=tc.lr_schedule,
+            min_lr_ratio=tc.min_lr_ratio))
+        return opt, sched
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "arch": self.spec.arch,
+                "params": sum(p.numel() for p in self.model.parameters())}
+
+    # ------------------------------------------------------------------ forward helpers
+
+    def _inputs(self, mb: TrainBatch) -> torch.Tensor:
+        ids = mb.input_ids.to(self.local)
+        L = ids.shape[1]
+        Lb = ops.bucket_length(L, self.tc.seq_len_buckets)
+        if Lb > self.max_len:
+            raise ValueError(f"batch sequence length {Lb} exceeds the model's max_position_embeddings {self.max_len}")
+        if Lb > L:  # right padding keeps every real position's causal context unchanged
+            ids = torch.nn.functional.pad(ids, (0, Lb - L), value=self.pad_id)
+        return ids
+
+    def _gather_hidden(self, h: torch.Tensor, mb: TrainBatch, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, L)
+        hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))
+        return hs, tidx
+
+    def _policy_forward(self, model, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch."""
+        ids = self._inputs(mb)
+        h = model(ids)
+        hs, tidx = self._gather_hidden(h, mb, ids.shape[1])
+        b, T = hs.shape[:2]
+        lp, ent = model.lm_head(hs.reshape(b * T, -1), ids.gather(1, tidx).reshape(-1))
+        return lp.view(b, T), ent.view(b, T)
+
+    def _critic_forward(self, mb: TrainBatch) -> torch.Tensor:
+        ids = self._inputs(mb)
+        v = self.critic(ids).squeeze(-1)  # [b, L]
+        hidx, _ = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
+        return v.gather(1, hidx).float()
+
+    def _micro_batches(self, padded: TrainBatch, rows: torch.Tensor, micro: int) -> list[torch.Tensor]:
+        """Global row indices (B = the pad row) of this rank's micro-batches over `rows`."""
+        B = padded.num_seqs - 1
+        ext = torch.cat([rows, torch.tensor([B])])
+        out = []
+        for local in ops.split_rows(len(rows), self.world_size, self.rank, micro):
+            idx = ext[local]
+            if self.tc.seq_len_buckets and len(idx) < micro:  # static shapes: full micro-batches
+                idx = torch.cat([idx, torch.full((micro - len(idx),), B)])
+            out.append(idx)
+        return out
+
+    @torch.no_grad()
+    def _infer(self, batch: TrainBatch, fn) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        padded = _with_pad_row(batch)
+        out = []
+        for idx in self._micro_batches(padded, torch.arange(batch.num_seqs), self.tc.micro_batch_size):
+            res = fn(padded.select(idx))
+            out.append((idx, tuple(r.detach().float().cpu() for r in res)))
+        return out
+
+    # ------------------------------------------------------------------ public (collective) methods
+
+    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False):
+        self.model.eval()
+        res = self._infer(batch, lambda mb: self._policy_forward(self.model, mb))
+        return [(i, r if entropy else r[:1]) for i, r in res]
+
+    def compute_ref_log_probs(self, batch: TrainBatch):
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_probs needs trainer.reference = true")
+        return [(i, r[:1]) for i, r in self._infer(batch, lambda mb: self._policy_forward(self.ref, mb))]
+
+    def compute_values(self, batch: TrainBatch):
+        if self.critic is None:
+            raise RuntimeError("compute_values needs trainer.critic = true")
+        self.critic.eval()
+        return self._infer(batch, lambda mb: (self._critic_forward(mb),))
+
+    def train_step(self, batch: TrainBatch, algo: AlgorithmConfig) -> dict[str, float]:
+        if batch.advantages is None:
+            raise ValueError("train_step: TrainBatch.advantages is None (run the advantage estimator first)")
+        t0 = time.perf_counter()
+        tc = self.tc
+        stats = []
+        self.model.train()
+
+        def actor_loss(mb, g_tok, g_seq):
+            lp, ent = self._policy_forward(self.model, mb)
+            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
+            dev = lambda t: None if t is None else t.to(self.local)  # noqa: E731
+            return compute_policy_loss(
+                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(mb.ref_log_probs),
+                entropy=ent, rollout_log_prob=dev(mb.rollout_log_probs), global_tokens=g_tok, global_seqs=g_seq)
+
+        from rl_tpu.algorithms.losses import compute_policy_loss, compute_value_loss
+
+        for _ in range(tc.ppo_epochs):
+            for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
+                stats.append(self._update(batch, rows, self.model, self.optimizer, self.scheduler, actor_loss, "actor"))
+                self.step += 1
+        if self.critic is not None and batch.returns is not None:
+            self.critic.train()
+
+            def critic_loss(mb, g_tok, g_seq):
+                v = self._critic_forward(mb)
+                old = mb.values.to(self.local) if mb.values is not None else v.detach()
+                return compute_value_loss(v, old, mb.returns.to(self.local), mb.response_mask.to(self.local),
+                                          algo.cliprange_value, global_tokens=g_tok)
+
+            for _ in range(tc.ppo_epochs):
+                for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
+                    stats.append(self._update(batch, rows, self.critic, self.critic_optimizer,
+                                              self.critic_scheduler, critic_loss, "critic"))
+        out = _mean_dicts(stats)
+        tokens = float(batch.attention_mask.sum())
+        elapsed = time.perf_counter() - t0
+        out.update({"actor/step": float(self.step), "perf/train_tokens": tokens, "perf/train_s": elapsed})
+        return out
+
+    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix) -> dict[str, float]:
+        """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
+        from torchtitan.distributed import utils as dist_utils
+
+        padded = _with_pad_row(batch)
+        mask = batch.response_mask[rows]
+        g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
+        sums: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        weight = 0.0
+        for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
+            mb = padded.select(idx)
+            loss, metrics = loss_fn(mb, g_tok, g_seq)
+            loss.backward()
+            w = float(mb.response_mask.sum())
+            weight += w
+            for k, v in metrics.items():
+                if k.startswith("loss/"):
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                else:
+                    weighted[k] = weighted.get(k, 0.0) + w * float(v)
+        params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
+        grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=True)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # one all-reduce for every metric: loss shares add up, other metrics are token-weighted means
+        keys = sorted(sums) + sorted(weighted)
+        vec = torch.tensor([sums.get(k, weighted.get(k)) for k in keys] + [weight], dtype=torch.float64)
+        vec = vec.to(self.local)
+        dist.all_reduce(vec)
+        vec = vec.cpu().tolist()
+        total_w = max(vec[-1], 1e-12)
+        out = {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1])}
+        out = {(f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v for k, v in out.items()}
+        out[f"{prefix}/grad_norm"] = float(grad_norm)
+        out[f"{prefix}/lr"] = float(lr)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def _stateful(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+        parts = [("policy", self.model, self.optimizer)]
+        if self.critic is not None:
+            parts.append(("critic", self.critic, self.critic_optimizer))
+        return parts
+
+    def save_checkpoint(self, path: str) -> str:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        state = {}
+        for name, m, opt in self._stateful():
+            msd, osd = get_state_dict(m, opt)
+            state[f"{name}_model"], state[f"{name}_optim"] = msd, osd
+        dcp.save(state, checkpoint_id=str(path / "dcp"))
+        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
+                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "world_size": self.world_size}
+        torch.save(extra, path / f"extra_rank{self.rank}.pt")
+        dist.barrier()
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        if not (path / "dcp").is_dir():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} has no dcp/ folder (not a trainer checkpoint)")
+        state = {}
+        for name, m, opt in self._stateful():
+            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt)
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        for name, m, opt in self._stateful():
+            set_state_dict(m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"])
+        own = path / f"extra_rank{self.rank}.pt"
+        extra = torch.load(own if own.is_file() else path / "extra_rank0.pt", weights_only=False)
+        self.step = extra["step"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.critic_scheduler is not None and extra["critic_scheduler"] is not None:
+            self.critic_scheduler.load_state_dict(extra["critic_scheduler"])
+        torch.set_rng_state(extra["torch_rng"])
+        random.setstate(extra["py_rng"])
+        return self.step
+
+    def export_hf(self, out_dir: str) -> str | None:
+        full = parallel.full_state_dict(self.model)
+        if self.rank == 0:
+            tmodel.save_hf(self.spec, full, out_dir, self.model_path)
+        dist.barrier()
+        return str(out_dir)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""
+        full = parallel.full_state_dict(self.model)
+        return tmodel.titan_to_hf(self.spec, full) if self.rank == 0 else None
+
+    # ------------------------------------------------------------------ weight-sync surface
+
+    def param_specs(self) -> list[ParamSpec]:
+        return [ParamSpec.from_tensor(n, p) for n, p in self.model.named_parameters()]
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+        """This rank's slice of every parameter and its offset in the global tensor (a CPU copy)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        out = {}
+        for n, p in self.model.named_parameters():
+            if isinstance(p, DTensor):
+                _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                out[n] = (p.to_local().detach().cpu().clone(), tuple(int(o) for o in offset))
+            else:
+                out[n] = (p.detach().cpu().clone(), (0,) * p.dim())
+        return out
+
+    def policy_step(self) -> int:
+        return self.step
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in ds for k in d})
+    return {k: sum(d[k] for d in ds if k in d) / sum(1 for d in ds if k in d) for k in keys}

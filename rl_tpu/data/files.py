@@ -1,0 +1,101 @@
+"""Read and write verl-format data files: parquet (through pyarrow) and JSONL (one row per line).
+
+Invariants:
+- The extension decides the format: `.parquet`, or `.jsonl` / `.json` (JSON Lines either way); any other
+  extension, a missing file or an undecodable file raises `DataError` naming the file.
+- Row numbers in errors: parquet "row N" counts from 0 (as pandas and verl print them); JSONL "line N"
+  counts from 1 (as editors show them). Blank JSONL lines are skipped.
+- `write_parquet` then `load_examples` gives back equal examples (uid aside) when the rows of one file
+  share their types (one task per file); parquet cannot hold a column that is a string in one row and an
+  object in another, and such a write raises `DataError` suggesting JSONL. Keys absent from some rows'
+  `extra_info` come back absent (parquet stores them as nulls; nulls are dropped on reading).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from rl_tpu.data.schema import DataError, Example, example_from_row, example_to_row
+
+PARQUET = (".parquet",)
+JSONL = (".jsonl", ".json")
+
+
+def load_examples(paths: str | Path | Iterable[str | Path]) -> list[Example]:
+    """All examples of `paths` (one path or several), in file order then row order."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    examples: list[Example] = []
+    for p in paths:
+        path = Path(p)
+        if path.suffix not in PARQUET + JSONL:
+            raise DataError(f"{path}: unknown data file extension {path.suffix!r}; "
+                            f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines)")
+        if not path.is_file():
+            raise DataError(f"{path}: data file not found")
+        examples += _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
+    return examples
+
+
+def _read_parquet(path: Path) -> list[Example]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise DataError(f"{path}: not a readable parquet file: {type(e).__name__}: {e}") from None
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row.get("extra_info"), dict):
+            row["extra_info"] = {k: v for k, v in row["extra_info"].items() if v is not None}
+        out.append(example_from_row(row, f"{path} row {i}", f"{path.name}:{i}"))
+    return out
+
+
+def _read_jsonl(path: Path) -> list[Example]:
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {n}: not valid JSON: {e}") from None
+            out.append(example_from_row(row, f"{path} line {n}", f"{path.name}:{n}"))
+    return out
+
+
+def write_jsonl(examples: Iterable[Example], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps(example_to_row(ex), ensure_ascii=False) + "\n")
+    return path
+
+
+def write_parquet(examples: Iterable[Example], path: str | Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    rows = [example_to_row(ex) for ex in examples]
+    if not rows:
+        raise DataError(f"{path}: refusing to write a parquet file with no rows")
+    if not any(r["extra_info"] for r in rows):
+        for r in rows:  # parquet cannot store a struct with no fields
+            r["extra_info"] = None
+    columns = {}
+    for key in rows[0]:
+        try:
+            columns[key] = pa.array([r[key] for r in rows])
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise DataError(f"{path}: column `{key}` cannot be stored in parquet ({type(e).__name__}: {e}); "
+                            "its rows probably mix types (e.g. a string ground truth in one row and an "
+                            "object in another): write one task per file, or use write_jsonl") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path

@@ -97,7 +97,7 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = F(1.0, ge=0, le=1)
     lam: float = F(1.0, ge=0, le=1)
-    policy_loss: Literal["vanilla", "gspo"] = "vanilla"  # vanilla = PPO clip (verl's name)
+    policy_loss: Literal["vanilla", "gspo", "sft"] = "vanilla"  # vanilla = PPO clip (verl's name); sft = NLL
     clip_ratio_low: float = F(0.2, ge=0)
     clip_ratio_high: float = F(0.2, ge=0)
     clip_ratio_c: float = F(3.0, gt=1)  # dual-clip bound for negative advantages
@@ -110,6 +110,7 @@ class AlgorithmConfig:
     kl_loss_coef: float = F(0.001, ge=0)
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # estimator for the in-reward KL (verl: "kl" = k1)
     kl_coef: float = F(0.001, ge=0)
     entropy_coeff: float = F(0.0, ge=0)
     rollout_is: Literal["none", "token", "sequence"] = "none"  # truncated IS, inference vs trainer

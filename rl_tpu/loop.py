@@ -194,7 +194,7 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
     token_rewards = rb.token_level_scores
     if a.use_kl_in_reward:
         token_rewards, kl_metrics = apply_kl_in_reward(token_rewards, batch.old_log_probs, batch.ref_log_probs,
-                                                       batch.response_mask, a.kl_coef, a.kl_loss_type)
+                                                       batch.response_mask, a.kl_coef, a.kl_penalty)
         metrics |= kl_metrics
     adv, returns = compute_advantages(a, token_rewards, batch.response_mask, rb.group_index, batch.values)
     rb.batch = batch.replace(advantages=adv, returns=returns)

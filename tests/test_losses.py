@@ -309,7 +309,7 @@ def test_apply_kl_in_reward_matches_loop():
 
 def test_errors_name_the_problem():
     lp, old, ref, roll, adv, ent, mask = make_batch(10)
-    assert sorted(POLICY_LOSSES) == ["gspo", "vanilla"]
+    assert sorted(POLICY_LOSSES) == ["gspo", "sft", "vanilla"]
     bad = AlgorithmConfig()
     bad.policy_loss = "cispo"
     with pytest.raises(ValueError, match=r"'cispo'.*gspo, vanilla"):
@@ -324,3 +324,20 @@ def test_errors_name_the_problem():
         compute_policy_loss(AlgorithmConfig(), lp, old, adv[:, :6], mask)
     with pytest.raises(ValueError, match="'none'"):
         rollout_is_weights(old, roll, mask, "none", 2.0)
+
+
+def test_sft_loss_is_the_token_mean_nll_and_its_gradient():
+    from rl_tpu.config import AlgorithmConfig
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (3, 4))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    lp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    cfg = AlgorithmConfig(policy_loss="sft")
+    loss, _ = compute_policy_loss(cfg, lp, torch.zeros_like(lp), torch.full_like(lp, 5.0), mask)
+    (g,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    nll = torch.nn.functional.cross_entropy(ref_logits[mask.bool()], targets[mask.bool()])  # mean over valid tokens
+    (g_ref,) = torch.autograd.grad(nll, ref_logits)
+    assert torch.allclose(loss, nll) and torch.allclose(g, g_ref)

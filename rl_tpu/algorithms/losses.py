@@ -201,8 +201,16 @@ def _gspo(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
     return gspo_loss(log_prob, old_log_prob, advantages, mask, cfg.gspo_clip_ratio_low, cfg.gspo_clip_ratio_high)
 
 
+def _sft(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
+    """Supervised fine-tuning through the same trainer path: per-token negative log-likelihood of the
+    response; `old_log_prob` and `advantages` are ignored (`rl-tpu sft` and the demo's control use it)."""
+    return -log_prob, {}
+
+
 # name -> (cfg, log_prob, old_log_prob, advantages, mask) -> (per-token loss [B, T], metrics)
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {"vanilla": _vanilla, "gspo": _gspo}
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
+    "vanilla": _vanilla, "gspo": _gspo, "sft": _sft,
+}
 
 
 def compute_policy_loss(

@@ -114,6 +114,10 @@ class TrainerGroup:
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
         return self._call("train_step", self._put(batch), algo_cfg)[0]
 
+    def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
+        """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step."""
+        return self._call("policy_grads", self._put(batch), algo_cfg)[0]
+
     def save_checkpoint(self, path: str) -> str:
         Path(path).mkdir(parents=True, exist_ok=True)
         return self._call("save_checkpoint", str(path))[0]

@@ -209,16 +209,8 @@ class TrainerWorker:
         tc = self.tc
         stats = []
         self.model.train()
-
-        def actor_loss(mb, g_tok, g_seq):
-            lp, ent = self._policy_forward(self.model, mb)
-            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
-            dev = lambda t: None if t is None else t.to(self.local)  # noqa: E731
-            return compute_policy_loss(
-                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(mb.ref_log_probs),
-                entropy=ent, rollout_log_prob=dev(mb.rollout_log_probs), global_tokens=g_tok, global_seqs=g_seq)
-
-        from rl_tpu.algorithms.losses import compute_policy_loss, compute_value_loss
+        actor_loss = self._actor_loss(algo)
+        from rl_tpu.algorithms.losses import compute_value_loss
 
         for _ in range(tc.ppo_epochs):
             for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
@@ -243,10 +235,36 @@ class TrainerWorker:
         out.update({"actor/step": float(self.step), "perf/train_tokens": tokens, "perf/train_s": elapsed})
         return out
 
-    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix) -> dict[str, float]:
-        """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
-        from torchtitan.distributed import utils as dist_utils
+    def _actor_loss(self, algo: AlgorithmConfig):
+        from rl_tpu.algorithms.losses import compute_policy_loss
 
+        def dev(t):
+            return None if t is None else t.to(self.local)
+
+        def loss(mb: TrainBatch, g_tok: float, g_seq: float):
+            lp, ent = self._policy_forward(self.model, mb)
+            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()  # on-policy: ratio 1
+            return compute_policy_loss(
+                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(mb.ref_log_probs),
+                entropy=ent, rollout_log_prob=dev(mb.rollout_log_probs), global_tokens=g_tok, global_seqs=g_seq)
+
+        return loss
+
+    def policy_grads(self, batch: TrainBatch, algo: AlgorithmConfig) -> dict[str, torch.Tensor]:
+        """Full gradient of the policy loss over the whole batch (one mini-batch), without stepping:
+        what `train_step` would clip and apply. For verification; leaves no gradient behind."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accumulate(batch, torch.arange(batch.num_seqs), self._actor_loss(algo))
+        out = {}
+        for n, p in self.model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, float], dict[str, float], float]:
+        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up)."""
         padded = _with_pad_row(batch)
         mask = batch.response_mask[rows]
         g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
@@ -264,6 +282,13 @@ class TrainerWorker:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 else:
                     weighted[k] = weighted.get(k, 0.0) + w * float(v)
+        return sums, weighted, weight
+
+    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix) -> dict[str, float]:
+        """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
+        from torchtitan.distributed import utils as dist_utils
+
+        sums, weighted, weight = self._accumulate(batch, rows, loss_fn)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=True)

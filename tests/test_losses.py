@@ -312,7 +312,7 @@ def test_errors_name_the_problem():
     assert sorted(POLICY_LOSSES) == ["gspo", "sft", "vanilla"]
     bad = AlgorithmConfig()
     bad.policy_loss = "cispo"
-    with pytest.raises(ValueError, match=r"'cispo'.*gspo, vanilla"):
+    with pytest.raises(ValueError, match=r"'cispo'.*gspo, sft, vanilla"):
         compute_policy_loss(bad, lp, old, adv, mask)
     with pytest.raises(ValueError, match="ref_log_prob"):
         compute_policy_loss(AlgorithmConfig(use_kl_loss=True), lp, old, adv, mask)

@@ -27,7 +27,8 @@ MSG
     exit 1
 fi
 
-sync_args=(--extra cpu --extra test --find-links "$wheel_dir")
+# --inexact: extras installed earlier (e.g. --extra bench) stay installed
+sync_args=(--inexact --extra cpu --extra test --find-links "$wheel_dir")
 if [ "$wheel_dir" = "$LOCKED_WHEEL_DIR" ]; then
     sync_args+=(--locked)   # reproduce uv.lock exactly
 else

@@ -1,0 +1,342 @@
+"""`WeightSync`: compute the plan once, then per iteration move each receiver exactly its shard bytes.
+
+Roles and where code runs:
+- driver (this object): owns the plan, routes bucket handles, records versions and timings;
+- sender = a trainer rank. Functions `sender_*` run there with the rank's worker object as first argument
+  (via `actor.run.remote(fn, *args)` on a Ray actor, or a direct call); they read the rank's local
+  shards (`worker.local_shards()` if defined, else `worker.shards`, else the model's DTensor params);
+- receiver = one vLLM engine. Functions `*_worker` run inside each vLLM worker (one per TP rank) through
+  `collective_rpc`; each worker picks the handles addressed to its own TP rank.
+
+Sync protocol for policy version v: `begin` on every receiver (restores loaded layouts on the meta device
+on CPU) -> for each bucket, sender packs into the transport, receiver copies its runs into the loaded
+-layout parameter and installs every parameter that became complete -> `finish` (vLLM post-processing
+of the rest; records v) -> `reset_prefix_cache()` -> each receiver acknowledges v. At most two buckets
+are in flight per sender/receiver pair (pack of k+1 overlaps the install of k).
+
+Nothing is half-installed on bad input: name and shape checks run at plan time, before any bytes move.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .plan import Bucket, Plan, build_plan, check_names
+from .specs import ParamSpec
+from .transports import get_transport
+from .wire import pack_into, packed_size, unpack
+
+
+# ---------------------------------------------------------------------------------------------------
+# sender side (trainer rank)
+
+
+def _local_shards(worker) -> dict[str, torch.Tensor]:
+    if hasattr(worker, "local_shards"):
+        return worker.local_shards()
+    if hasattr(worker, "shards"):
+        return worker.shards
+    out = {}
+    for name, p in worker.model.named_parameters():
+        t = p.detach()
+        out[name] = t.to_local() if hasattr(t, "to_local") else t
+    return out
+
+
+def sender_setup(worker, buckets: list[Bucket]) -> int:
+    worker._ws_buckets = buckets
+    return len(buckets)
+
+
+def sender_pack(worker, index: int, transport: str, version: int) -> Any:
+    """Pack bucket `index` of this rank's plan into the transport; returns the handle."""
+    b = worker._ws_buckets[index]
+    shards = _local_shards(worker)
+    flat = {n: t.reshape(-1) for n, t in shards.items()}
+    tensors = [(f"{c.dst}@{c.dst_offset}", flat[c.src][c.src_offset: c.src_offset + c.numel]) for c in b.copies]
+    meta = {"version": str(version), "receiver": str(b.receiver), "sender": str(b.sender)}
+    tr = get_transport(transport)
+    state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta))
+    with torch.no_grad():
+        pack_into(mv, tensors, meta)
+    mv.release()
+    return tr.publish(state)
+
+
+# ---------------------------------------------------------------------------------------------------
+# receiver side (inside each vLLM worker)
+
+
+@dataclass
+class _Session:
+    version: int
+    shapes: dict[str, tuple[int, ...]]
+    remaining: dict[str, int]
+    direct: bool
+    keep: bool  # verify mode: keep the assembled loaded-layout tensors
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)
+    received_bytes: int = 0
+    restore: list = field(default_factory=list)  # (meta parameter, its original weight_loader)
+
+
+def _my_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def begin_worker(worker, per_rank: dict[int, tuple[dict, dict]], version: int, keep: bool, direct: bool | None) -> int:
+    """Start receiving version `version`: `per_rank[tp_rank] = (shapes, numel per engine param)`."""
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+
+    from .engine_layout import _copy_loader, _model
+
+    shapes, numel = per_rank[_my_rank()]
+    model = _model(worker)
+    if direct is None:
+        direct = next(model.parameters()).device.type != "cpu"
+    s = _Session(version=version, shapes=shapes, remaining=dict(numel), direct=direct, keep=keep)
+    if not direct:
+        layerwise.initialize_layerwise_reload(model)
+        for name in shapes:
+            module_name, _, pname = name.rpartition(".")
+            layer = model.get_submodule(module_name)
+            p = getattr(layer, pname)
+            # The restored meta parameter is vLLM's stored metadata object: remember its real loader
+            # and put it back in finish_worker, or the next full-tensor reload would call ours.
+            s.restore.append((p, layerwise._get_original_loader(p)))
+            p.weight_loader = _copy_loader
+            p.weight_loader = layerwise.make_online_process_loader(layer, pname)
+        s._param = lambda n: get_parameter_for_reload(model, n)  # type: ignore[attr-defined]
+    else:
+        s._param = lambda n: get_parameter_for_reload(model, n)  # type: ignore[attr-defined]
+    worker._ws_session = s
+    return _my_rank()
+
+
+def receive_worker(worker, handles: dict[int, list[Any]], transport: str) -> int:
+    """Copy every run addressed to this TP rank into place; install parameters that became complete."""
+    s: _Session = worker._ws_session
+    tr = get_transport(transport)
+    n_bytes = 0
+    for handle in handles.get(_my_rank(), []):
+        buf = tr.open(handle)
+        views, _ = unpack(buf)
+        for key, v in views.items():
+            name, _, off = key.rpartition("@")
+            off = int(off)
+            if s.direct:
+                dst = s._param(name).data.view(-1)  # type: ignore[attr-defined]
+            else:
+                if name not in s.buffers:
+                    s.buffers[name] = torch.zeros(s.shapes[name], dtype=v.dtype)  # zero: padding stays 0
+                dst = s.buffers[name].view(-1)
+            dst[off: off + v.numel()].copy_(v)
+            n_bytes += v.numel() * v.element_size()
+            s.remaining[name] -= v.numel()
+            if s.remaining[name] == 0:
+                _complete(s, name)
+        del views, v  # the mapping closes once the last view is collected
+    s.received_bytes += n_bytes
+    return n_bytes
+
+
+def _complete(s: _Session, name: str) -> None:
+    if s.direct:
+        if s.keep:
+            s.kept[name] = s._param(name).data.detach().clone()  # type: ignore[attr-defined]
+        return
+    t = s.buffers.pop(name)
+    p = s._param(name)  # type: ignore[attr-defined]
+    p.weight_loader(p, t)  # layerwise: processes the layer once all its parameters arrived
+    if s.keep:
+        s.kept[name] = t
+
+
+def finish_worker(worker) -> dict:
+    """Finish the install (post-process remaining layers), record and acknowledge the policy version."""
+    from .engine_layout import _model
+
+    s: _Session = worker._ws_session
+    incomplete = sorted(n for n, r in s.remaining.items() if r != 0)
+    if not s.direct:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        layerwise.finalize_layerwise_reload(_model(worker), worker.model_runner.model_config)
+        for p, loader in s.restore:
+            p.weight_loader = loader
+    if incomplete:
+        raise RuntimeError(f"weight sync v{s.version}: parameters not fully received: {incomplete}")
+    worker.rl_tpu_policy_version = s.version
+    worker._ws_kept = s.kept
+    del worker._ws_session
+    return {"rank": _my_rank(), "version": s.version, "bytes": s.received_bytes}
+
+
+def verify_worker(worker, hf_weights: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Max |diff| per engine parameter: installed shard bytes vs vLLM's own full-tensor loader output.
+
+    Reinstalls `hf_weights` through vLLM's reload path (the reference) to capture the reference layout,
+    so the engine ends up with the same weights either way.
+    """
+    from .engine_layout import snapshot_loaded_worker
+
+    kept = getattr(worker, "_ws_kept", {})
+    ref = snapshot_loaded_worker(worker, hf_weights)
+    out = {}
+    for name, r in ref.items():
+        mine = kept.get(name)
+        if mine is None or mine.shape != r.shape:
+            out[name] = float("inf")
+        else:
+            out[name] = (mine.double() - r.double()).abs().max().item() if r.numel() else 0.0
+    return out
+
+
+def policy_version_worker(worker) -> int:
+    return getattr(worker, "rl_tpu_policy_version", -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# driver
+
+
+def _call(sender, fn, *args):
+    """Call `fn(worker, *args)` on a sender: a Ray actor with `run(fn, *args)` or a local object."""
+    if hasattr(sender, "run") and hasattr(sender.run, "remote"):
+        return sender.run.remote(fn, *args)
+    return fn(sender, *args)
+
+
+def _get(x):
+    if type(x).__name__ == "ObjectRef":
+        import ray
+
+        return ray.get(x)
+    return x
+
+
+@dataclass
+class SyncStats:
+    version: int
+    seconds: float
+    bytes: int
+    buckets: int
+    acks: list[dict]
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _install_order(plan: Plan, by_sender: dict[int, list[Bucket]]) -> list[tuple[int, int]]:
+    """(sender, bucket) pairs in engine-parameter order across senders, so parameters complete (and
+    their buffers are freed) one after another instead of after the last sender's last bucket."""
+    pos = [{n: i for i, n in enumerate(shapes)} for shapes in plan.dst_shapes]
+
+    def key(rk):
+        b = by_sender[rk[0]][rk[1]]
+        c = b.copies[0]
+        return (pos[b.receiver][c.dst], c.dst_offset, b.receiver)
+
+    return sorted(((r, k) for r, bs in by_sender.items() for k in range(len(bs))), key=key)
+
+
+class WeightSync:
+    """Plan-based resharding from trainer ranks (senders) into vLLM engines (receivers).
+
+    `senders[r]` is trainer rank r: a Ray actor handle with `run(fn, *args)` (calls `fn(worker, *args)`),
+    or a local object holding the rank's shards. `receivers[e]` is engine e: anything with
+    `collective_rpc(fn, args=...)` and `reset_prefix_cache()` (a `vllm.LLM`, or a Ray actor exposing
+    both; Ray handles are detected and awaited). `to_hf` is TorchTitan's `StateDictAdapter.to_hf`.
+    """
+
+    def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list, *,
+                 transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
+                 direct: bool | None = None):
+        self.specs, self.to_hf, self.senders, self.receivers = specs, to_hf, senders, receivers
+        self.transport, self.bucket_bytes = transport, int(bucket_mb * 2**20)
+        self.engine_model_dir, self.direct = engine_model_dir, direct
+        get_transport(transport)  # fail early on an unknown or unimplemented transport
+        self.plan: Plan | None = None
+        self.plan_seconds = 0.0
+        self.version = -1
+
+    def _rpc(self, receiver, fn, *args) -> list:
+        if hasattr(receiver, "collective_rpc") and hasattr(receiver.collective_rpc, "remote"):
+            import ray
+
+            return ray.get(receiver.collective_rpc.remote(fn, args=args))
+        return receiver.collective_rpc(fn, args=args)
+
+    def _reset_cache(self, receiver) -> None:
+        if hasattr(receiver.reset_prefix_cache, "remote"):
+            import ray
+
+            ray.get(receiver.reset_prefix_cache.remote())
+        else:
+            receiver.reset_prefix_cache()
+
+    def build(self) -> Plan:
+        """Check names/shapes against the engine's checkpoint, derive engine layouts, build the plan."""
+        from .engine_layout import derive_layout_worker
+        from .names import checkpoint_shapes, hf_element_map, hf_shapes
+
+        t0 = time.perf_counter()
+        trainer_hf = hf_shapes(self.specs, self.to_hf)
+        if self.engine_model_dir is not None:
+            check_names(trainer_hf, checkpoint_shapes(self.engine_model_dir))
+        hf_order = sorted(trainer_hf.items())
+        hf_map = hf_element_map(self.specs, self.to_hf)
+        layouts = []
+        for e, rcv in enumerate(self.receivers):
+            for lay in self._rpc(rcv, derive_layout_worker, hf_order):
+                layouts.append(((e, lay.tp_rank), lay))
+        self.plan = build_plan(self.specs, hf_map, hf_order, layouts, self.bucket_bytes)
+        for r, s in enumerate(self.senders):
+            _get(_call(s, sender_setup, self.plan.for_sender(r)))
+        self.plan_seconds = time.perf_counter() - t0
+        return self.plan
+
+    def sync(self, version: int, keep_for_verify: bool = False) -> SyncStats:
+        """Move every bucket of the plan; returns timings and every receiver's acknowledgement."""
+        plan = self.plan or self.build()
+        tr = get_transport(self.transport)
+        t0 = time.perf_counter()
+        for e, rcv in enumerate(self.receivers):
+            per_rank = {tp: (plan.dst_shapes[i], plan.dst_numel[i]) for i, (ee, tp) in enumerate(plan.receivers) if ee == e}
+            self._rpc(rcv, begin_worker, per_rank, version, keep_for_verify, self.direct)
+        by_sender = {r: plan.for_sender(r) for r in range(len(self.senders))}
+        order = _install_order(plan, by_sender)
+        pending = [_call(self.senders[r], sender_pack, k, self.transport, version) for r, k in order[:1]]
+        for i, (r, k) in enumerate(order):
+            if i + 1 < len(order):  # pack bucket i+1 while bucket i is installed: two in flight
+                r2, k2 = order[i + 1]
+                pending.append(_call(self.senders[r2], sender_pack, k2, self.transport, version))
+            handle = _get(pending.pop(0))
+            e, tp = plan.receivers[by_sender[r][k].receiver]
+            self._rpc(self.receivers[e], receive_worker, {tp: [handle]}, self.transport)
+            tr.release(handle)
+        acks = []
+        for rcv in self.receivers:
+            acks += self._rpc(rcv, finish_worker)
+            self._reset_cache(rcv)
+        self.version = version
+        return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=plan.nbytes,
+                         buckets=len(order), acks=acks)
+
+    def verify(self, hf_weights: list[tuple[str, torch.Tensor]]) -> dict[tuple[int, str], float]:
+        """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's
+        full-tensor loader fed with `hf_weights` (the trainer's full HF tensors)."""
+        out = {}
+        for e, rcv in enumerate(self.receivers):
+            for res in self._rpc(rcv, verify_worker, hf_weights):
+                for name, d in res.items():
+                    out[(e, name)] = max(out.get((e, name), 0.0), d)
+        return out

@@ -394,6 +394,13 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    # ------------------------------------------------------------------ weight-sync hook (owned by weight_sync)
+
+    def run(self, fn, *args, **kwargs):
+        """Run `fn(self, *args, **kwargs)` in this actor; weight sync's sender functions use it
+        (`rl_tpu.weight_sync.sync.sender_pack` reads this rank's DTensor shards without copying them)."""
+        return fn(self, *args, **kwargs)
+
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for d in ds for k in d})

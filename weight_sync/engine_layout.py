@@ -48,7 +48,9 @@ class EngineLayout:
     tp_size: int
     dtype: str  # engine parameter dtype, e.g. "float32"
     shapes: dict[str, tuple[int, ...]]  # engine param name -> loaded-layout shape on this rank
-    codes: dict[str, torch.Tensor] = field(repr=False)  # name -> int64 [numel]; -1 where nothing loads
+    # name -> int64 [numel]; -1 where nothing loads. numpy, because vLLM's multiprocess RPC cannot
+    # pickle torch tensors; `plan` converts with torch.from_numpy (no copy).
+    codes: dict = field(repr=False)
 
 
 def _model(worker):
@@ -138,7 +140,7 @@ def derive_layout_worker(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) ->
     rank, size = _tp_rank_size()
     return EngineLayout(
         tp_rank=rank, tp_size=size, dtype=str(dtype).removeprefix("torch."), shapes=shapes,
-        codes={n: c - 1 for n, c in codes.items()},
+        codes={n: (c - 1).numpy() for n, c in codes.items()},
     )
 
 

@@ -136,6 +136,7 @@ def build_plan(
         per_sender: dict[int, list[Copy]] = {r: [] for r in range(n_ranks)}
         numel = {}
         for dst_name, codes in layout.codes.items():
+            codes = torch.as_tensor(codes)
             dst_off = torch.nonzero(codes >= 0).flatten()
             c = codes[dst_off]
             numel[dst_name] = int(c.numel())

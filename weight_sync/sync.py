@@ -36,8 +36,7 @@ from .wire import pack_into, packed_size, unpack
 
 
 def _local_shards(worker) -> dict[str, torch.Tensor]:
-    if hasattr(worker, "local_shards"):
-        return worker.local_shards()
+    """This rank's local shards, without copies: DTensor `to_local()` views of the live parameters."""
     if hasattr(worker, "shards"):
         return worker.shards
     out = {}
@@ -78,6 +77,7 @@ class _Session:
     remaining: dict[str, int]
     direct: bool
     keep: bool  # verify mode: keep the assembled loaded-layout tensors
+    elem: int = 4  # bytes per element of the engine dtype
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     received_bytes: int = 0
@@ -101,7 +101,8 @@ def begin_worker(worker, per_rank: dict[int, tuple[dict, dict]], version: int, k
     model = _model(worker)
     if direct is None:
         direct = next(model.parameters()).device.type != "cpu"
-    s = _Session(version=version, shapes=shapes, remaining=dict(numel), direct=direct, keep=keep)
+    s = _Session(version=version, shapes=shapes, remaining=dict(numel), direct=direct, keep=keep,
+                 elem=next(model.parameters()).element_size())
     if not direct:
         layerwise.initialize_layerwise_reload(model)
         for name in shapes:
@@ -125,26 +126,38 @@ def receive_worker(worker, handles: dict[int, list[Any]], transport: str) -> int
     s: _Session = worker._ws_session
     tr = get_transport(transport)
     n_bytes = 0
+
+    def dst_of(name: str, dtype: torch.dtype) -> torch.Tensor:
+        if s.direct:
+            return s._param(name).data  # type: ignore[attr-defined]
+        if name not in s.buffers:
+            s.buffers[name] = torch.zeros(s.shapes[name], dtype=dtype)  # zeros: padding rows stay 0
+        return s.buffers[name]
+
     for handle in handles.get(_my_rank(), []):
-        buf = tr.open(handle)
-        views, _ = unpack(buf)
-        for key, v in views.items():
-            name, _, off = key.rpartition("@")
-            off = int(off)
-            if s.direct:
-                dst = s._param(name).data.view(-1)  # type: ignore[attr-defined]
-            else:
-                if name not in s.buffers:
-                    s.buffers[name] = torch.zeros(s.shapes[name], dtype=v.dtype)  # zero: padding stays 0
-                dst = s.buffers[name].view(-1)
-            dst[off: off + v.numel()].copy_(v)
-            n_bytes += v.numel() * v.element_size()
-            s.remaining[name] -= v.numel()
+        for name, n in apply_bucket(tr.open(handle), dst_of).items():
+            n_bytes += n * s.elem
+            s.remaining[name] -= n
             if s.remaining[name] == 0:
                 _complete(s, name)
-        del views, v  # the mapping closes once the last view is collected
     s.received_bytes += n_bytes
     return n_bytes
+
+
+def apply_bucket(buf, dst_of) -> dict[str, int]:
+    """Copy every `"{param}@{offset}"` run of a packed bucket into `dst_of(param, dtype)` (flattened).
+
+    Pure torch: returns elements written per destination. The bucket's views are dropped before
+    returning, so a mapped buffer can be closed by the caller's garbage collector."""
+    views, _ = unpack(buf)
+    written: dict[str, int] = {}
+    for key, v in views.items():
+        name, _, off = key.rpartition("@")
+        off = int(off)
+        dst_of(name, v.dtype).view(-1)[off: off + v.numel()].copy_(v)
+        written[name] = written.get(name, 0) + v.numel()
+    views.clear()
+    return written
 
 
 def _complete(s: _Session, name: str) -> None:
@@ -179,14 +192,19 @@ def finish_worker(worker) -> dict:
     return {"rank": _my_rank(), "version": s.version, "bytes": s.received_bytes}
 
 
-def verify_worker(worker, hf_weights: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+def verify_worker(worker, hf_weights) -> dict[str, float]:
     """Max |diff| per engine parameter: installed shard bytes vs vLLM's own full-tensor loader output.
 
-    Reinstalls `hf_weights` through vLLM's reload path (the reference) to capture the reference layout,
-    so the engine ends up with the same weights either way.
+    `hf_weights`: (name, tensor) pairs, or a path to a safetensors file (across vLLM's process boundary).
+    Reinstalls them through vLLM's reload path (the reference) to capture the reference layout, so the
+    engine ends up with the same weights either way.
     """
     from .engine_layout import snapshot_loaded_worker
 
+    if isinstance(hf_weights, str):
+        from safetensors.torch import load_file
+
+        hf_weights = sorted(load_file(hf_weights).items())
     kept = getattr(worker, "_ws_kept", {})
     ref = snapshot_loaded_worker(worker, hf_weights)
     out = {}
@@ -233,6 +251,14 @@ class SyncStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _set_version(receiver, version: int) -> None:
+    """Tell the rollout actor which policy version it now serves (rollouts report it)."""
+    fn = getattr(receiver, "set_policy_version", None)
+    if fn is None:
+        return
+    _get(fn.remote(version)) if hasattr(fn, "remote") else fn(version)
 
 
 def _install_order(plan: Plan, by_sender: dict[int, list[Bucket]]) -> list[tuple[int, int]]:
@@ -327,6 +353,7 @@ class WeightSync:
         for rcv in self.receivers:
             acks += self._rpc(rcv, finish_worker)
             self._reset_cache(rcv)
+            _set_version(rcv, version)
         self.version = version
         return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=plan.nbytes,
                          buckets=len(order), acks=acks)

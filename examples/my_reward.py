@@ -10,8 +10,9 @@ or next to a built-in, weighted:
 
 It has verl's signature, so the same file works as verl's `custom_reward_function.path`. It returns a
 dict: "score" is the reward, the other numbers are logged as reward/my_reward/<key>. The file is
-imported inside the reward worker processes, so keep imports at the top cheap. It may also be
-`async def` (e.g. to call a judge model over HTTP).
+imported inside each reward worker process at startup, outside the per-call timeout (`reward.timeout_s`),
+so put heavy imports at the top, not inside the function. It may also be `async def` (e.g. to call a
+judge model over HTTP).
 """
 
 from rl_tpu.rewards.arithmetic import extract_answer

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import re
 
-from rl_tpu.rewards.math import last_boxed
-
 STYLES = ("answer_tag", "gsm8k", "boxed")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{…}` with balanced braces, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
 
 
 def style_for(data_source: str) -> str:

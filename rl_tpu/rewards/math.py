@@ -4,8 +4,9 @@ The ground truth is parsed as `\\boxed{<ground_truth>}` (as verl's math_verify r
 is parsed with math_verify's default LaTeX + expression extraction. Only if math_verify itself raises
 (parser bug, timeout signal outside the main thread, ...) does this fall back to comparing normalized
 strings: the last `\\boxed{…}` of the response (or its last line) against the ground truth, with spaces,
-`$`, `\\left`/`\\right` and a trailing period removed. math_verify is imported on first use (it takes
-seconds to import, and only workers that score math should pay that).
+`$`, `\\left`/`\\right` and a trailing period removed. math_verify is imported with this module (about
+3 s): reward workers import their modules at startup, outside the per-call timeout, so the first call
+does not pay for it (a lazy import there timed out under load and every replacement worker repeated it).
 Score: 1.0 if equivalent, else 0.0.
 """
 
@@ -13,18 +14,9 @@ from __future__ import annotations
 
 import re
 
+from math_verify import parse, verify
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{…}` with balanced braces, or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
+from rl_tpu.rewards.format import last_boxed
 
 
 def normalize(answer: str) -> str:
@@ -41,8 +33,6 @@ def _fallback(solution_str: str, ground_truth: str) -> float:
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw) -> float:
     ground_truth = str(ground_truth)
     try:
-        from math_verify import parse, verify
-
         gold = parse(f"\\boxed{{{ground_truth}}}", raise_on_error=True)
         pred = parse(solution_str, raise_on_error=True)
         return 1.0 if verify(gold, pred, raise_on_error=True) else 0.0

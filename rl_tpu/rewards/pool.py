@@ -11,6 +11,8 @@ Invariants:
 - Functions are loaded by spec string inside each worker (never pickled), so user files only have to
   be importable there; load errors surface in the constructor, which waits for every worker. Workers
   do not re-import the parent's `__main__` (no `if __name__ == "__main__"` guard is needed).
+  A reward module's top-level imports run there, at startup, outside the per-call timeout: a reward
+  that imports something heavy lazily in its first call can time out, and so can every replacement.
 - One call = one (sample, function) pair; its clock starts when the worker begins it. A sample's score
   is `sum(weight_j * score_j)`; a failed call scores 0.0 under `on_error = "zero"` and raises
   `RewardError` (naming function, sample id and exception) under `"raise"`.

@@ -1,7 +1,7 @@
 """`rl-tpu` command line. Each subcommand imports what it needs only when it runs, so `--help` and
 config errors answer in well under a second.
 
-Subcommands: make-tiny-model, config show, generate, train, plot, demo.
+Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo.
 A config problem exits with status 2 and a message naming the key and the file.
 """
 
@@ -67,6 +67,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.sft import run_sft
+
+    out = run_sft(_load(args, extra))
+    print(f"wrote {out['hf']}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from rl_tpu.demo import run_demo
 
@@ -112,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     s.add_argument("--resume", help="'auto' or a checkpoint folder")
     s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("sft", help="supervised fine-tuning on demonstrations with the same trainer")
+    s.add_argument("config", nargs="?", type=Path)
+    s.set_defaults(fn=cmd_sft)
 
     s = sub.add_parser("plot", help="write PNG curves of a run's metrics.jsonl")
     s.add_argument("run_dir", type=Path)

@@ -11,6 +11,7 @@ Names follow verl where verl has the same knob, so configs translate.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 import typing
@@ -39,7 +40,7 @@ def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a vali
 class ModelConfig:
     path: str = ""  # a Hugging Face model folder; empty: build a tiny model into the run folder
     arch: Literal["qwen3", "llama"] = "qwen3"  # used when path is empty
-    size: Literal["tiny", "small"] = "tiny"  # used when path is empty
+    size: Literal["tiny", "mini", "small"] = "tiny"  # used when path is empty (rl_tpu.tiny_model.SIZES)
     seed: int = 0  # weights seed of the built tiny model
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -293,6 +294,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config error in {path}: not valid TOML: {e}") from None
         _merge(cfg, data, f" in {path}")
+    return with_overrides(cfg, overrides)
+
+
+def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A validated copy of `cfg` with `--section.key=value` overrides applied (cfg is not changed)."""
+    cfg = copy.deepcopy(cfg)
     for text in overrides:
         section, key, value = parse_override(text)
         _merge(cfg, {section: {key: value}}, f" in override {text!r}")

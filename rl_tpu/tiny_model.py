@@ -5,7 +5,8 @@ generated from this file, with digits split one per token (so arithmetic tasks a
 models) and a Qwen-style chat template. Everything is deterministic for a seed: the corpus is fixed,
 BPE training is deterministic, and the weights come from `torch.manual_seed(seed)`.
 
-Sizes: `tiny` (~0.5 M parameters) for tests, `small` (~13 M) for the demo and benchmarks.
+Sizes: `tiny` (~0.5 M parameters) for tests, `mini` (~3.4 M) for the demo, `small` (~13 M) for
+benchmarks and a slower demo.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ SIZES = {
     #            hidden layers heads kv_heads intermediate vocab
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=384, vocab_size=512),
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=768, vocab_size=512),
     "small": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
                   intermediate_size=1024, vocab_size=512),
 }

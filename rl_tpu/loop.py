@@ -82,12 +82,10 @@ class WeightSyncer:
     def __init__(self, cfg: Config, trainer, rollout, tmp_dir: Path):
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
         self.plan_sync = None
-        try:
-            from rl_tpu.weight_sync import WeightSync  # noqa: F401
-        except ImportError:
-            WeightSync = None  # noqa: N806
-        if WeightSync is not None:
-            self.plan_sync = WeightSync(cfg.sync, trainer, rollout)
+        from rl_tpu.weight_sync import WeightSync
+
+        if hasattr(WeightSync, "from_groups"):
+            self.plan_sync = WeightSync.from_groups(cfg.sync, trainer, rollout)
 
     def __call__(self, version: int) -> dict[str, float]:
         t = time.perf_counter()

@@ -12,7 +12,7 @@ import pytest
 
 from rl_tpu.config import RewardConfig
 from rl_tpu.rewards import RewardError, RewardInput, RewardPool, RewardSpecError, load_reward_fn, reward_name
-from rl_tpu.rewards import arithmetic, countdown, format as fmt, gsm8k, math as math_reward
+from rl_tpu.rewards import arithmetic, auto, countdown, format as fmt, gsm8k, math as math_reward
 from rl_tpu.rewards.pool import normalize_output
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +142,15 @@ def test_format():
     assert fmt.compute_score("countdown", "#### 3", "3", extra_info={"format_style": "gsm8k"}) == 1.0
 
 
+def test_auto_dispatches_by_data_source():
+    assert auto.compute_score("arithmetic", "82", "82") == 1.0
+    assert auto.compute_score("countdown", "<answer>2*3*4</answer>", GT) == 1.0
+    assert auto.compute_score("openai/gsm8k", "#### 72", "72") == 1.0
+    assert auto.compute_score("lighteval/MATH", "\\boxed{2}", "2") == 1.0
+    with pytest.raises(NotImplementedError, match="'my/task'"):
+        auto.compute_score("my/task", "1", "1")
+
+
 def test_normalize_output():
     assert normalize_output(True) == (1.0, {})
     assert normalize_output({"score": 1, "acc": 1, "note": "x"}) == (1.0, {"acc": 1.0})
@@ -155,7 +164,7 @@ def test_normalize_output():
 
 
 def test_load_builtin_and_example_specs(monkeypatch):
-    for name in ("arithmetic", "countdown", "gsm8k", "math", "format"):
+    for name in ("arithmetic", "countdown", "gsm8k", "math", "format", "auto"):
         fn = load_reward_fn(f"rl_tpu.rewards.{name}:compute_score")
         assert fn.__module__ == f"rl_tpu.rewards.{name}"
     assert load_reward_fn("rl_tpu.rewards.gsm8k") is gsm8k.compute_score  # default function name
@@ -210,6 +219,11 @@ def test_pool_weighted_sum_extras_and_order(pool):
     m = res.metrics()
     assert m["reward/mean"] == pytest.approx(7.0 / 4) and m["reward/flaky_reward/length"] == pytest.approx(4.5)
     assert pool.score([]).scores == []
+    from rl_tpu.data import make_synthetic
+
+    ex = make_synthetic("arithmetic", 1, 1)[0][0]
+    inp = RewardInput.for_example(ex, ex.ground_truth, sample_index=3)
+    assert inp.sample_id == "arithmetic-train-0#3" and pool.score([inp]).scores == [2.5]
 
 
 def test_pool_survives_errors_hangs_and_dead_workers(pool, caplog):

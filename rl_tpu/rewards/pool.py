@@ -61,6 +61,12 @@ class RewardInput:
     ground_truth: Any
     extra_info: dict | None = None
 
+    @classmethod
+    def for_example(cls, example: Any, solution_str: str, sample_index: int = 0) -> RewardInput:
+        """The input for one completion of a `rl_tpu.data.Example`; sample id "<uid>#<sample_index>"."""
+        return cls(sample_id=f"{example.uid}#{sample_index}", data_source=example.data_source,
+                   solution_str=solution_str, ground_truth=example.ground_truth, extra_info=example.extra_info)
+
 
 @dataclass(kw_only=True)
 class RewardResult:

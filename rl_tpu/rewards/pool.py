@@ -49,6 +49,7 @@ from rl_tpu.rewards.loader import RewardError, RewardSpecError, load_reward_fn, 
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 64  # calls per message to one worker: amortises pipe latency, keeps re-queues small
+MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before "ready" that make the pool give up
 
 
 @dataclass(kw_only=True)
@@ -197,6 +198,7 @@ class RewardPool:
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self._next_call = 0
         self._logged_error = self._logged_timeout = False
+        self._startup_deaths = 0  # consecutive workers that died before reporting ready
         for _ in range(max(1, cfg.workers)):
             self._workers.append(self._spawn())
         try:
@@ -299,14 +301,19 @@ class RewardPool:
                 msg = w.conn.recv()
             except (EOFError, OSError):
                 w.proc.join(timeout=1)
-                if not w.ready:  # dying while loading the functions would repeat in every replacement
-                    raise RewardError(f"a reward worker exited during startup (exit code {w.proc.exitcode}) "
-                                      f"while loading {self.specs}") from None
+                if not w.ready:
+                    # Killed from outside (OOM, a test), or a crash while importing the functions,
+                    # which would repeat in every replacement: retry a few times, then give up.
+                    self._startup_deaths += 1
+                    if self._startup_deaths >= MAX_STARTUP_DEATHS:
+                        raise RewardError(f"reward workers exited during startup {self._startup_deaths} times in "
+                                          f"a row (last exit code {w.proc.exitcode}) while loading {self.specs}")
                 self._replace(w, batch, queue, failure=f"worker process died (exit code {w.proc.exitcode})")
                 return
             kind = msg[0]
             if kind == "ready":
                 w.ready, w.since = True, time.monotonic()
+                self._startup_deaths = 0
             elif kind == "load_error":
                 raise RewardSpecError(msg[1])
             elif w.pending and w.pending[0] == msg[1]:

@@ -18,7 +18,9 @@ Invariants:
   `RewardError` (naming function, sample id and exception) under `"raise"`.
 - Errors (exception, bad return value, dead worker) and timeouts are counted separately; the first
   traceback and the first timeout of the pool's life are logged once each, later ones only counted.
-- Results come back in input order; the pool is reusable across steps until `close()`.
+- Results come back in input order; the pool is reusable across steps until `close()`. One `score`
+  at a time (not thread-safe). A worker killed from outside is replaced; three deaths in a row before
+  a worker reports ready (a crash while importing the functions) raise `RewardError`.
 - A reward returns a finite number or a dict with a finite "score"; other numeric dict entries are
   logged as `reward/<name>/<key>`, non-numeric ones are ignored.
 """

@@ -1,1 +1,10 @@
+"""Plan-based weight sync from TorchTitan DTensor shards into vLLM engines (see `sync.WeightSync`).
 
+Importable with torch alone: vLLM, Ray and TorchTitan are imported inside the functions that use them.
+"""
+
+from .plan import Plan, PlanError, build_plan
+from .specs import ParamSpec
+from .sync import SyncStats, WeightSync
+
+__all__ = ["ParamSpec", "Plan", "PlanError", "SyncStats", "WeightSync", "build_plan"]

@@ -136,7 +136,8 @@ def build_plan(
         per_sender: dict[int, list[Copy]] = {r: [] for r in range(n_ranks)}
         numel = {}
         for dst_name, codes in layout.codes.items():
-            codes = torch.as_tensor(codes)
+            if not isinstance(codes, torch.Tensor):  # numpy from a worker; Ray hands out read-only arrays
+                codes = torch.from_numpy(codes if codes.flags.writeable else codes.copy())
             dst_off = torch.nonzero(codes >= 0).flatten()
             c = codes[dst_off]
             numel[dst_name] = int(c.numel())

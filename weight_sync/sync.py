@@ -39,6 +39,11 @@ def _local_shards(worker) -> dict[str, torch.Tensor]:
     """This rank's local shards, without copies: DTensor `to_local()` views of the live parameters."""
     if hasattr(worker, "shards"):
         return worker.shards
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in worker.model.modules():  # FSDP2 swaps in unsharded params between forward and backward
+        if isinstance(m, FSDPModule):
+            m.reshard()
     out = {}
     for name, p in worker.model.named_parameters():
         t = p.detach()
@@ -82,6 +87,7 @@ class _Session:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     received_bytes: int = 0
     restore: list = field(default_factory=list)  # (meta parameter, its original weight_loader)
+    process_s: float = 0.0  # time inside vLLM's post-load processing (CPU: oneDNN repacking)
 
 
 def _my_rank() -> int:
@@ -167,7 +173,9 @@ def _complete(s: _Session, name: str) -> None:
         return
     t = s.buffers.pop(name)
     p = s._param(name)  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
     p.weight_loader(p, t)  # layerwise: processes the layer once all its parameters arrived
+    s.process_s += time.perf_counter() - t0
     if s.keep:
         s.kept[name] = t
 
@@ -177,11 +185,13 @@ def finish_worker(worker) -> dict:
     from .engine_layout import _model
 
     s: _Session = worker._ws_session
-    incomplete = sorted(n for n, r in s.remaining.items() if r != 0)
+    incomplete = sorted(f"{n} ({-r:+d} elements)" for n, r in s.remaining.items() if r != 0)
     if not s.direct:
         from vllm.model_executor.model_loader.reload import layerwise
 
+        t0 = time.perf_counter()
         layerwise.finalize_layerwise_reload(_model(worker), worker.model_runner.model_config)
+        s.process_s += time.perf_counter() - t0
         for p, loader in s.restore:
             p.weight_loader = loader
     if incomplete:
@@ -189,7 +199,7 @@ def finish_worker(worker) -> dict:
     worker.rl_tpu_policy_version = s.version
     worker._ws_kept = s.kept
     del worker._ws_session
-    return {"rank": _my_rank(), "version": s.version, "bytes": s.received_bytes}
+    return {"rank": _my_rank(), "version": s.version, "bytes": s.received_bytes, "process_s": s.process_s}
 
 
 def verify_worker(worker, hf_weights) -> dict[str, float]:
@@ -358,9 +368,10 @@ class WeightSync:
         return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=plan.nbytes,
                          buckets=len(order), acks=acks)
 
-    def verify(self, hf_weights: list[tuple[str, torch.Tensor]]) -> dict[tuple[int, str], float]:
+    def verify(self, hf_weights) -> dict[tuple[int, str], float]:
         """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's
-        full-tensor loader fed with `hf_weights` (the trainer's full HF tensors)."""
+        full-tensor loader fed with `hf_weights` (the trainer's full HF tensors: (name, tensor) pairs,
+        or a safetensors file path where the engine runs vLLM workers in other processes)."""
         out = {}
         for e, rcv in enumerate(self.receivers):
             for res in self._rpc(rcv, verify_worker, hf_weights):

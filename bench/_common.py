@@ -1,0 +1,181 @@
+"""Helpers shared by the bench scripts: memory of a process tree, medians, the final JSON line.
+
+Invariants:
+- Memory is measured on a whole process tree (the root and every descendant found through
+  `/proc/*/stat`), sampled every `interval` seconds while the root runs. Ray actors, the raylet and the
+  GCS are descendants of the driver that called `ray.init`, so a run of this project is measured
+  with all its actors. Two sums are kept per sample: RSS (what `top` shows; pages shared between
+  processes, such as the torch libraries every actor maps, count once per process, so it overstates a
+  multi-process tree) and PSS (each shared page divided among the processes that map it, from
+  `/proc/PID/smaps_rollup`; the sum is the tree's real share of memory). The peak of each sum is reported.
+  Sampling can miss a peak shorter than `interval`.
+- `json_line` writes one line (no newlines inside), NaN/inf become null, so the last line of a bench
+  script's output parses with `json.loads`.
+Linux only (reads /proc).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+
+
+def _parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc."""
+    out: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants that are alive now (root first)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parent_pids().items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def process_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in bytes; (0, 0) if it is gone or unreadable."""
+    rss = pss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return rss, pss
+
+
+def tree_memory(root: int) -> tuple[int, int, int]:
+    """(summed RSS, summed PSS, number of processes) of the tree under `root`."""
+    rss = pss = n = 0
+    for pid in process_tree(root):
+        r, p = process_memory(pid)
+        if r or p:
+            rss, pss, n = rss + r, pss + p, n + 1
+    return rss, pss, n
+
+
+@dataclass
+class MemoryPeak:
+    rss: int = 0  # bytes, peak of the summed RSS
+    pss: int = 0  # bytes, peak of the summed PSS
+    processes: int = 0  # most processes seen in the tree at once
+    samples: int = 0
+
+
+class TreeMemoryMonitor:
+    """Samples `tree_memory(root)` on a thread until `stop()`; `peak` holds the maxima."""
+
+    def __init__(self, root: int, interval: float = 0.5):
+        self.root, self.interval, self.peak = root, interval, MemoryPeak()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rss, pss, n = tree_memory(self.root)
+            p = self.peak
+            p.rss, p.pss, p.processes, p.samples = max(p.rss, rss), max(p.pss, pss), max(p.processes, n), p.samples + 1
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> MemoryPeak:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@dataclass
+class RunResult:
+    cmd: list[str]
+    returncode: int
+    seconds: float
+    memory: MemoryPeak
+    log_path: Path
+    timed_out: bool = False
+    tail: list[str] = field(default_factory=list)  # last lines of the log
+
+
+def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
+                 timeout: float | None = None, interval: float = 0.5, cwd: str | Path | None = None) -> RunResult:
+    """Run `cmd` with stdout+stderr to `log_path`, measuring the peak memory of its process tree.
+
+    On timeout the whole tree is killed (each process we find under the child, by pid)."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        monitor = TreeMemoryMonitor(proc.pid, interval)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for pid in reversed(process_tree(proc.pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+        finally:
+            memory = monitor.stop()
+    seconds = time.perf_counter() - t0
+    tail = log_path.read_text(errors="replace").splitlines()[-40:]
+    return RunResult(list(cmd), proc.returncode, seconds, memory, log_path, timed_out, tail)
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median, or NaN for an empty sequence (a bench that got no steps reports null, not a crash)."""
+    return statistics.median(xs) if xs else math.nan
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def json_line(obj: dict[str, Any]) -> str:
+    """One line of JSON (NaN and inf as null): the machine-readable last line of a bench script."""
+    return json.dumps(_finite(obj), allow_nan=False, separators=(", ", ": "))
+
+
+def load_average() -> float:
+    """1-minute load average: other work on the machine skews timings; scripts print it beside them."""
+    return os.getloadavg()[0]

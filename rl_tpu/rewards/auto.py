@@ -10,6 +10,8 @@ run under `on_error = "raise"`). Importing this module imports every built-in, m
 
 from __future__ import annotations
 
+from typing import Any
+
 from rl_tpu.rewards import arithmetic, countdown, gsm8k, math
 
 
@@ -27,5 +29,6 @@ def select(data_source: str):
                               "function in reward.functions")
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  **kw) -> float:
     return select(data_source)(data_source, solution_str, ground_truth, extra_info, **kw)

@@ -13,6 +13,8 @@ tag was found but the equation is invalid or wrong, 0.0 if there is no answer ta
 
 from __future__ import annotations
 
+from typing import Any
+
 import ast
 import json
 import re
@@ -77,8 +79,8 @@ def check_equation(answer: str, target: int, numbers: list[int]) -> bool:
     return not (Counter(used) - Counter(numbers)) and value == target
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, format_score: float = 0.1,
-                  score: float = 1.0, **kw) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  format_score: float = 0.1, score: float = 1.0, **kw) -> float:
     target, numbers = parse_ground_truth(ground_truth)
     tags = ANSWER_TAG.findall(solution_str)
     if not tags:

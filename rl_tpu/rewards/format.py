@@ -10,6 +10,8 @@ It checks the shape only, never correctness; weight it low next to a correctness
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 
 STYLES = ("answer_tag", "gsm8k", "boxed")
@@ -48,7 +50,7 @@ def has_format(text: str, style: str) -> bool:
     raise ValueError(f"unknown format style {style!r}; choose one of {STYLES}")
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, style: str | None = None,
-                  **kw) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  style: str | None = None, **kw) -> float:
     style = style or (extra_info or {}).get("format_style") or style_for(data_source)
     return 1.0 if has_format(solution_str, style) else 0.0

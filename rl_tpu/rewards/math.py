@@ -12,6 +12,8 @@ Score: 1.0 if equivalent, else 0.0.
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 
 from math_verify import parse, verify
@@ -30,7 +32,8 @@ def _fallback(solution_str: str, ground_truth: str) -> float:
     return 1.0 if normalize(answer) == normalize(ground_truth) else 0.0
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  **kw) -> float:
     ground_truth = str(ground_truth)
     try:
         gold = parse(f"\\boxed{{{ground_truth}}}", raise_on_error=True)

@@ -192,6 +192,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
 
 
+def trl_config_kwargs(a: argparse.Namespace, vllm: bool = False) -> dict[str, Any]:
+    """`GRPOConfig` arguments for the same workload ours gets (see the module docstring)."""
+    per_device, accum = trl_batch_layout(a.prompts, a.n, a.micro_batch)
+    kw = dict(
+        output_dir=str(Path(a.workdir) / ("trl-vllm" if vllm else "trl")), report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        seed=a.seed, data_seed=a.seed, shuffle_dataset=False, dataloader_num_workers=0,
+        max_steps=1 if vllm else a.steps, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        per_device_train_batch_size=per_device, gradient_accumulation_steps=accum, num_iterations=1,
+        num_generations=a.n, max_completion_length=a.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=vllm,
+    )
+    if vllm:
+        kw |= dict(vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3)
+    return kw
+
+
 # ---------------------------------------------------------------------------------------------------
 # TRL side: runs in its own process (`--worker trl`)
 
@@ -242,20 +260,8 @@ def trl_worker(a: argparse.Namespace) -> None:
             if logs and "completions/mean_length" in logs:
                 self.logs.append(dict(logs))
 
-    per_device, accum = trl_batch_layout(a.prompts, a.n, a.micro_batch)
     vllm = a.worker == "trl-vllm"
-    cfg = GRPOConfig(
-        output_dir=str(Path(a.workdir) / ("trl-vllm" if vllm else "trl")), report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        seed=a.seed, data_seed=a.seed, shuffle_dataset=False, dataloader_num_workers=0,
-        max_steps=1 if vllm else a.steps, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=accum, num_iterations=1,
-        num_generations=a.n, max_completion_length=a.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        use_vllm=vllm, **(dict(vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3)
-                           if vllm else {}),
-    )
+    cfg = GRPOConfig(**trl_config_kwargs(a, vllm))
     steps = StepLog()
     trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(compute_score), args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[steps])

@@ -81,8 +81,14 @@ def ray_session():
     import ray
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3 if started else 0):  # a loaded 2-core box can miss Ray's GCS start deadline
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield
     if started:
         ray.shutdown()
@@ -236,8 +242,9 @@ def test_param_specs_describe_fsdp_shards(group2, tiny_qwen3):
     spec = tm.build_model_spec(tiny_qwen3)
     shapes = {k: tuple(v.shape) for k, v in tm.hf_to_titan(spec, tm.load_hf_state_dict(tiny_qwen3)).items()}
     assert {s.name: s.shape for s in specs} == shapes
-    assert all(s.mesh_shape == (2,) and s.mesh_dim_names == ("fsdp",) and s.dtype == "float32" for s in specs)
-    assert all(len(s.placements) == 1 and "0" in s.placements[0] for s in specs)  # Shard(0)
+    bad = [s for s in specs if s.mesh_shape != (2,) or s.mesh_dim_names != ("fsdp",) or s.dtype != "float32"
+           or len(s.placements) != 1 or "0" not in s.placements[0]]  # Shard(0) on the fsdp dim
+    assert not bad, bad[:3]
 
 
 def test_export_hf_round_trip_is_bit_identical(group2, tiny_qwen3, tmp_path):
@@ -277,7 +284,7 @@ def test_policy_gradient_equals_independent_reference(group2, cfg, tiny_qwen3):
     loss = (pg * m).sum() / m.sum()
     loss.backward()
     assert ((ratio > 1 + algo.clip_ratio_high) | (ratio < 1 - algo.clip_ratio_low))[m > 0].any()
-    assert (A * ratio < -algo.clip_ratio_c).any() or (-A * ratio > algo.clip_ratio_c).any()  # dual-clip hit
+    assert ((A < 0) & (ratio > algo.clip_ratio_c) & (m > 0)).any()  # dual-clip bound active
     want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
     got_hf = tm.titan_to_hf(tm.build_model_spec(tiny_qwen3), got)
     assert sorted(got_hf) == sorted(want)
@@ -317,9 +324,9 @@ def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_
         assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == 2
         again = [resumed.train_step(b, cfg.algorithm) for _ in range(3)]
         for s, a in zip(straight, again):
-            for k in ("loss/total", "actor/grad_norm", "actor/lr", "critic/value"):
+            for k in ("loss/total", "actor/entropy", "actor/grad_norm", "actor/lr", "critic/value"):
                 assert s[k] == a[k], (k, s[k], a[k])
-        assert len({s["loss/total"] for s in straight}) == 3  # the losses do change step to step
+        assert len({s["actor/entropy"] for s in straight}) == 3  # the policy does change step to step
         with pytest.raises(TrainerError, match="no dcp"):
             resumed.load_checkpoint(str(tmp_path))
         import ray

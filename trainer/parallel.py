@@ -84,6 +84,16 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Return every FSDP unit to its sharded state. A forward without backward leaves units built with
+    `reshard_after_forward=False` (the root, norm+lm_head) unsharded, i.e. plain full tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy full (unsharded) tensors into the model's DTensor shards; no communication (every rank
     holds the full tensor, so each takes its own slice)."""

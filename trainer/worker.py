@@ -8,9 +8,9 @@ Invariants:
 - Gradients are summed across micro-batches and ranks (FSDP sum reduction, see `parallel.py`); each
   micro-batch's loss is its share of the whole mini-batch loss (`global_tokens` / `global_seqs`),
   so N ranks x M micro-batches give the same update as one rank with one micro-batch.
-- Log-probs come from the decoder's hidden states and the lm_head weight through
-  `ops.chunked_log_probs`, called INSIDE the FSDP-managed lm_head (its `forward` is replaced), so
-  FSDP unshards the weight and reduce-scatters its gradient as for a normal forward.
+- Log-probs come from `ops.chunked_log_probs` run as the lm_head's forward (replaced, see
+  `_install_logprob_head`), inside the decoder's forward: FSDP then unshards the weight and
+  reduce-scatters its gradient exactly as for logits, and logits `[b, L, V]` are never materialised.
 - The critic is the same TorchTitan decoder whose `lm_head` is a `Linear(hidden, 1)` (with bias):
   the value of response token j is read at the state that predicts it, like the log-prob.
 - Optimizer steps per `train_step` = ppo_epochs x ppo_mini_batches; mini-batches are contiguous row
@@ -38,12 +38,22 @@ from rl_tpu.weight_sync.specs import ParamSpec
 
 
 def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
+    """Make the lm_head return (log-probs, entropy) `[b, T]` of the response tokens instead of logits.
+
+    The decoder calls it inside its own forward (so FSDP's grouped norm+lm_head unit sees a normal
+    forward/backward); which positions and targets to score is set on `lm_head.rl_index` just before.
+    """
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("chunked log-probs assume an lm_head without bias")
 
-    def forward(h: torch.Tensor, targets: torch.Tensor):
-        return ops.chunked_log_probs(h, lm_head.weight, targets, chunk)
+    def forward(h: torch.Tensor):
+        hidx, targets = lm_head.rl_index
+        hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))  # [b, T, D]
+        b, T = hidx.shape
+        lp, ent = ops.chunked_log_probs(hs.reshape(b * T, -1), lm_head.weight, targets.reshape(-1), chunk)
+        return lp.view(b, T), ent.view(b, T)
 
+    lm_head.rl_index = None
     lm_head.forward = forward  # FSDP hooks live in __call__, so they still wrap this
 
 
@@ -97,7 +107,6 @@ class TrainerWorker:
     def _build(self, spec, titan_sd) -> torch.nn.Module:
         m = self._parallel_model(spec)
         parallel.load_full_state_dict(m, titan_sd)
-        m._skip_lm_head = True  # forward returns hidden states; the lm_head is applied per chunk
         _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size)
         return m
 
@@ -143,19 +152,15 @@ class TrainerWorker:
             ids = torch.nn.functional.pad(ids, (0, Lb - L), value=self.pad_id)
         return ids
 
-    def _gather_hidden(self, h: torch.Tensor, mb: TrainBatch, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, L)
-        hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))
-        return hs, tidx
-
     def _policy_forward(self, model, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch."""
         ids = self._inputs(mb)
-        h = model(ids)
-        hs, tidx = self._gather_hidden(h, mb, ids.shape[1])
-        b, T = hs.shape[:2]
-        lp, ent = model.lm_head(hs.reshape(b * T, -1), ids.gather(1, tidx).reshape(-1))
-        return lp.view(b, T), ent.view(b, T)
+        hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
+        model.lm_head.rl_index = (hidx, ids.gather(1, tidx))
+        try:
+            return model(ids)
+        finally:
+            model.lm_head.rl_index = None
 
     def _critic_forward(self, mb: TrainBatch) -> torch.Tensor:
         ids = self._inputs(mb)
@@ -182,6 +187,9 @@ class TrainerWorker:
         for idx in self._micro_batches(padded, torch.arange(batch.num_seqs), self.tc.micro_batch_size):
             res = fn(padded.select(idx))
             out.append((idx, tuple(r.detach().float().cpu() for r in res)))
+        for m in (self.model, self.ref, self.critic):
+            if m is not None:
+                parallel.reshard(m)  # keep every parameter a DTensor shard between calls
         return out
 
     # ------------------------------------------------------------------ public (collective) methods

@@ -1,0 +1,130 @@
+"""Training throughput of the TrainerGroup (TorchTitan, FSDP2 over Ray actors) vs a plain transformers step.
+
+Both sides run the same model (built locally), the same batch (prompt + response tokens), the same
+PPO-clip loss (`rl_tpu.algorithms.losses.compute_policy_loss` on response-token log-probs), the same
+micro-batching, AdamW and gradient clipping, and the same total number of CPU threads
+(world_size ranks x threads_per_rank for the group; that many threads for transformers). They run one
+after the other, not concurrently. Tokens/s counts every real (non-pad) token of the batch per step.
+
+Usage: .venv/bin/python bench/trainer.py [--size small] [--world-size 1] [--threads 1] [--steps 4]
+The last output line is a JSON object; "ratio" = trainer tokens/s / transformers tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+
+def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0):
+    from rl_tpu.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    P = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    R = [torch.randint(5, vocab, (response_len,), generator=g).tolist() for _ in range(batch)]
+    adv = torch.randn(batch, generator=g).tolist()
+    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv)
+
+
+def hf_train(model_path: str, batch, cfg, steps: int, warmup: int, threads: int) -> float:
+    """Seconds per step of a plain transformers training step with the same loss and optimizer."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.algorithms.losses import compute_policy_loss
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    tc = cfg.trainer
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    B, T = batch.num_seqs, batch.response_len
+    P = int(batch.prompt_lens[0])  # the bench batch has equal lengths: no per-row gather needed
+    tokens = float(batch.response_mask.sum())
+    times = []
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        for rows in torch.arange(B).split(tc.micro_batch_size):
+            mb = batch.select(rows)
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            lp = logits[:, P - 1: P - 1 + T].float().log_softmax(-1).gather(
+                -1, mb.input_ids[:, P: P + T, None]).squeeze(-1)
+            loss, _ = compute_policy_loss(cfg.algorithm, lp, lp.detach(), mb.advantages, mb.response_mask,
+                                          global_tokens=tokens)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per trainer rank")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args()
+
+    import ray
+
+    from rl_tpu.config import load_config
+    from rl_tpu.devices import get_device
+    from rl_tpu.tiny_model import make_tiny_model
+    from rl_tpu.trainer import TrainerGroup
+
+    get_device("cpu").apply_env()
+    total_threads = args.world_size * args.threads
+    cfg = load_config(None, [f"--trainer.micro_batch_size={args.micro_batch_size}", f"--trainer.num_threads={args.threads}",
+                             "--trainer.lr=1e-5", "--trainer.logprob_chunk_size=2048"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_model(f"{tmp}/model", arch=args.arch, size=args.size))
+        from transformers import AutoConfig
+
+        batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len)
+        tokens = float(batch.attention_mask.sum())
+
+        hf_s = hf_train(path, batch, cfg, args.steps, args.warmup, total_threads)
+        print(f"transformers: {hf_s:.3f} s/step, {tokens / hf_s:,.0f} tok/s ({total_threads} threads)")
+
+        ray.init(num_cpus=max(total_threads, 2), include_dashboard=False, log_to_driver=False)
+        group = TrainerGroup(cfg, path, world_size=args.world_size)
+        try:
+            walls, inner = [], []
+            for step in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                m = group.train_step(batch, cfg.algorithm)
+                if step >= args.warmup:
+                    walls.append(time.perf_counter() - t0)
+                    inner.append(m["perf/train_s"])
+        finally:
+            group.shutdown()
+            ray.shutdown()
+    tt_s = sum(walls) / len(walls)
+    inner_s = sum(inner) / len(inner)
+    print(f"TrainerGroup: {tt_s:.3f} s/step ({inner_s:.3f} s inside the actors), {tokens / tt_s:,.0f} tok/s "
+          f"({args.world_size} rank(s) x {args.threads} thread(s))")
+    ratio = (tokens / tt_s) / (tokens / hf_s)
+    print(f"ratio trainer/transformers tokens/s: {ratio:.3f}")
+    print(json.dumps({
+        "bench": "trainer", "arch": args.arch, "size": args.size, "world_size": args.world_size,
+        "threads_total": total_threads, "batch": args.batch, "seq_len": args.prompt_len + args.response_len,
+        "tokens_per_step": tokens, "trainer_tok_s": round(tokens / tt_s, 1),
+        "trainer_inner_tok_s": round(tokens / inner_s, 1), "hf_tok_s": round(tokens / hf_s, 1),
+        "ratio": round(ratio, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -193,6 +193,8 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
     template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
     from transformers import AutoTokenizer
 
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
     tok = AutoTokenizer.from_pretrained(model_path)
     if chat and tok.chat_template:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

@@ -38,30 +38,57 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _header_shapes(header: dict) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _file_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return _header_shapes(json.loads(fh.read(n)))
+
+
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, read from the safetensors headers of a model folder (no tensor data)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+    """HF tensor name -> shape from the safetensors headers of a file or folder (no tensor data read)."""
+    if os.path.isfile(model_path):
+        return _file_shapes(model_path)
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"weight path {model_path!r} does not exist")
     files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"model folder {model_path!r} holds no .safetensors file")
+        raise FileNotFoundError(f"folder {model_path!r} holds no .safetensors file")
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with open(os.path.join(model_path, f), "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        shapes.update(_file_shapes(os.path.join(model_path, f)))
     return shapes
 
 
-def check_weights(named: Sequence[tuple[str, Any]], expected: dict[str, tuple[int, ...]],
+def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in a payload; bytes and paths are read from their headers only."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        raw = bytes(payload[:8])
+        if len(raw) < 8:
+            raise ValueError("weight bytes are not a safetensors blob (shorter than its 8-byte header size)")
+        n = int.from_bytes(raw, "little")
+        try:
+            return list(_header_shapes(json.loads(bytes(payload[8:8 + n]))).items())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"weight bytes are not a safetensors blob: {e}") from None
+    if isinstance(payload, (str, os.PathLike)):
+        return list(checkpoint_shapes(str(payload)).items())
+    return [(n, tuple(t.shape)) for n, t in decode_payload(payload)]
+
+
+def check_weights(named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
                   full: bool) -> None:
     """Raise ValueError naming the first unknown name, wrong shape or (when `full`) missing tensor."""
     seen = set()
-    for name, t in named:
+    for name, shape in named:
         if name not in expected:
             raise ValueError(f"weight {name!r} is not a parameter of the rollout model "
                              f"(expected HF names such as {sorted(expected)[:3]})")
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, the model expects {expected[name]}")
+        if tuple(shape) != expected[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {expected[name]}")
         seen.add(name)
     if full:
         missing = sorted(set(expected) - seen)
@@ -131,15 +158,21 @@ class RolloutWorker:
         """Install HF-named full tensors (pairs, a dict, safetensors bytes or a path), reset the prefix
         cache and record `version`. Returns timing and counts."""
         t0 = time.perf_counter()
-        named = list(decode_payload(payload))
-        check_weights(named, self.expected, full)
-        wire = named
-        path = None
-        if self._crosses_process():
+        shapes = payload_shapes(payload)
+        check_weights(shapes, self.expected, full)
+        wire, path = payload, None
+        if isinstance(payload, dict):
+            wire = list(payload.items())
+        elif isinstance(payload, os.PathLike):
+            wire = str(payload)
+        elif isinstance(payload, (bytearray, memoryview)):
+            wire = bytes(payload)
+        if self._crosses_process() and not isinstance(wire, (bytes, str)):
+            # tensors cannot cross vLLM's process boundary: hand the ranks a shared-memory file
             from safetensors.torch import save_file
 
             path = os.path.join(SHM_DIR, f"rl_tpu_w{self.index}_{uuid.uuid4().hex}.safetensors")
-            save_file({n: t.contiguous() for n, t in named}, path)
+            save_file({n: t.contiguous() for n, t in wire}, path)
             wire = path
         try:
             loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))
@@ -153,7 +186,7 @@ class RolloutWorker:
                 os.unlink(path)
         self.llm.reset_prefix_cache()
         self.version = version
-        return {"tensors": len(named), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
+        return {"tensors": len(shapes), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

@@ -259,3 +259,25 @@ def test_generate_text_in_process(tiny_qwen3, tok, caplog):
         assert c.text == _decoded(tok, c.response_ids)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         generate_text("/nonexistent/model", ["x"], _cfg())
+
+
+# -- engines across process boundaries (slow: each starts its own engine processes) --------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [["--rollout.multiprocess=true"], ["--rollout.tensor_parallel_size=2"],
+                                       ["--rollout.tensor_parallel_size=2", "--rollout.multiprocess=true"]],
+                         ids=["multiprocess", "tp2", "tp2-multiprocess"])
+def test_engine_modes_generate_and_install_weights(ray_session, tiny_qwen3, tiny_new, prompts, overrides):
+    g = RolloutGroup(_cfg(*overrides), tiny_qwen3, num_workers=1)
+    try:
+        old_model, new_model = _hf(tiny_qwen3), _hf(tiny_new)
+        out = g.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+        assert [c.response_ids for (c,) in out] == [hf_greedy(old_model, p) for p in prompts]
+        g.load_weights_full(_tensors(tiny_new), version=1)
+        out = g.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+        assert [c.response_ids for (c,) in out] == [hf_greedy(new_model, p) for p in prompts]
+        for p, (c,) in zip(prompts, out):
+            assert c.policy_version == 1
+            torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids),
+                                       atol=1e-5, rtol=0)
+    finally:
+        g.shutdown()

@@ -40,7 +40,7 @@ def hangs_once(data_source, solution_str, ground_truth, extra_info=None, **kw):
 def _run_cfg(tmp_path: Path, name: str, *overrides: str):
     return load_config(None, [
         f"--logging.run_dir={tmp_path / name}", "--logging.tensorboard=false", "--logging.progress=false",
-        "--trainer.world_size=2", "--trainer.lr=2e-3", "--trainer.micro_batch_size=64", "--rollout.n=8",
+        "--trainer.world_size=2", "--trainer.lr=1e-2", "--trainer.micro_batch_size=64", "--rollout.n=8",
         "--rollout.max_tokens=16", "--rollout.temperature=1.0", "--data.batch_size=8", "--data.synthetic_train_size=256",
         "--data.synthetic_test_size=8", "--reward.workers=1", "--checkpoint.every=0", *overrides,
     ])

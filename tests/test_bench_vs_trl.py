@@ -112,7 +112,14 @@ def test_failure_reason_quotes_the_last_exception(tmp_path):
     why = vs_trl.failure_reason(bad, 0, 3)
     assert "RuntimeError: engine died" in why and "0/3 steps" in why and str(tmp_path / "log") in why
     late = _common.RunResult(["x"], 0, 1.0, mem, tmp_path / "log", timed_out=True)
-    assert "timed out" in vs_trl.failure_reason(late, 1, 3)
+    assert "timed out after 1 s with 1/3 steps" in vs_trl.failure_reason(late, 1, 3)
+
+
+def test_side_status_keeps_partial_runs_with_two_steps():
+    assert vs_trl.side_status(None, False, 6) == "ok"
+    assert vs_trl.side_status("timed out", True, 4) == "partial"
+    assert vs_trl.side_status("timed out", True, 1) == "FAILED"
+    assert vs_trl.side_status("exit 1", False, 4) == "FAILED"
 
 
 def test_json_line_is_one_parseable_line_with_null_for_nan():

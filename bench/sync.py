@@ -65,6 +65,8 @@ def build_model(out: Path, layers: int, hidden: int, inter: int, seed: int = 0) 
     tiny = make_tiny_model(out / "tiny_src", arch="qwen3", size="tiny", seed=seed)
     cfg = json.loads((Path(tiny) / "config.json").read_text())
     heads, kv, hd = hidden // 128, max(1, hidden // 512), 128
+    cfg.pop("layer_types", None)
+    cfg.pop("max_window_layers", None)
     cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                head_dim=hd, intermediate_size=inter)
     dst = out / f"qwen3_{layers}x{hidden}"
@@ -191,6 +193,7 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
             "peak_extra_mb_sender": round(snd_peak / MB, 1) if senders is actors else None,
             "buckets": st.buckets, "plan_s": round(ws.plan_seconds, 2),
         }
+        ws.close()
     ray.shutdown()
     return {"layers": layers, "hidden": hidden, "mb": round(ws.plan.nbytes / MB, 1), "bucket_mb": bucket_mb,
             "transports": results}

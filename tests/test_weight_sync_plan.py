@@ -121,17 +121,27 @@ def test_shm_and_inprocess_transports_give_the_same_result():
             assert torch.equal(got_shm[r][n], want[r][n])
 
 
-def test_shm_release_unlinks_file():
+def test_shm_release_unlinks_file_and_pooled_slots_are_reused():
     import os
 
     tr = get_transport("shm")
     state, mv = tr.alloc(16)
     mv[:4] = b"abcd"
     mv.release()
-    path = tr.publish(state)
-    assert bytes(tr.open(path)[:4]) == b"abcd"
-    tr.release(path)
-    assert not os.path.exists(path)
+    handle = tr.publish(state)
+    assert bytes(tr.open(handle)[:4]) == b"abcd"
+    tr.release(handle)
+    assert not os.path.exists(handle[0])
+    paths = []
+    for payload in (b"1234", b"56"):
+        state, mv = tr.alloc(len(payload), slot="s")
+        mv[:] = payload
+        mv.release()
+        handle = tr.publish(state)
+        assert bytes(tr.open(handle)) == payload  # readers map exactly nbytes
+        tr.release(handle)
+        paths.append(handle[0])
+    assert paths[0] == paths[1] and os.path.exists(paths[0])  # same pre-faulted file, kept for reuse
 
 
 def test_unknown_and_collective_transport_errors_name_the_value():

@@ -19,6 +19,7 @@ Nothing is half-installed on bad input: name and shape checks run at plan time, 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,11 +65,21 @@ def sender_pack(worker, index: int, transport: str, version: int) -> Any:
     tensors = [(f"{c.dst}@{c.dst_offset}", flat[c.src][c.src_offset: c.src_offset + c.numel]) for c in b.copies]
     meta = {"version": str(version), "receiver": str(b.receiver), "sender": str(b.sender)}
     tr = get_transport(transport)
-    state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta))
+    # Two reusable slots per sender: the driver keeps at most two buckets in flight, so when bucket k
+    # is packed, bucket k-2 of this sender (same slot) has been consumed.
+    state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta), slot=(id(worker), index % 2))
     with torch.no_grad():
         pack_into(mv, tensors, meta)
     mv.release()
     return tr.publish(state)
+
+
+def sender_close(worker) -> None:
+    """Free this process's pooled transport slots (shm files would outlive a killed actor)."""
+    from .transports import InProcess, SharedMemory
+
+    SharedMemory._cleanup()
+    InProcess._pool.clear()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,14 +90,14 @@ def sender_pack(worker, index: int, transport: str, version: int) -> Any:
 class _Session:
     version: int
     shapes: dict[str, tuple[int, ...]]
-    remaining: dict[str, int]
+    remaining: dict[str, int]  # elements still to arrive per engine parameter
     direct: bool
     keep: bool  # verify mode: keep the assembled loaded-layout tensors
     elem: int = 4  # bytes per element of the engine dtype
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    layers: dict[str, tuple[Any, str]] = field(default_factory=dict)  # param -> (module, attribute)
+    layer_left: dict[int, int] = field(default_factory=dict)  # id(module) -> elements still to arrive
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     received_bytes: int = 0
-    restore: list = field(default_factory=list)  # (meta parameter, its original weight_loader)
     process_s: float = 0.0  # time inside vLLM's post-load processing (CPU: oneDNN repacking)
 
 
@@ -97,11 +108,15 @@ def _my_rank() -> int:
 
 
 def begin_worker(worker, per_rank: dict[int, tuple[dict, dict]], version: int, keep: bool, direct: bool | None) -> int:
-    """Start receiving version `version`: `per_rank[tp_rank] = (shapes, numel per engine param)`."""
-    from vllm.model_executor.model_loader.reload import layerwise
-    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+    """Start receiving version `version`: `per_rank[tp_rank] = (shapes, numel per engine param)`.
 
-    from .engine_layout import _copy_loader, _model
+    Layerwise (CPU) path: vLLM restores every layer's loaded-layout parameters on the meta device; a
+    layer is materialised when its first bytes arrive, bytes are copied straight into its parameters,
+    and when the layer's last byte arrives vLLM's `_layerwise_process` post-processes it (repacking) and
+    copies it into the original kernel tensors, freeing the loaded-layout copy. So at most the layers
+    that straddle the buckets in flight are materialised at once.
+    """
+    from .engine_layout import _model
 
     shapes, numel = per_rank[_my_rank()]
     model = _model(worker)
@@ -110,42 +125,46 @@ def begin_worker(worker, per_rank: dict[int, tuple[dict, dict]], version: int, k
     s = _Session(version=version, shapes=shapes, remaining=dict(numel), direct=direct, keep=keep,
                  elem=next(model.parameters()).element_size())
     if not direct:
+        from vllm.model_executor.model_loader.reload import layerwise
+
         layerwise.initialize_layerwise_reload(model)
-        for name in shapes:
-            module_name, _, pname = name.rpartition(".")
-            layer = model.get_submodule(module_name)
-            p = getattr(layer, pname)
-            # The restored meta parameter is vLLM's stored metadata object: remember its real loader
-            # and put it back in finish_worker, or the next full-tensor reload would call ours.
-            s.restore.append((p, layerwise._get_original_loader(p)))
-            p.weight_loader = _copy_loader
-            p.weight_loader = layerwise.make_online_process_loader(layer, pname)
-        s._param = lambda n: get_parameter_for_reload(model, n)  # type: ignore[attr-defined]
-    else:
-        s._param = lambda n: get_parameter_for_reload(model, n)  # type: ignore[attr-defined]
+    for name in shapes:
+        module_name, _, pname = name.rpartition(".")
+        layer = model.get_submodule(module_name)
+        s.layers[name] = (layer, pname)
+        s.layer_left[id(layer)] = s.layer_left.get(id(layer), 0) + numel[name]
     worker._ws_session = s
     return _my_rank()
 
 
+def _dst(s: _Session, name: str) -> torch.Tensor:
+    """The tensor bytes of engine parameter `name` go to (loaded layout, this rank)."""
+    layer, pname = s.layers[name]
+    t = getattr(layer, pname)
+    if not s.direct and t.is_meta:
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        meta.materialize_layer(layer, layerwise.get_layerwise_info(layer))
+        for n2, (l2, p2) in s.layers.items():  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
+            if l2 is layer and s.remaining[n2] < math.prod(s.shapes[n2]):
+                getattr(l2, p2).data.zero_()
+        t = getattr(layer, pname)
+    return t.data
+
+
 def receive_worker(worker, handles: dict[int, list[Any]], transport: str) -> int:
-    """Copy every run addressed to this TP rank into place; install parameters that became complete."""
+    """Copy every run addressed to this TP rank into place; process layers that became complete."""
     s: _Session = worker._ws_session
     tr = get_transport(transport)
     n_bytes = 0
-
-    def dst_of(name: str, dtype: torch.dtype) -> torch.Tensor:
-        if s.direct:
-            return s._param(name).data  # type: ignore[attr-defined]
-        if name not in s.buffers:
-            s.buffers[name] = torch.zeros(s.shapes[name], dtype=dtype)  # zeros: padding rows stay 0
-        return s.buffers[name]
-
     for handle in handles.get(_my_rank(), []):
-        for name, n in apply_bucket(tr.open(handle), dst_of).items():
+        for name, n in apply_bucket(tr.open(handle), lambda name, dtype: _dst(s, name)).items():
             n_bytes += n * s.elem
             s.remaining[name] -= n
-            if s.remaining[name] == 0:
-                _complete(s, name)
+            layer, _ = s.layers[name]
+            s.layer_left[id(layer)] -= n
+            if s.layer_left[id(layer)] == 0:
+                _complete_layer(s, layer)
     s.received_bytes += n_bytes
     return n_bytes
 
@@ -166,22 +185,24 @@ def apply_bucket(buf, dst_of) -> dict[str, int]:
     return written
 
 
-def _complete(s: _Session, name: str) -> None:
-    if s.direct:
-        if s.keep:
-            s.kept[name] = s._param(name).data.detach().clone()  # type: ignore[attr-defined]
-        return
-    t = s.buffers.pop(name)
-    p = s._param(name)  # type: ignore[attr-defined]
-    t0 = time.perf_counter()
-    p.weight_loader(p, t)  # layerwise: processes the layer once all its parameters arrived
-    s.process_s += time.perf_counter() - t0
+def _complete_layer(s: _Session, layer) -> None:
+    names = [n for n, (l2, _) in s.layers.items() if l2 is layer]
     if s.keep:
-        s.kept[name] = t
+        for n in names:
+            s.kept[n] = getattr(layer, s.layers[n][1]).data.detach().clone()
+    if s.direct:
+        return
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    t0 = time.perf_counter()
+    # No buffered loads: the parameters already hold the loaded layout. vLLM processes the layer
+    # (quant method / CPU repack), copies into the kernel tensors and puts those back on the module.
+    layerwise._layerwise_process(layer, layerwise.get_layerwise_info(layer))
+    s.process_s += time.perf_counter() - t0
 
 
 def finish_worker(worker) -> dict:
-    """Finish the install (post-process remaining layers), record and acknowledge the policy version."""
+    """Finish the install (layers not sent keep their weights), record and acknowledge the version."""
     from .engine_layout import _model
 
     s: _Session = worker._ws_session
@@ -192,13 +213,11 @@ def finish_worker(worker) -> dict:
         t0 = time.perf_counter()
         layerwise.finalize_layerwise_reload(_model(worker), worker.model_runner.model_config)
         s.process_s += time.perf_counter() - t0
-        for p, loader in s.restore:
-            p.weight_loader = loader
+    del worker._ws_session
     if incomplete:
         raise RuntimeError(f"weight sync v{s.version}: parameters not fully received: {incomplete}")
     worker.rl_tpu_policy_version = s.version
     worker._ws_kept = s.kept
-    del worker._ws_session
     return {"rank": _my_rank(), "version": s.version, "bytes": s.received_bytes, "process_s": s.process_s}
 
 
@@ -367,6 +386,11 @@ class WeightSync:
         self.version = version
         return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=plan.nbytes,
                          buckets=len(order), acks=acks)
+
+    def close(self) -> None:
+        """Free the senders' pooled shared-memory slots (call before killing trainer actors)."""
+        for snd in self.senders:
+            _get(_call(snd, sender_close))
 
     def verify(self, hf_weights) -> dict[tuple[int, str], float]:
         """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's

@@ -16,6 +16,7 @@ resolve it on the way, or the buffer for inprocess), so the driver routes handle
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import uuid
@@ -27,8 +28,10 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 class Transport:
     name = "base"
 
-    def alloc(self, nbytes: int) -> tuple[Any, memoryview]:
-        """Sender: a writable buffer of `nbytes` and the state needed to publish it."""
+    def alloc(self, nbytes: int, slot: Any = None) -> tuple[Any, memoryview]:
+        """Sender: a writable buffer of `nbytes` and the state needed to publish it. With a `slot` key
+        the buffer is reused across calls (pre-faulted memory: no page-fault cost per sync); the caller
+        guarantees the receiver is done with a slot before it reuses it."""
         raise NotImplementedError
 
     def publish(self, state: Any) -> Any:
@@ -40,15 +43,20 @@ class Transport:
         raise NotImplementedError
 
     def release(self, handle: Any) -> None:
-        """Driver, after the receiver is done: free the bucket."""
+        """Driver, after the receiver is done: free the bucket (pooled slots stay for reuse)."""
 
 
 class InProcess(Transport):
     name = "inprocess"
+    _pool: dict = {}  # slot -> bytearray, per process
 
-    def alloc(self, nbytes):
-        buf = bytearray(nbytes)
-        return buf, memoryview(buf)
+    def alloc(self, nbytes, slot=None):
+        buf = self._pool.get(slot) if slot is not None else None
+        if buf is None or len(buf) < nbytes:
+            buf = bytearray(nbytes)
+            if slot is not None:
+                self._pool[slot] = buf
+        return memoryview(buf)[:nbytes], memoryview(buf)[:nbytes]
 
     def publish(self, state):
         return state
@@ -58,41 +66,81 @@ class InProcess(Transport):
 
 
 class SharedMemory(Transport):
-    name = "shm"
+    """Files under /dev/shm. A handle is (path, nbytes); the file holds exactly one safetensors image
+    in its first nbytes (a pooled slot file may be larger; readers map only nbytes)."""
 
-    def alloc(self, nbytes):
-        path = os.path.join(_SHM_DIR, f"rl_tpu_ws_{uuid.uuid4().hex}")
+    name = "shm"
+    _pool: dict = {}  # slot -> (path, mmap, size), per process; unlinked at exit
+
+    def alloc(self, nbytes, slot=None):
+        if slot is None:
+            path = os.path.join(_SHM_DIR, f"rl_tpu_ws_{uuid.uuid4().hex}")
+            state = (path, self._create(path, nbytes), nbytes, False)
+            return state, self.view(state)
+        ent = self._pool.get(slot)
+        if ent is None or ent[2] < nbytes:
+            if ent is not None:
+                ent[1].close()
+                os.unlink(ent[0])
+            path = os.path.join(_SHM_DIR, f"rl_tpu_ws_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            ent = self._pool[slot] = (path, self._create(path, nbytes), nbytes)
+            if len(self._pool) == 1:
+                atexit.register(SharedMemory._cleanup)
+        state = (ent[0], ent[1], nbytes, True)
+        return state, self.view(state)
+
+    @staticmethod
+    def _create(path: str, nbytes: int) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
-            mm = mmap.mmap(fd, max(nbytes, 1))
+            return mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
-        return (path, mm), memoryview(mm)[:nbytes]
+
+    @staticmethod
+    def view(state) -> memoryview:
+        return memoryview(state[1])[: state[2]]
 
     def publish(self, state):
-        path, mm = state
-        try:
-            mm.close()
-        except BufferError:  # a view is still alive; the mapping closes when it is collected
-            pass
-        return path
+        path, mm, nbytes, pooled = state
+        if not pooled:
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive; the mapping closes when it is collected
+                pass
+        return (path, nbytes)
 
     def open(self, handle):
-        with open(handle, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        path, nbytes = handle
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map all pages now: no per-page faults
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), max(nbytes, 1), flags=flags, prot=mmap.PROT_READ)
 
     def release(self, handle):
+        path, _ = handle
+        if "_pool_" in os.path.basename(path):
+            return
         try:
-            os.unlink(handle)
+            os.unlink(path)
         except FileNotFoundError:
             pass
+
+    @classmethod
+    def _cleanup(cls) -> None:
+        for path, mm, _ in cls._pool.values():
+            try:
+                mm.close()
+                os.unlink(path)
+            except (OSError, BufferError):
+                pass
+        cls._pool.clear()
 
 
 class RayObjectStore(Transport):
     name = "ray"
 
-    def alloc(self, nbytes):
+    def alloc(self, nbytes, slot=None):  # no pooling: ray.put copies into the object store anyway
         import numpy as np
 
         arr = np.empty(nbytes, dtype=np.uint8)

@@ -81,13 +81,13 @@ def ray_session():
     import ray
 
     started = not ray.is_initialized()
-    for attempt in range(3 if started else 0):  # a loaded 2-core box can miss Ray's GCS start deadline
+    for attempt in range(5 if started else 0):  # a loaded 2-core box can miss Ray's 30 s raylet deadline
         try:
             ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
             break
         except Exception:
             ray.shutdown()
-            if attempt == 2:
+            if attempt == 4:
                 raise
     yield
     if started:

@@ -202,6 +202,40 @@ def test_titan_model_from_hf_matches_transformers_and_adapter_round_trips(arch, 
     assert (got - want).abs().max().item() <= TOL
 
 
+def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
+    """A 1-rank TrainerWorker in this process (gloo, FSDP over one rank): static-shape padding of the
+    sequence to a bucket and of micro-batches to full size leaves the log-probs equal to transformers."""
+    import torch.distributed as dist
+
+    from rl_tpu.trainer.group import _free_port
+    from rl_tpu.trainer.worker import TrainerWorker
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    cfg = load_config(None, ["--trainer.seq_len_buckets=[8, 32]", "--trainer.micro_batch_size=2",
+                             "--trainer.logprob_chunk_size=200"])
+    w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
+    try:
+        b = _batch()  # L = 10 -> bucket 32; 5 rows -> micro-batches of 2, 2, 1 (+1 pad row)
+        idx = w._micro_batches(_with_pad(b), torch.arange(5), 2)
+        assert [len(i) for i in idx] == [2, 2, 2] and idx[-1][-1] == 5
+        res = w.compute_log_probs(b)
+        lp = torch.zeros(5, b.response_len)
+        for i, (t,) in res:
+            keep = i < 5
+            lp[i[keep]] = t[keep]
+        ref, _ = _hf_log_probs(_hf_model(tiny_qwen3), b)
+        assert _masked_max_diff(lp, ref, b.response_mask) <= TOL
+    finally:
+        w.close()
+
+
+def _with_pad(b):
+    from rl_tpu.trainer.worker import _with_pad_row
+
+    return _with_pad_row(b)
+
+
 # ---------------------------------------------------------------------------------------------- Ray groups
 # (file order matters below: read-only checks, then gradient, then training, then checkpoints)
 

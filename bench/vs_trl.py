@@ -338,20 +338,27 @@ def run_trl(a: argparse.Namespace, model: str, work: Path, vllm: bool = False) -
     return _row(kind, f"TRL {out.get('trl_version', '?')} ({gen})", res, figures, out.get("reward", []), why), out
 
 
+# Ray 2.60's raylet waits a fixed ~15-30 s for its dashboard agent to write its port files and aborts
+# when a loaded machine imports the agent more slowly; a second try usually finds the page cache warm
+RAY_STARTUP_FLAKE = re.compile(r"node timed out during startup|GCS cannot find the node|metrics_agent_port")
+
+
 def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[str, Any]:
     run_dir = work / f"ours-{mode}"
     cmd = [sys.executable, "-m", "rl_tpu.cli", "train"] + ours_overrides(a, model, mode, str(run_dir))
-    env = dict(os.environ)
-    # Ray's raylet gives its metrics agent 30 s to start; on a loaded 2-core machine that is not enough
-    # ("Timed out waiting for file .../metrics_agent_port_..."); the variable only widens the wait
-    env.setdefault("RAY_agent_register_timeout_ms", "180000")
-    res = run_measured(cmd, work / f"ours-{mode}.log", env=env, timeout=a.timeout)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    for attempt in range(1, a.ray_retries + 2):
+        res = run_measured(cmd, work / f"ours-{mode}.log", timeout=a.timeout)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        if rows or res.timed_out or not any(RAY_STARTUP_FLAKE.search(ln) for ln in res.tail):
+            break
+        print(f"ours ({mode}): Ray failed to start (attempt {attempt}; raylet gave up waiting for its agent), "
+              "retrying", flush=True)
     figures: dict[str, Any] = {}
     if rows:
         figures = summarize([r["time/step"] for r in rows], [r["time/rollout"] for r in rows],
                             [r["response/length_mean"] * a.prompts * a.n for r in rows], warmup=1)
-    return _row(f"ours_{mode}", f"ours ({mode})", res, figures, [r.get("reward/mean") for r in rows], failure_reason(res, len(rows), a.steps))
+    return _row(f"ours_{mode}", f"ours ({mode})", res, figures, [r.get("reward/mean") for r in rows],
+                failure_reason(res, len(rows), a.steps))
 
 
 def _shared_argv(a: argparse.Namespace) -> list[str]:
@@ -391,6 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
+    p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per side before it is killed")
     p.add_argument("--workdir", type=Path, default=None, help="where model, logs and run folders go (default: a new temp dir)")
     p.add_argument("--worker", choices=["trl", "trl-vllm"], help=argparse.SUPPRESS)
@@ -429,17 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     loads: dict[str, list[float]] = {}
     trl_out: dict = {}
-    if a.skip_trl:
-        pass
-    elif not have_trl:
-        print("TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
-              flush=True)
-    else:
-        l0 = load_average()
-        row, trl_out = run_trl(a, model, a.workdir)
-        rows.append(row)
-        loads["trl"] = [l0, load_average()]
-        print(f"{row['side']}: {row['status']} {row['error'] or ''}", flush=True)
+    # ours first: its runs are short; TRL's side writes its figures per step, so a timeout loses little
     modes = [] if a.skip_ours else a.modes.split(",")
     for mode in modes:
         l0 = load_average()
@@ -452,6 +450,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['side']}: {row['status']}: {row['error']}", flush=True)
         else:
             print(f"{row['side']}: ok", flush=True)
+    if a.skip_trl:
+        pass
+    elif not have_trl:
+        print("TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
+              flush=True)
+    else:
+        l0 = load_average()
+        row, trl_out = run_trl(a, model, a.workdir)
+        rows.append(row)
+        loads["trl"] = [l0, load_average()]
+        print(f"{row['side']}: {row['status']} {row['error'] or ''}", flush=True)
     vllm_error = None
     if a.trl_vllm_check and have_trl:
         vrow, _ = run_trl(a, model, a.workdir, vllm=True)

@@ -2,8 +2,6 @@
 in worker processes. Runs use the tiny model and a reward a tiny model can learn in a few steps."""
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -120,27 +118,3 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     for ra, rb in zip(a[2:5], b[2:5]):
         assert ra["reward/mean"] == rb["reward/mean"], (ra, rb)
         assert ra["loss/policy"] == pytest.approx(rb["loss/policy"], abs=1e-5)
-
-
-def test_cli_with_verl_parquet_and_a_user_reward_file(tmp_path):
-    from rl_tpu.data import make_synthetic, write_parquet
-
-    train, test = make_synthetic("arithmetic", 64, 8, seed=3)
-    write_parquet(train, tmp_path / "train.parquet")
-    write_parquet(test, tmp_path / "test.parquet")
-    (tmp_path / "my_reward.py").write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-        "    return {'score': float(len(solution_str) > 0), 'chars': float(len(solution_str))}\n")
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train",
-           f"--data.train_files=[\"{tmp_path / 'train.parquet'}\"]", f"--data.test_files=[\"{tmp_path / 'test.parquet'}\"]",
-           "--reward.functions=[\"my_reward.py:score\"]", f"--logging.run_dir={run_dir}", "--trainer.total_steps=1",
-           "--trainer.test_freq=1", "--rollout.n=4", "--rollout.max_tokens=8", "--data.batch_size=4",
-           "--logging.tensorboard=false", "--reward.workers=1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = _metrics(run_dir)
-    assert row["reward/mean"] == 1.0 and row["reward/my_reward/chars"] > 0
-    assert 0.0 <= row["eval/accuracy"] <= 1.0
-    samples = (run_dir / "samples.jsonl").read_text().splitlines()
-    assert samples and json.loads(samples[0])["uid"].startswith("arithmetic-train-")

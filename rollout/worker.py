@@ -111,7 +111,7 @@ class RolloutWorker:
     # -- engine lifecycle ---------------------------------------------------------------------------
     def _start_engine(self) -> None:
         t = time.perf_counter()
-        self.llm = build_engine(self.cfg.rollout, self.device, self.model_path)
+        self.llm = build_engine(self.cfg.rollout, self.device, self.model_path, self.index)
         self.version = self.initial_version
         self.start_s = time.perf_counter() - t
 

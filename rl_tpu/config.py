@@ -148,7 +148,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class SyncConfig:
-    transport: Literal["inprocess", "shm", "ray", "collective"] = "shm"
+    # plan-based transports, or "reload": the full-tensor reference path (HF export + vLLM reload_weights)
+    transport: Literal["inprocess", "shm", "ray", "collective", "reload"] = "shm"
     bucket_mb: float = F(64.0, gt=0)
     verify: bool = False  # compare every engine parameter with the trainer's after each sync
 

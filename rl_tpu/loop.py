@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,33 +88,45 @@ def start_ray(cfg: Config) -> None:
 class WeightSyncer:
     """Push the trainer's weights into every engine under a new policy version.
 
-    Uses the plan-based `rl_tpu.weight_sync.WeightSync` when it is available for this configuration;
-    otherwise the full-tensor reference path (trainer exports HF safetensors, engines reload them)."""
+    `sync.transport` = inprocess | shm | ray | collective selects the plan-based `WeightSync` (each
+    engine gets exactly its shard's bytes). `sync.transport = "reload"` is the full-tensor reference
+    path: the trainer exports HF safetensors and the engines `reload_weights` them. `sync.verify`
+    compares every engine parameter with vLLM's own full-tensor loader after each sync, bit for bit."""
 
-    def __init__(self, cfg: Config, trainer, rollout, tmp_dir: Path):
+    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path):
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
         self.plan_sync = None
-        from rl_tpu.weight_sync import WeightSync
+        if cfg.sync.transport != "reload":
+            import functools
 
-        if hasattr(WeightSync, "from_groups"):
-            self.plan_sync = WeightSync.from_groups(cfg.sync, trainer, rollout)
+            from rl_tpu.trainer import model as titan
+            from rl_tpu.weight_sync import WeightSync
+
+            to_hf = functools.partial(titan.titan_to_hf, titan.build_model_spec(model_path))
+            self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout.workers,
+                                        transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
+                                        engine_model_dir=model_path)
 
     def __call__(self, version: int) -> dict[str, float]:
         t = time.perf_counter()
         if self.plan_sync is not None:
-            stats = self.plan_sync.sync(version)
-            nbytes = float(stats.get("bytes", 0.0))
+            stats = self.plan_sync.sync(version, keep_for_verify=self.cfg.sync.verify)
+            nbytes = float(stats.bytes)
             if self.cfg.sync.verify:
-                report = self.plan_sync.verify()
-                worst = max(report.values()) if report else 0.0
-                if worst != 0.0:
-                    raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's (max diff {worst})")
+                diffs = self.plan_sync.verify(sorted(self.trainer.hf_state_dict().items()))
+                bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}
+                if bad:
+                    raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's: {bad}")
         else:
             folder = self.tmp_dir / "sync"
             self.trainer.export_hf(str(folder))
             self.rollout.load_weights_full(str(folder / "model.safetensors"), version)
             nbytes = float((folder / "model.safetensors").stat().st_size)
         return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+
+    def close(self) -> None:
+        if self.plan_sync is not None:
+            self.plan_sync.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,26 +269,28 @@ def train(cfg: Config) -> dict[str, Any]:
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)
 
     start_ray(cfg)
-    pool = RewardPool(cfg.reward)
-    trainer = TrainerGroup(cfg, model_path)
-    rollout = RolloutGroup(cfg, model_path)
     tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    syncer = WeightSyncer(cfg, trainer, rollout, tmp)
-    step = version = 0
-    if resume is not None:
-        state = load_state(resume)
-        trainer.load_checkpoint(str(resume / "trainer"))
-        loader.load_state_dict(state["data"])
-        step, version = state["step"], state["version"]
-        syncer(version)  # the engines restart from the original weights: give them the checkpoint's
-        log.info("resumed from %s at step %d", resume, step)
-    logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
-    bar = _progress(cfg, step)
+    pool = trainer = rollout = syncer = logger = bar = None
     pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
     pending: Future | None = None
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
     last: dict[str, float] = {}
+    step = version = 0
     try:
+        pool = RewardPool(cfg.reward)
+        trainer = TrainerGroup(cfg, model_path)
+        rollout = RolloutGroup(cfg, model_path)
+        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
+        if resume is not None:
+            state = load_state(resume)
+            trainer.load_checkpoint(str(resume / "trainer"))
+            loader.load_state_dict(state["data"])
+            rollout.load_state_dict(state["rollout"])
+            step, version = state["step"], state["version"]
+            syncer(version)  # the engines restart from the original weights: give them the checkpoint's
+            log.info("resumed from %s at step %d", resume, step)
+        logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
+        bar = _progress(cfg, step)
         while step < cfg.trainer.total_steps:
             step += 1
             t_step = time.perf_counter()
@@ -315,16 +330,18 @@ def train(cfg: Config) -> dict[str, Any]:
                 # async: the next step's prompts are already drawn; a resume draws them again (and
                 # samples them with the newer weights, so async resumes are not bit-reproducible)
                 data_state = pending_data_state if pending is not None else loader.state_dict()
-                state = {"version": version, "data": data_state}
+                state = {"version": version, "data": data_state, "rollout": rollout.state_dict()}
                 save_checkpoint(run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last)
         hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
     finally:
-        bar.close()
         pipeline.shutdown(wait=True, cancel_futures=True)
-        logger.close()
-        pool.close()
-        rollout.shutdown()
-        trainer.shutdown()
+        for closer in (bar, logger, pool, syncer):
+            if closer is not None:
+                closer.close()
+        for group in (rollout, trainer):
+            if group is not None:
+                group.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
 
 

@@ -99,6 +99,8 @@ class RolloutGroup:
         """Per prompt (in order), its n completions. Unset sampling arguments come from `cfg.rollout`;
         `seed` replaces `rollout.seed` as the base of this call's per-prompt seeds."""
         check_prompts(prompt_token_ids)
+        if not prompt_token_ids:
+            return []
         rc = self.cfg.rollout
         sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                         stop=stop, stop_token_ids=stop_token_ids)

@@ -160,25 +160,11 @@ class RolloutWorker:
         t0 = time.perf_counter()
         shapes = payload_shapes(payload)
         check_weights(shapes, self.expected, full)
-        wire, path = payload, None
-        if isinstance(payload, dict):
-            wire = list(payload.items())
-        elif isinstance(payload, os.PathLike):
-            wire = str(payload)
-        elif isinstance(payload, (bytearray, memoryview)):
-            wire = bytes(payload)
-        if self._crosses_process() and not isinstance(wire, (bytes, str)):
-            # tensors cannot cross vLLM's process boundary: hand the ranks a shared-memory file
-            from safetensors.torch import save_file
-
-            path = os.path.join(SHM_DIR, f"rl_tpu_w{self.index}_{uuid.uuid4().hex}.safetensors")
-            save_file({n: t.contiguous() for n, t in wire}, path)
-            wire = path
+        wire, path = self._to_wire(payload)
         try:
             loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))
         except Exception as e:
-            self._stop_engine()
-            self._start_engine()
+            self.restart_engine()
             raise RuntimeError(f"rollout worker {self.index}: weight install failed ({e}); engine restarted "
                                f"from {self.model_path}, policy version reset to {self.version}") from e
         finally:
@@ -187,6 +173,49 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
         self.version = version
         return {"tensors": len(shapes), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
+
+    def _to_wire(self, payload: Any) -> tuple[Any, str | None]:
+        """The payload as the engine ranks can receive it, and a temporary file to delete afterwards."""
+        if isinstance(payload, dict):
+            payload = list(payload.items())
+        elif isinstance(payload, os.PathLike):
+            payload = str(payload)
+        elif isinstance(payload, (bytearray, memoryview)):
+            payload = bytes(payload)
+        if not self._crosses_process() or isinstance(payload, (bytes, str)):
+            return payload, None
+        # tensors cannot cross vLLM's process boundary: hand the ranks a shared-memory file
+        from safetensors.torch import save_file
+
+        path = os.path.join(SHM_DIR, f"rl_tpu_w{self.index}_{uuid.uuid4().hex}.safetensors")
+        save_file({n: t.contiguous() for n, t in payload}, path)
+        return path, path
+
+    # Bucketed install for weight sync: begin_weights, load_bucket x k, finish_weights(version).
+    # Each bucket must hold every tensor of the layers it touches (see receiver.py); no validation of
+    # completeness here, the plan guarantees it. On any failure call restart_engine().
+    def begin_weights(self) -> None:
+        self.llm.collective_rpc("rl_begin")
+
+    def load_bucket(self, payload: Any) -> int:
+        check_weights(payload_shapes(payload), self.expected, full=False)
+        wire, path = self._to_wire(payload)
+        try:
+            return self.llm.collective_rpc("rl_load", args=(wire,))[0]
+        finally:
+            if path is not None:
+                os.unlink(path)
+
+    def finish_weights(self, version: int) -> list[str]:
+        loaded = self.llm.collective_rpc("rl_finish")[0]
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return loaded
+
+    def restart_engine(self) -> None:
+        """Fresh engine from the model folder (policy version back to the initial one)."""
+        self._stop_engine()
+        self._start_engine()
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

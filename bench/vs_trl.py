@@ -29,6 +29,10 @@ sampled every 1 s (`bench/_common.py` explains RSS vs PSS). Seconds per step is 
 `response/length_mean`), TRL's side times the interval between optimizer steps and its `generate` calls.
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
 
+Order: ours (sync, then async), then TRL, one at a time; the 1-minute load average before and after
+each side is printed, with a warning when other work shared the cores. Our side is rerun (up to
+`--ray-retries`) when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its
+dashboard agent). A side killed at `--timeout` after 2+ steps is reported as "partial".
 If our side fails (the loop is young), the script says so, names the error and the log, and still
 reports TRL. The last line is one JSON object; "ratio" = TRL s/step / ours (sync) s/step, "ratio_async"
 the same for `cluster.mode=async`: above 1 means ours is faster.

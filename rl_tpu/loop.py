@@ -112,6 +112,7 @@ class WeightSyncer:
         if self.plan_sync is not None:
             stats = self.plan_sync.sync(version, keep_for_verify=self.cfg.sync.verify)
             nbytes = float(stats.bytes)
+            self.rollout.policy_version = version
             if self.cfg.sync.verify:
                 diffs = self.plan_sync.verify(sorted(self.trainer.hf_state_dict().items()))
                 bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}

@@ -134,6 +134,12 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.version
 
+    def set_policy_version(self, version: int) -> int:
+        """Called by the plan-based weight sync once every bucket of `version` is installed and the
+        prefix cache is reset: completions from now on report this version."""
+        self.version = int(version)
+        return self.version
+
     def generate(self, prompt_token_ids: list[list[int]], prompt_indices: list[int],
                  sampling: dict, seeds: list[int] | None = None) -> list[list[Completion]]:
         """Generate for the given prompts (`prompt_indices` are their indices in the caller's batch);

@@ -132,7 +132,8 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
         f"--reward.functions=[\"{REWARD_FN}\"]",
         "--data.synthetic=arithmetic", f"--data.synthetic_train_size={a.train_size}", f"--data.batch_size={a.prompts}",
         "--data.shuffle=false", f"--data.seed={a.seed}",
-        f"--cluster.mode={mode}", f"--logging.run_dir={run_dir}", "--logging.tensorboard=false",
+        f"--cluster.mode={mode}", f"--cluster.placement={'disaggregated' if mode == 'async' else 'colocated'}",
+        f"--logging.run_dir={run_dir}", "--logging.tensorboard=false",
         "--logging.progress=false", "--logging.samples_per_step=0", "--checkpoint.every=0",
     ]
 

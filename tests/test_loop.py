@@ -70,7 +70,8 @@ def test_reward_rises(mode, tmp_path, reward_files):
     from rl_tpu.loop import train
 
     steps = 8
-    cfg = _run_cfg(tmp_path, mode, f"--cluster.mode={mode}", f"--trainer.total_steps={steps}",
+    placement = "disaggregated" if mode == "async" else "colocated"
+    cfg = _run_cfg(tmp_path, mode, f"--cluster.mode={mode}", f"--cluster.placement={placement}", f"--trainer.total_steps={steps}",
                    f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]")
     out = train(cfg)
     rows = _metrics(Path(out["run_dir"]))

@@ -29,4 +29,4 @@ def test_cli_with_verl_parquet_and_a_user_reward_file(tmp_path):
     assert row["reward/mean"] == 1.0 and row["reward/score/chars"] > 0  # named after the function
     assert 0.0 <= row["eval/accuracy"] <= 1.0
     samples = (run_dir / "samples.jsonl").read_text().splitlines()
-    assert samples and json.loads(samples[0])["uid"].startswith("arithmetic-train-")
+    assert samples and json.loads(samples[0])["uid"].startswith("train.parquet:")  # file:row names each prompt

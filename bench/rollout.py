@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 
+from rl_tpu.cluster import init_ray
 from rl_tpu.config import load_config
 from rl_tpu.rollout.engine import build_engine, rollout_device, sampling_params
 
@@ -50,14 +51,7 @@ def main() -> None:
     # ignore_eos is not a config knob; fixed-length outputs come from a vocabulary-wide random model
     # rarely hitting EOS, and both sides count the tokens they actually produced.
 
-    for attempt in range(3):  # a loaded shared box can miss Ray's 30 s raylet start deadline
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
+    init_ray(attempts=3, num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         llm = build_engine(cfg.rollout, rollout_device(cfg), model)
         sp = sampling_params(cfg.rollout, rollout_device(cfg))

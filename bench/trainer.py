@@ -79,6 +79,7 @@ def main() -> None:
 
     import ray
 
+    from rl_tpu.cluster import init_ray
     from rl_tpu.config import load_config
     from rl_tpu.devices import get_device
     from rl_tpu.tiny_model import make_tiny_model
@@ -98,14 +99,7 @@ def main() -> None:
         hf_s = hf_train(path, batch, cfg, args.steps, args.warmup, total_threads)
         print(f"transformers: {hf_s:.3f} s/step, {tokens / hf_s:,.0f} tok/s ({total_threads} threads)")
 
-        for attempt in range(3):  # a busy box can miss Ray's GCS start deadline
-            try:
-                ray.init(num_cpus=max(total_threads, 2), include_dashboard=False, log_to_driver=False)
-                break
-            except Exception:
-                ray.shutdown()
-                if attempt == 2:
-                    raise
+        init_ray(attempts=3, num_cpus=max(total_threads, 2), include_dashboard=False, log_to_driver=False)
         group = TrainerGroup(cfg, path, world_size=args.world_size)
         try:
             walls, inner = [], []

@@ -33,6 +33,7 @@ import torch
 
 from rl_tpu.algorithms import apply_kl_in_reward, compute_advantages, keep_groups_with_variance, overlong_penalty
 from rl_tpu.batching import RolloutBatch, build_rollout_batch
+from rl_tpu.cluster import init_ray
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
@@ -78,15 +79,10 @@ def start_ray(cfg: Config) -> None:
     else:
         # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
         kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1)
-    for attempt in range(3):  # a loaded machine can miss Ray's fixed 30 s start-up deadline
-        try:
-            ray.init(**kwargs)
-            return
-        except Exception as e:  # noqa: BLE001 - Ray raises several types for a missed deadline
-            if attempt == 2 or cfg.cluster.address:
-                raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e
-            log.warning("ray.init failed (%s); retrying", e)
-            ray.shutdown()
+    try:
+        init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e
 
 
 class WeightSyncer:

@@ -60,9 +60,12 @@ def reward_files(tmp_path_factory):
 def ray_session():
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    if started:
+        ray.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

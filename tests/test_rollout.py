@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 
+from rl_tpu.cluster import init_ray
 from rl_tpu.config import load_config
 from rl_tpu.rollout import RolloutGroup, RolloutWorkerError, assign_prompts
 
@@ -23,15 +24,7 @@ MAX_TOKENS = 12
 # -- fixtures ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_session():
-    started = not ray.is_initialized()
-    for attempt in range(3 if started else 0):  # a loaded 2-core box can miss Ray's 30 s raylet deadline
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
+    started = init_ray(attempts=3, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

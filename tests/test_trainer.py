@@ -80,15 +80,9 @@ def tiny_llama(tmp_path_factory) -> str:
 def ray_session():
     import ray
 
-    started = not ray.is_initialized()
-    for attempt in range(5 if started else 0):  # a loaded 2-core box can miss Ray's 30 s raylet deadline
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 4:
-                raise
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(attempts=5, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -49,15 +49,10 @@ def _to_hf(model_path: str):
 def ray_session():
     import ray
 
-    started = not ray.is_initialized()
-    for attempt in range(3 if started else 0):
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception as e:  # noqa: BLE001 - Ray's 30 s raylet wait is hard-coded; a busy CI box misses it
-            ray.shutdown()
-            if "timed out during startup" not in str(e) or attempt == 2:
-                raise
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(attempts=3, retry_if="timed out during startup", num_cpus=4, include_dashboard=False,
+                       log_to_driver=False)
     yield
     if started:
         ray.shutdown()

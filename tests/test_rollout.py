@@ -6,7 +6,6 @@ Engines started in the default run: two groups (2 workers and 1 worker) and one 
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -206,23 +205,6 @@ def test_load_weights_changes_outputs_and_resets_prefix_cache(group2, tiny_qwen3
         group2.load_weights_full(f.read(), version=3)
     assert [g[0].response_ids for g in group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)] == \
         [g[0].response_ids for g in new]
-
-
-def test_bucketed_install_per_layer(group2, tiny_qwen3, prompts):
-    """The weight-sync protocol: begin, one bucket per decoder layer (plus the rest), finish(version)."""
-    w = _tensors(tiny_qwen3)
-    buckets: dict[str, dict] = {}
-    for name, t in w.items():
-        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
-        buckets.setdefault(key, {})[name] = t
-    model = _hf(tiny_qwen3)
-    for worker in group2.workers:
-        ray.get(worker.begin_weights.remote())
-        assert sum(ray.get([worker.load_bucket.remote(b) for b in buckets.values()])) == len(w)
-        assert len(ray.get(worker.finish_weights.remote(5))) > 0
-    out = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
-    assert [c.response_ids for (c,) in out] == [hf_greedy(model, p) for p in prompts]
-    assert {c.policy_version for (c,) in out} == {5}
 
 
 def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3, prompts):

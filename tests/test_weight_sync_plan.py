@@ -1,35 +1,40 @@
-"""Pure-logic tests of weight sync: wire format, plan composition and bucketing, name checks, transports.
+"""Pure-logic tests of weight sync: row runs, plan composition and bucketing, name checks, transports, wire.
 
 No vLLM, Ray or TorchTitan here: engine layouts are built by hand in the shape vLLM's loaders produce
-(q/k/v fused and narrowed per TP rank), which is fair for testing the plan's arithmetic; the real
-layouts are derived from vLLM in tests/test_weight_sync.py.
+(q/k/v fused and narrowed per TP rank, a row-parallel weight narrowed on columns, a padding row),
+coded the way vLLM's loaders leave index codes, and compressed by the same `rows.engine_runs` the engine
+uses; the real layouts are derived from vLLM in tests/test_weight_sync.py.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from rl_tpu.weight_sync.engine_layout import EngineLayout
-from rl_tpu.weight_sync.names import hf_element_map, hf_shapes
-from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names
+from rl_tpu.weight_sync.engine_side import apply_bucket
+from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
+from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names, owners
+from rl_tpu.weight_sync.rows import engine_runs, rows_cols, runs_1d, split_at
 from rl_tpu.weight_sync.specs import ParamSpec
-from rl_tpu.weight_sync.sync import apply_bucket, sender_pack, sender_setup
+from rl_tpu.weight_sync.sync import Sender, receiver_tables
 from rl_tpu.weight_sync.transports import get_transport
 from rl_tpu.weight_sync.wire import pack, pack_into, unpack
 
 # A toy "model": TorchTitan names, HF names by a rename + (for wq) a row permutation, like Llama's adapter.
-SHAPES = {"wq": (6, 4), "wk": (5, 4), "wv": (5, 4), "norm": (4,)}
+SHAPES = {"wq": (6, 4), "wk": (5, 4), "wv": (5, 4), "wo": (4, 6), "norm": (4,)}
 PERM = torch.tensor([1, 0, 3, 2, 5, 4])  # HF row i = TorchTitan row PERM[i]
 
 
+HF_NAME = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "norm": "norm"}
+
+
 def to_hf(sd: dict) -> dict:
-    out = {"q": sd["wq"][PERM] if sd["wq"].device.type != "meta" else sd["wq"], "k": sd["wk"], "v": sd["wv"]}
-    out["norm"] = sd["norm"]
-    return out
+    """Like TorchTitan's adapters: one entry per TorchTitan tensor given, renamed (q rows permuted)."""
+    return {HF_NAME[n]: (t[PERM] if n == "wq" and t.device.type != "meta" else t) for n, t in sd.items()}
 
 
 def specs(world: int = 2, placement: str = "S(0)") -> list[ParamSpec]:
@@ -38,20 +43,28 @@ def specs(world: int = 2, placement: str = "S(0)") -> list[ParamSpec]:
 
 
 def hand_layout(hf_order, tp: int, rank: int) -> EngineLayout:
-    """qkv = cat(q, k, v) narrowed to this rank's rows (vLLM's QKVParallelLinear), norm replicated."""
+    """qkv = cat(q, k, v) narrowed to this rank's rows (QKVParallelLinear) plus a padding row; o narrowed
+    to this rank's columns (RowParallelLinear); norm replicated. Codes as vLLM's loaders leave them."""
+    shapes = dict(hf_order)
     off, o = {}, 0
-    for n, s in hf_order:
+    for n, sh in hf_order:
         off[n] = o
-        o += math.prod(s)
-    def rows(n):
-        t = torch.arange(off[n], off[n] + math.prod(dict(hf_order)[n])).view(dict(hf_order)[n])
-        return t.chunk(tp)[rank] if n != "norm" else t
-    qkv = torch.cat([rows("q"), rows("k"), rows("v")])
-    qkv = torch.cat([qkv, torch.full((1, 4), -1)])  # one padding row nothing loads into
-    norm = rows("norm")
+        o += math.prod(sh)
+
+    def coded(n):
+        return torch.arange(off[n] + 1, off[n] + 1 + math.prod(shapes[n])).view(shapes[n])
+
+    qkv = torch.cat([coded("q").chunk(tp)[rank], coded("k").chunk(tp)[rank], coded("v").chunk(tp)[rank],
+                     torch.zeros(1, 4, dtype=torch.int64)])
+    wo = coded("o").chunk(tp, dim=1)[rank]
+    norm = coded("norm")
+    offsets = np.array([off[n] for n, _ in hf_order])
+    cols = np.array([rows_cols(sh)[1] for _, sh in hf_order])
+    params = {"qkv": qkv, "o_proj": wo, "norm": norm}
     return EngineLayout(tp_rank=rank, tp_size=tp, dtype="float32",
-                        shapes={"qkv": tuple(qkv.shape), "norm": tuple(norm.shape)},
-                        codes={"qkv": qkv.reshape(-1).numpy(), "norm": norm.reshape(-1).numpy()})
+                        shapes={n: tuple(t.shape) for n, t in params.items()},
+                        runs={n: engine_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
+                              for n, t in params.items()})
 
 
 def local_chunk(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -66,24 +79,27 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
     sp = specs(world)
     hf_order = sorted(hf_shapes(sp, to_hf).items())
     layouts = [((0, r), hand_layout(hf_order, tp, r)) for r in range(tp)]
-    plan = build_plan(sp, hf_element_map(sp, to_hf), hf_order, layouts, bucket_bytes)
-    senders = [SimpleNamespace(shards={n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)]
+    plan = build_plan(sp, hf_row_map(sp, to_hf), hf_order, layouts, bucket_bytes)
+    senders = [Sender(lambda r=r: {n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)]
     for r, s in enumerate(senders):
-        sender_setup(s, plan.for_sender(r))
+        s.ws_setup(plan.titan_names, plan.for_sender(r))
     got = [{n: torch.zeros(sh) for n, sh in plan.dst_shapes[i].items()} for i in range(tp)]
     tr = get_transport(transport)
     per_receiver_bytes = [0] * tp
-    for r, s in enumerate(senders):
-        for k, b in enumerate(plan.for_sender(r)):
-            handle = sender_pack(s, k, transport, 7)
-            written = apply_bucket(tr.open(handle), lambda n, d, i=b.receiver: got[i][n])
-            per_receiver_bytes[b.receiver] += 4 * sum(written.values())
+    _, rounds = receiver_tables(plan, 0)
+    for rnd in rounds:  # the receiver's install order, as `Receiver.ws_sync` walks it
+        for tp_rank, (bid, snd, slot, _) in rnd.items():
+            i = plan.receivers.index((0, tp_rank))
+            handle = senders[snd].ws_pack(bid, transport, 7, slot)
+            pieces = dict((b, p) for b, _, p in plan.for_receiver(i))[bid]
+            per_receiver_bytes[i] += apply_bucket(tr.open(handle), pieces, plan.dst_names[i],
+                                                  lambda n, i=i: got[i][n].view(rows_cols(tuple(got[i][n].shape))))
             tr.release(handle)
     hf = to_hf(full)
     want = []
     for r in range(tp):
         qkv = torch.cat([hf["q"].chunk(tp)[r], hf["k"].chunk(tp)[r], hf["v"].chunk(tp)[r], torch.zeros(1, 4)])
-        want.append({"qkv": qkv, "norm": hf["norm"]})
+        want.append({"qkv": qkv, "o_proj": hf["o"].chunk(tp, dim=1)[r], "norm": hf["norm"]})
     return plan, got, want, per_receiver_bytes
 
 
@@ -95,23 +111,79 @@ def test_plan_reassembles_engine_shards_exactly(tp, world, bucket):
             assert torch.equal(got[r][n], want[r][n]), (r, n)
         # each receiver gets exactly the bytes of its shard: loaded elements only, nothing twice
         assert per_receiver_bytes[r] == 4 * sum(plan.dst_numel[r].values())
-    assert all(b.nbytes <= max(bucket, 4) for b in plan.buckets)
+    # a bucket exceeds its size by less than one row (the widest row here is 6 floats)
+    assert all(b <= max(bucket, 4) + 4 * 6 for b in plan.buckets[:, 2])
 
 
 def test_plan_sends_each_rank_only_its_rows():
     plan, *_ = run_plan(tp=1, world=2, bucket_bytes=1 << 20)
-    for b in plan.buckets:
-        for c in b.copies:  # offsets stay inside the sender's local shard (chunk of dim 0)
-            rows = SHAPES[c.src][0]
-            local_rows = len(range(rows)[b.sender * math.ceil(rows / 2):][: math.ceil(rows / 2)])
-            assert c.src_offset + c.numel <= local_rows * math.prod(SHAPES[c.src][1:])
+    for rank in range(2):
+        for pieces in plan.for_sender(rank).values():
+            for src, r, c, nr, nc in pieces.tolist():  # rows stay inside the sender's chunk of dim 0
+                name = plan.titan_names[src]
+                local_rows = rows_cols(tuple(local_chunk(torch.empty(SHAPES[name]), 2, rank).shape))[0]
+                assert 0 <= r and r + nr <= local_rows
+                assert c + nc <= rows_cols(SHAPES[name])[1]
 
 
-def test_runs_are_merged_into_few_copies():
+def test_runs_are_merged_into_few_pieces():
     plan, *_ = run_plan(tp=1, world=1, bucket_bytes=1 << 20)
-    copies = [c for b in plan.buckets for c in b.copies]
-    # q is row-permuted (6 single-row runs), k and v contiguous, norm one run
-    assert len(copies) == 6 + 1 + 1 + 1
+    # q is row-permuted (6 single-row pieces), k, v, o and norm one piece each
+    assert plan.pieces.shape[0] == 6 + 1 + 1 + 1 + 1
+
+
+def test_row_parallel_narrowing_is_one_multi_row_run():
+    hf_order = sorted(hf_shapes(specs(), to_hf).items())
+    lay = hand_layout(hf_order, 2, 1)
+    (run,) = lay.runs["o_proj"].tolist()  # dst_row, dst_col, nrows, ncols, hf, hf_row, hf_col
+    assert run == [0, 0, 4, 3, [n for n, _ in hf_order].index("o"), 0, 3]
+
+
+def test_owners_follow_dtensor_chunking_and_replication():
+    s = ParamSpec(name="w", shape=(5, 3), dtype="float32", mesh_shape=(2, 3), mesh_dim_names=("rep", "shard"),
+                  placements=("Replicate()", "Shard(dim=0)"))
+    assert owners(s) == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]  # coordinate 0 of the replicated dim is the source
+    nested = ParamSpec(name="w", shape=(8, 2, 3), dtype="float32", mesh_shape=(2, 2), mesh_dim_names=("a", "b"),
+                       placements=("S(0)", "S(0)"))
+    # dim 0 chunks 4 | 4, then 2 | 2 inside each; 2-D rows are dim0 x 2
+    assert owners(nested) == [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)]
+
+
+def test_split_at_cuts_intervals_at_segment_starts():
+    idx, lo, n = split_at(np.array([0, 5]), np.array([4, 6]), np.array([0, 2, 6, 8]))
+    assert list(zip(idx.tolist(), lo.tolist(), n.tolist())) == [(0, 0, 2), (0, 2, 2), (1, 5, 1), (1, 6, 2), (1, 8, 3)]
+    assert runs_1d(np.array([3, 4, 5, 9, 1, 2])).tolist() == [[0, 3, 3], [3, 9, 1], [4, 1, 2]]
+
+
+def test_plan_size_grows_with_rows_not_elements():
+    """A 4096-wide Qwen3-like layer planned from synthetic layouts: pieces per parameter stay O(ranks)."""
+    hidden = 4096
+    sh = {"wq": (hidden, hidden), "wk": (1024, hidden), "wv": (1024, hidden), "wo": (hidden, hidden), "norm": (hidden,)}
+    sp = [ParamSpec(name=n, shape=s, dtype="float32", mesh_shape=(8,), mesh_dim_names=("fsdp",), placements=("S(0)",))
+          for n, s in sh.items()]
+    hf = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "norm": "norm"}
+
+    def ident(sd):
+        return {h: sd[t] for h, t in hf.items() if t in sd}
+
+    hf_order = sorted(hf_shapes(sp, ident).items())
+    idx = {n: i for i, (n, _) in enumerate(hf_order)}
+    tp = 4
+    layouts = []
+    for r in range(tp):
+        q, k = hidden // tp, 1024 // tp
+        runs = {
+            "qkv": np.array([[0, 0, q, hidden, idx["q"], r * q, 0], [q, 0, k, hidden, idx["k"], r * k, 0],
+                             [q + k, 0, k, hidden, idx["v"], r * k, 0]]),
+            "o_proj": np.array([[0, 0, hidden, hidden // tp, idx["o"], 0, r * hidden // tp]]),
+            "norm": np.array([[0, 0, hidden, 1, idx["norm"], 0, 0]]),
+        }
+        shapes = {"qkv": (q + 2 * k, hidden), "o_proj": (hidden, hidden // tp), "norm": (hidden,)}
+        layouts.append(((0, r), EngineLayout(tp_rank=r, tp_size=tp, dtype="float32", shapes=shapes, runs=runs)))
+    plan = build_plan(sp, hf_row_map(sp, ident), hf_order, layouts, 64 << 20)
+    # every element once, none twice; the replicated norm goes to each TP rank
+    assert plan.nbytes == 4 * (sum(math.prod(s) for s in sh.values()) + (tp - 1) * hidden)
+    assert plan.pieces.shape[0] <= tp * 5 * 8 * 2  # receivers x params x FSDP ranks, with slack
 
 
 def test_shm_and_inprocess_transports_give_the_same_result():
@@ -191,12 +263,22 @@ def test_check_names_lists_every_problem_at_once():
     check_names(engine, engine)  # no error when they agree
 
 
-def test_hf_element_map_follows_adapter_permutation():
-    m = hf_element_map(specs(), to_hf)
-    src, idx = m["q"]
-    assert src == "wq"
-    assert torch.equal(idx.view(6, 4)[:, 0], PERM * 4)
-    assert torch.equal(m["k"][1], torch.arange(20))
+def test_hf_row_map_follows_adapter_row_permutation():
+    m = hf_row_map(specs(), to_hf)
+    tid, runs = m["q"]
+    assert specs()[tid].name == "wq"
+    assert runs.tolist() == [[i, int(PERM[i]), 1] for i in range(6)]  # every row its own run
+    tid, runs = m["k"]
+    assert specs()[tid].name == "wk" and runs.tolist() == [[0, 0, 5]]  # one run of all 5 rows
+    assert m["norm"][1].tolist() == [[0, 0, 4]]  # 1-D: [4, 1]
+
+
+def test_adapter_that_transposes_is_refused_by_name():
+    def transposing(sd):
+        return {"q": sd["wq"].t()}
+
+    with pytest.raises(ValueError, match="'q'.*across columns"):
+        hf_row_map(specs()[:1], transposing)
 
 
 def test_unsupported_placement_is_named():
@@ -204,6 +286,6 @@ def test_unsupported_placement_is_named():
                     placements=("S(1)",))]
     hf_order = [("q", (6, 4))]
     lay = EngineLayout(tp_rank=0, tp_size=1, dtype="float32", shapes={"q": (6, 4)},
-                       codes={"q": torch.arange(24).numpy()})
+                       runs={"q": np.array([[0, 0, 6, 4, 0, 0, 0]])})
     with pytest.raises(NotImplementedError, match="wq: placement S\\(1\\)"):
-        build_plan(sp, {"q": ("wq", torch.arange(24))}, hf_order, [((0, 0), lay)], 1 << 20)
+        build_plan(sp, {"q": (0, np.array([[0, 0, 6]]))}, hf_order, [((0, 0), lay)], 1 << 20)

@@ -402,12 +402,31 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ------------------------------------------------------------------ weight-sync hook (owned by weight_sync)
+    # ------------------------------------------------------------------ weight sync (sender side)
+    # This rank packs its buckets of the plan from its local DTensor shards (no copies before packing);
+    # see rl_tpu.weight_sync.sync.Sender. Receivers call ws_pack directly, the driver only sets up.
 
-    def run(self, fn, *args, **kwargs):
-        """Run `fn(self, *args, **kwargs)` in this actor; weight sync's sender functions use it
-        (`rl_tpu.weight_sync.sync.sender_pack` reads this rank's DTensor shards without copying them)."""
-        return fn(self, *args, **kwargs)
+    def _ws(self):
+        if getattr(self, "_sender", None) is None:
+            from rl_tpu.weight_sync.sync import Sender, fsdp_local_shards
+
+            self._sender = Sender(lambda: fsdp_local_shards(self.model))
+        return self._sender
+
+    def ws_setup(self, names: list[str], buckets: dict) -> int:
+        return self._ws().ws_setup(names, buckets)
+
+    def ws_pack(self, bucket: int, transport: str, version: int, slot=None):
+        return self._ws().ws_pack(bucket, transport, version, slot)
+
+    def ws_node(self) -> str:
+        return self._ws().ws_node()
+
+    def ws_join(self, host: str, port: int, world: int, rank: int, senders: int) -> int:
+        return self._ws().ws_join(host, port, world, rank, senders)
+
+    def ws_close(self) -> None:
+        self._ws().ws_close()
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

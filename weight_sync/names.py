@@ -1,48 +1,100 @@
 """TorchTitan -> Hugging Face names and element positions, through TorchTitan's own state-dict adapter.
 
 There is no hand-written name list here: the adapter (`Qwen3StateDictAdapter`, `Llama3StateDictAdapter`,
-...) is the one table. To learn not only the names but where every element goes (Llama's adapter permutes
-q/k rows for RoPE; MoE adapters split grouped experts), `hf_element_map` feeds the adapter's `to_hf`
-with index-coded int64 tensors (element value = its global TorchTitan position) and reads the codes back.
+...) is the one table. To learn not only the names but where every row goes (Llama's adapter permutes
+q/k rows for RoPE; MoE adapters split grouped experts), `hf_row_map` feeds the adapter's `to_hf` with
+one-column probe tensors holding each row's global TorchTitan row number and reads them back.
 The HF -> engine step is vLLM's (see `engine_layout`).
 
-Invariants: every HF element maps to exactly one TorchTitan element; `to_hf` must only move elements
-(view, permute, split, rename), which is what TorchTitan's adapters do.
+Invariants: every HF row maps to exactly one TorchTitan row with its columns in order; `to_hf` must only
+move rows (view, permute rows, split, rename), which is what TorchTitan's Qwen3 / Llama / MoE adapters do.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
+from .rows import rows_cols, runs_1d
 from .specs import ParamSpec
 
 
-def hf_element_map(
-    specs: list[ParamSpec], to_hf: Callable[[dict], dict]
-) -> dict[str, tuple[str, torch.Tensor]]:
-    """HF name -> (TorchTitan name, int64 [numel] flat TorchTitan index of each HF element, row-major)."""
-    offsets, total = {}, 0
-    for s in specs:
-        offsets[s.name] = total
-        total += math.prod(s.shape)
-    coded = {s.name: torch.arange(offsets[s.name], offsets[s.name] + math.prod(s.shape)).view(s.shape) for s in specs}
-    names = [s.name for s in specs]
-    starts = torch.tensor([offsets[n] for n in names])
-    out = {}
-    for hf_name, t in to_hf(coded).items():
-        flat = t.reshape(-1)
-        tid = int(torch.searchsorted(starts, flat[:1], right=True)[0]) - 1
-        src = names[tid]
-        local = flat - offsets[src]
-        if flat.numel() and (int(local.min()) < 0 or int(local.max()) >= math.prod(specs[tid].shape)):
+def hf_row_map(specs: list[ParamSpec], to_hf: Callable[[dict], dict]) -> dict[str, tuple[int, np.ndarray]]:
+    """HF name -> (index into `specs`, `[n, 3]` runs of (HF row, TorchTitan row, nrows)); columns map 1:1.
+
+    Rows are those of the 2-D view (`rows.rows_cols`). The adapter runs on one TorchTitan tensor at a
+    time, on a probe holding each row's TorchTitan row number: one column wide (one int64 per row), or,
+    for adapters that reshape with the full width (Llama's k permutation names the model dim), a stride-0
+    view across all columns, read back from column 0 after checking every column agrees. TorchTitan's
+    adapters map layer `i` by a template over `i`, so once two layers of a name template gave the same
+    map, the other layers reuse it (checked names). An adapter that moves elements across rows and
+    columns (a transpose) is refused by name; one that permutes columns within a row is not detected here
+    (TorchTitan's adapters do not; the real-stack tests verify bit for bit).
+    """
+    real = hf_shapes(specs, to_hf)
+    out: dict[str, tuple[int, np.ndarray]] = {}
+    templates: dict[tuple, list | None] = {}  # (name template, shape) -> [(HF name template, runs)]
+    seen: dict[tuple, int] = {}
+    for tid, s in enumerate(specs):
+        num = re.search(r"\d+", s.name)
+        key = (re.sub(r"\d+", "{}", s.name, count=1), tuple(s.shape)) if num else None
+        cached = templates.get(key)
+        if cached is not None and seen[key] >= 2:
+            names = [t.format(num.group(0)) for t, _ in cached]
+            if all(n in real for n in names):
+                out.update({n: (tid, runs) for n, (_, runs) in zip(names, cached)})
+                continue
+        got = _probe(s, to_hf, real)
+        for hf_name, runs in got:
+            out[hf_name] = (tid, runs)
+        if key is None:
+            continue
+        mine = [(re.sub(rf"(?<!\d){num.group(0)}(?!\d)", "{}", n, count=1), r) for n, r in got]
+        if key not in templates:
+            templates[key], seen[key] = mine, 1
+        elif templates[key] is not None:
+            same = len(mine) == len(templates[key]) and all(
+                a == c and np.array_equal(b, d) for (a, b), (c, d) in zip(mine, templates[key]))
+            templates[key] = templates[key] if same else None
+            seen[key] += 1
+    return out
+
+
+def _probe(s: ParamSpec, to_hf: Callable[[dict], dict], real: dict) -> list[tuple[str, np.ndarray]]:
+    """Run the adapter on a row-number probe of one TorchTitan tensor: [(HF name, row runs)]."""
+    n = rows_cols(s.shape)[0]
+    codes = torch.arange(n, dtype=torch.int64)
+    if len(s.shape) >= 2:
+        try:
+            got = dict(to_hf({s.name: codes.view(*s.shape[:-1], 1)}))
+            if any(v.shape[-1] != 1 for v in got.values()):
+                raise ValueError("probe widened")
+        except (RuntimeError, ValueError):  # the adapter needs the real width: stride-0 columns
+            wide = to_hf({s.name: codes.view(*s.shape[:-1], 1).expand(s.shape)})
+            got = {k: v[..., :1] if tuple(v.shape) == tuple(real[k]) and bool((v == v[..., :1]).all()) else v
+                   for k, v in wide.items()}
+    else:
+        got = dict(to_hf({s.name: codes.view(s.shape)}))
+    out = []
+    for hf_name, t in got.items():
+        shape = real[hf_name]
+        want = (*shape[:-1], 1) if len(shape) >= 2 else tuple(shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"adapter output {hf_name!r}: probe shape {tuple(t.shape)} != {want}; the adapter "
+                             f"moves elements across columns, which the row-based plan does not support")
+        local = t.reshape(-1).numpy()
+        if local.size and (local.min() < 0 or local.max() >= n):
             raise ValueError(f"adapter maps HF tensor {hf_name!r} from more than one TorchTitan tensor")
-        out[hf_name] = (src, local)
+        if rows_cols(s.shape)[1] != rows_cols(shape)[1]:
+            raise ValueError(f"adapter output {hf_name!r}: {rows_cols(shape)[1]} columns, but its source "
+                             f"{s.name!r} has {rows_cols(s.shape)[1]}")
+        out.append((hf_name, runs_1d(local)))
     return out
 
 

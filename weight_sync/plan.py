@@ -1,175 +1,207 @@
-"""The resharding plan: which bytes each trainer rank sends to each engine rank. Pure tensor math.
+"""The resharding plan: which rows each trainer rank sends to each engine rank. Pure numpy.
 
-Inputs (all static metadata, computed once per (trainer layout, engine layout)):
+Inputs (static metadata, computed once per (trainer layout, engine layout)):
 - trainer specs (`ParamSpec`: TorchTitan name, global shape, placements over the trainer mesh);
-- the TorchTitan -> HF element map (`names.hf_element_map`): for each HF tensor, the flat TorchTitan
-  element each of its elements comes from (identity for Qwen3, a head permutation for Llama q/k);
-- one `EngineLayout` per receiver (engine, TP rank): for each engine parameter element, the global HF
-  element vLLM's own loader put there (-1 for padding).
+- the TorchTitan -> HF row map (`names.hf_row_map`: identity for Qwen3, a row permutation for Llama q/k);
+- one `EngineLayout` per receiver (engine, TP rank): row runs saying which HF rows and columns vLLM's own
+  loader put into each engine parameter (`engine_layout`).
 
-Composing the three gives, for every engine element, (trainer rank, TorchTitan tensor, local offset).
-Runs that are contiguous on both sides become one `Copy`; copies are grouped per (receiver, sender) and
-cut into buckets of at most `bucket_bytes`, in engine-parameter order so a receiver completes (and can
-install) layers one after another.
+Composing the three gives *pieces*: `nrows x ncols` blocks copied from a sender's local shard (2-D view,
+`rows.rows_cols`) into an engine parameter's loaded layout. Pieces are ordered by engine parameter
+(install order, so layers complete one after another), grouped per (receiver, sender) stream and cut at
+row boundaries into buckets of about `bucket_bytes` (a bucket exceeds it by less than one row).
 
-Invariants: every engine element that vLLM's loader fills is covered by exactly one copy; a receiver gets
-exactly the bytes of its shard (no full gather); the plan holds no tensors, only integers, so it pickles
-cheaply to every actor. Supported trainer placements: Replicate() and Shard(0) per mesh dim (FSDP2 / HSDP);
-a replicated source is read from mesh coordinate 0.
+Invariants: every engine element that vLLM's loader fills is covered by exactly one piece; a receiver gets
+exactly the bytes of its shard (no full gather); the plan holds int64 tables whose size grows with the
+number of tensors, ranks and row permutations, not elements. Supported trainer placements: Replicate()
+and Shard(0) on each mesh dim (FSDP2 / HSDP, nested in mesh-dim order as DTensor does); a replicated
+source is read from mesh coordinate 0.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from .rows import rows_cols, split_at
 from .specs import ParamSpec
 
-
-@dataclass(frozen=True)
-class Copy:
-    src: str  # TorchTitan parameter name (local shard on the sending rank)
-    src_offset: int  # element offset in the sender's flattened local shard
-    dst: str  # engine parameter name
-    dst_offset: int  # element offset in the receiver's flattened loaded-layout parameter
-    numel: int
-
-
-@dataclass
-class Bucket:
-    receiver: int  # index into the plan's receiver list
-    sender: int  # trainer rank
-    copies: list[Copy] = field(default_factory=list)
-    nbytes: int = 0
+# columns of `Plan.pieces`
+PIECE_COLS = ("bucket", "sender", "src", "src_row", "src_col", "dst", "dst_row", "dst_col", "nrows", "ncols")
+B, SND, SRC, SROW, SCOL, DST, DROW, DCOL, NR, NC = range(len(PIECE_COLS))
 
 
 @dataclass
 class Plan:
+    titan_names: list[str]  # `src` indexes this list
     receivers: list[tuple[int, int]]  # (engine index, tp rank)
-    dst_shapes: list[dict[str, tuple[int, ...]]]  # per receiver: engine param -> loaded-layout shape
-    dtype: str
-    buckets: list[Bucket]
-    dst_numel: list[dict[str, int]]  # per receiver: elements each engine param receives in total
-
-    def for_sender(self, rank: int) -> list[Bucket]:
-        return [b for b in self.buckets if b.sender == rank]
+    dst_names: list[list[str]]  # per receiver: engine params in install order; `dst` indexes it
+    dst_shapes: list[dict[str, tuple[int, ...]]]  # per receiver: loaded-layout shape
+    dst_numel: list[dict[str, int]]  # per receiver: elements each engine param receives
+    src_dtype: str  # trainer parameter dtype: what the wire carries
+    dtype: str  # engine parameter dtype
+    pieces: np.ndarray  # int64 [n, len(PIECE_COLS)], sorted by bucket then install order
+    buckets: np.ndarray  # int64 [nb, 3]: receiver, sender, bytes; row i is bucket i
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
+        return int(self.buckets[:, 2].sum()) if self.buckets.size else 0
+
+    def _bucket_slices(self) -> np.ndarray:
+        return np.searchsorted(self.pieces[:, B], np.arange(len(self.buckets) + 1))
+
+    def for_sender(self, rank: int) -> dict[int, np.ndarray]:
+        """Bucket id -> pieces (src, src_row, src_col, nrows, ncols) that sender `rank` packs, in order."""
+        cut = self._bucket_slices()
+        return {int(b): self.pieces[cut[b]:cut[b + 1]][:, [SRC, SROW, SCOL, NR, NC]]
+                for b in np.flatnonzero(self.buckets[:, 1] == rank)}
+
+    def for_receiver(self, i: int) -> list[tuple[int, int, np.ndarray]]:
+        """(bucket id, sender, pieces (dst, dst_row, dst_col, nrows, ncols)) of receiver `i`, in install
+        order across senders: each bucket by its first piece, so parameters complete one after another."""
+        cut = self._bucket_slices()
+        ids = np.flatnonzero(self.buckets[:, 0] == i)
+        firsts = self.pieces[cut[ids]] if ids.size else np.zeros((0, len(PIECE_COLS)), dtype=np.int64)
+        order = np.lexsort((firsts[:, DCOL], firsts[:, DROW], firsts[:, DST])) if ids.size else []
+        return [(int(ids[k]), int(self.buckets[ids[k], 1]),
+                 self.pieces[cut[ids[k]]:cut[ids[k] + 1]][:, [DST, DROW, DCOL, NR, NC]]) for k in order]
 
 
 class PlanError(ValueError):
     """Names or shapes that do not line up; the message lists every problem at once."""
 
 
-def _owner(spec: ParamSpec, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer rank and local flat offset of each global flat element of `spec`'s tensor."""
-    shape = spec.shape
-    rank = torch.zeros_like(flat)
-    local = flat.clone()
+def owners(spec: ParamSpec) -> list[tuple[int, int, int]]:
+    """(trainer rank, first row, end row) of the 2-D view each source rank holds, DTensor semantics:
+    each Shard(0) mesh dim chunks the current dim-0 range with torch.chunk sizes (ceil), in mesh-dim
+    order; a Replicate() dim is read from coordinate 0 only. Ranks holding nothing are left out."""
+    d0 = spec.shape[0] if spec.shape else 1
+    per = rows_cols(spec.shape)[0] // max(d0, 1)  # 2-D rows per dim-0 index
     if not spec.mesh_shape:
-        return rank, local
-    row = math.prod(shape[1:])
-    stride = 1
-    for mesh_dim in reversed(range(len(spec.mesh_shape))):
-        p, n = spec.placements[mesh_dim], spec.mesh_shape[mesh_dim]
-        if p in ("S(0)", "Shard(0)", "Shard(dim=0)"):
-            chunk = math.ceil(shape[0] / n)  # torch.chunk semantics, as FSDP2 and DTensor use
-            c = (flat // row) // chunk
-            rank += c * stride
-            local -= c * chunk * row
-        elif p not in ("R", "Replicate()"):
-            raise NotImplementedError(f"{spec.name}: placement {p} on mesh dim {mesh_dim} (only Shard(0)/Replicate)")
-        stride *= n
-    return rank, local
-
-
-def _runs(keys: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """Split parallel arrays into maximal runs with constant key and +1 steps on both offsets."""
-    if keys.numel() == 0:
-        return []
-    brk = torch.ones(keys.numel(), dtype=torch.bool)
-    brk[1:] = (keys[1:] != keys[:-1]) | (src_off[1:] != src_off[:-1] + 1) | (dst_off[1:] != dst_off[:-1] + 1)
-    starts = torch.nonzero(brk).flatten()
-    ends = torch.cat([starts[1:], torch.tensor([keys.numel()])])
-    return list(zip(keys[starts].tolist(), src_off[starts].tolist(), dst_off[starts].tolist(), (ends - starts).tolist()))
+        return [(0, 0, rows_cols(spec.shape)[0])]
+    out = []
+    for coord in itertools.product(*(range(n) for n in spec.mesh_shape)):
+        lo, hi, source = 0, d0, True
+        for c, n, p in zip(coord, spec.mesh_shape, spec.placements):
+            if p in ("S(0)", "Shard(0)", "Shard(dim=0)"):
+                ch = math.ceil((hi - lo) / n) if hi > lo else 0
+                lo, hi = min(lo + c * ch, hi), min(lo + (c + 1) * ch, hi)
+            elif p in ("R", "Replicate()"):
+                source = source and c == 0
+            else:
+                raise NotImplementedError(f"{spec.name}: placement {p} (weight sync supports Shard(0) and Replicate())")
+        if source and hi > lo:
+            rank = int(np.ravel_multi_index(coord, spec.mesh_shape))
+            out.append((rank, lo * per, hi * per))
+    return out
 
 
 def build_plan(
     specs: list[ParamSpec],
-    hf_map: dict[str, tuple[str, torch.Tensor]],
+    row_map: dict[str, tuple[int, np.ndarray]],
     hf_order: list[tuple[str, tuple[int, ...]]],
     layouts: list[tuple[tuple[int, int], object]],
     bucket_bytes: int,
 ) -> Plan:
-    """Compose trainer placements, the name/element map and engine layouts into bucketed copies.
+    """Compose trainer placements, the HF row map and engine layouts into bucketed pieces.
 
-    `hf_map`: HF name -> (TorchTitan name, int64 [numel] TorchTitan flat index per HF element).
-    `hf_order`: the (HF name, shape) list the engine layouts' codes were derived with.
+    `row_map`: HF name -> (index into `specs`, runs (HF row, TorchTitan row, nrows)).
+    `hf_order`: the (HF name, shape) list whose positions the engine layouts' `hf` column refers to.
     `layouts`: ((engine index, tp rank), EngineLayout) per receiver.
     """
-    spec_by_name = {s.name: s for s in specs}
-    titan_names = [s.name for s in specs]
-    titan_id = {n: i for i, n in enumerate(titan_names)}
-    # Per global HF code: TorchTitan tensor id, sender rank and local offset.
-    hf_tid, hf_rank, hf_local = [], [], []
-    for name, shape in hf_order:
-        tname, idx = hf_map[name]
-        r, loc = _owner(spec_by_name[tname], idx)
-        hf_tid.append(torch.full_like(idx, titan_id[tname]))
-        hf_rank.append(r)
-        hf_local.append(loc)
-    tid_all, rank_all, local_all = torch.cat(hf_tid), torch.cat(hf_rank), torch.cat(hf_local)
-    n_ranks = max([math.prod(s.mesh_shape) if s.mesh_shape else 1 for s in specs] + [1])
     dtypes = {s.dtype for s in specs}
     if len(dtypes) != 1:
         raise PlanError(f"trainer parameters have mixed dtypes {sorted(dtypes)}; the wire carries one dtype")
-    elem = torch.empty((), dtype=getattr(torch, dtypes.pop())).element_size()
+    src_dtype = dtypes.pop()
+    elem = np.dtype({"bfloat16": "uint16"}.get(src_dtype, src_dtype)).itemsize
 
-    receivers, dst_shapes, dst_numel, buckets = [], [], [], []
+    # HF rows (global numbering) -> TorchTitan rows (global numbering)
+    hf_rows = np.cumsum([0] + [rows_cols(s)[0] for _, s in hf_order])
+    t_rows = np.cumsum([0] + [rows_cols(s.shape)[0] for s in specs])
+    m_parts = []
+    for h, (name, _) in enumerate(hf_order):
+        tid, runs = row_map[name]
+        m_parts.append(np.stack([hf_rows[h] + runs[:, 0], t_rows[tid] + runs[:, 1]], axis=1))
+    m = np.concatenate(m_parts) if m_parts else np.zeros((0, 2), dtype=np.int64)
+    m = m[np.argsort(m[:, 0], kind="stable")]
+    # TorchTitan rows (global) -> (sender, first row of its local shard)
+    o = np.array([(t_rows[t] + lo, r) for t, s in enumerate(specs) for r, lo, _ in owners(s)],
+                 dtype=np.int64).reshape(-1, 2)
+    o = o[np.argsort(o[:, 0], kind="stable")]
+
+    receivers, dst_names, dst_shapes, dst_numel, all_pieces = [], [], [], [], []
     for ri, (key, layout) in enumerate(layouts):
         receivers.append(key)
+        names = list(layout.runs)
+        dst_names.append(names)
         dst_shapes.append(dict(layout.shapes))
-        per_sender: dict[int, list[Copy]] = {r: [] for r in range(n_ranks)}
-        numel = {}
-        for dst_name, codes in layout.codes.items():
-            if not isinstance(codes, torch.Tensor):  # numpy from a worker; Ray hands out read-only arrays
-                codes = torch.from_numpy(codes if codes.flags.writeable else codes.copy())
-            dst_off = torch.nonzero(codes >= 0).flatten()
-            c = codes[dst_off]
-            numel[dst_name] = int(c.numel())
-            tid, rank, loc = tid_all[c], rank_all[c], local_all[c]
-            keys = rank * len(titan_names) + tid
-            for k, s_off, d_off, n in _runs(keys, loc, dst_off):
-                per_sender[k // len(titan_names)].append(Copy(titan_names[k % len(titan_names)], s_off, dst_name, d_off, n))
-        dst_numel.append(numel)
-        for sender, copies in per_sender.items():
-            buckets += _bucketize(ri, sender, copies, bucket_bytes, elem)
-    return Plan(receivers=receivers, dst_shapes=dst_shapes, dtype=layouts[0][1].dtype if layouts else "",
-                buckets=buckets, dst_numel=dst_numel)
+        runs = [np.asarray(layout.runs[n], dtype=np.int64).reshape(-1, 7) for n in names]
+        dst_numel.append({n: int((r[:, 2] * r[:, 3]).sum()) for n, r in zip(names, runs)})
+        e = np.concatenate(runs) if runs else np.zeros((0, 7), dtype=np.int64)
+        pid = np.repeat(np.arange(len(names)), [r.shape[0] for r in runs])
+        # 1. split engine runs where the HF -> TorchTitan row map breaks
+        g = hf_rows[e[:, 4]] + e[:, 5]
+        i1, lo1, n1 = split_at(g, e[:, 2], m[:, 0])
+        k1 = np.searchsorted(m[:, 0], lo1, side="right") - 1
+        trow_g = m[k1, 1] + (lo1 - m[k1, 0])
+        # 2. split again where the owning trainer rank changes
+        i2, lo2, n2 = split_at(trow_g, n1, o[:, 0])
+        k2 = np.searchsorted(o[:, 0], lo2, side="right") - 1
+        src = np.searchsorted(t_rows, lo2, side="right") - 1
+        src_row = lo2 - o[k2, 0]
+        base = i1[i2]
+        dst_row = e[base, 0] + (lo2 - trow_g[i2]) + (lo1[i2] - g[base])
+        pieces = np.stack([np.full(i2.size, ri), o[k2, 1], src, src_row, e[base, 6], pid[base], dst_row,
+                           e[base, 1], n2, e[base, 3]], axis=1)
+        all_pieces.append(pieces)
+    pieces = np.concatenate(all_pieces) if all_pieces else np.zeros((0, len(PIECE_COLS)), dtype=np.int64)
+    pieces, buckets = _bucketize(pieces, bucket_bytes, elem)
+    return Plan(titan_names=[s.name for s in specs], receivers=receivers, dst_names=dst_names,
+                dst_shapes=dst_shapes, dst_numel=dst_numel, src_dtype=src_dtype,
+                dtype=layouts[0][1].dtype if layouts else src_dtype, pieces=pieces, buckets=buckets)
 
 
-def _bucketize(receiver: int, sender: int, copies: list[Copy], bucket_bytes: int, elem: int) -> list[Bucket]:
-    """Cut copies (in engine order) into buckets of at most `bucket_bytes`, splitting copies that straddle."""
-    cap = max(1, bucket_bytes // elem)
-    out, cur = [], Bucket(receiver, sender)
-    for c in copies:
-        done = 0
-        while done < c.numel:
-            room = cap - cur.nbytes // elem
-            if room == 0:
-                out.append(cur)
-                cur, room = Bucket(receiver, sender), cap
-            n = min(room, c.numel - done)
-            cur.copies.append(Copy(c.src, c.src_offset + done, c.dst, c.dst_offset + done, n))
-            cur.nbytes += n * elem
-            done += n
-    if cur.copies:
-        out.append(cur)
-    return out
+def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: int) -> tuple[np.ndarray, np.ndarray]:
+    """Order pieces per (receiver, sender) stream in install order, cut each stream into buckets of about
+    `bucket_bytes` at row boundaries. Input column 0 holds the receiver; output column 0 the bucket id."""
+    if pieces.shape[0] == 0:
+        return pieces, np.zeros((0, 3), dtype=np.int64)
+    p = pieces[np.lexsort((pieces[:, DCOL], pieces[:, DROW], pieces[:, DST], pieces[:, SND], pieces[:, B]))]
+    row_bytes = p[:, NC] * elem
+    size = p[:, NR] * row_bytes
+    stream = p[:, B] * (p[:, SND].max() + 1) + p[:, SND]
+    new = np.ones(p.shape[0], dtype=bool)
+    new[1:] = stream[1:] != stream[:-1]
+    cum = np.cumsum(size)
+    start = cum - size - (cum - size)[np.maximum.accumulate(np.where(new, np.arange(p.shape[0]), 0))]
+    cap = max(int(bucket_bytes), 1)
+    # a piece [a, a + size) of its stream crosses bucket boundaries k * cap; it is cut at the row holding each
+    k0, k1 = start // cap, np.maximum(start + size - 1, start) // cap
+    count = k1 - k0 + 1
+    idx = np.repeat(np.arange(p.shape[0]), count)
+    k = k0[idx] + np.arange(idx.size) - np.repeat(np.cumsum(count) - count, count)
+    cut_lo = np.clip((k * cap - start[idx] + row_bytes[idx] - 1) // row_bytes[idx], 0, p[idx, NR])
+    cut_lo = np.where(k == k0[idx], 0, cut_lo)
+    cut_hi = np.clip(((k + 1) * cap - start[idx] + row_bytes[idx] - 1) // row_bytes[idx], 0, p[idx, NR])
+    cut_hi = np.where(k == k1[idx], p[idx, NR], cut_hi)
+    keep = cut_hi > cut_lo
+    idx, k, cut_lo, cut_hi = idx[keep], k[keep], cut_lo[keep], cut_hi[keep]
+    out = p[idx].copy()
+    out[:, SROW] += cut_lo
+    out[:, DROW] += cut_lo
+    out[:, NR] = cut_hi - cut_lo
+    # bucket ids: one per (stream, k), numbered in stream order
+    key = np.stack([stream[idx], k], axis=1)
+    newb = np.ones(key.shape[0], dtype=bool)
+    newb[1:] = (key[1:] != key[:-1]).any(axis=1)
+    bid = np.cumsum(newb) - 1
+    nbytes = np.bincount(bid, weights=out[:, NR] * out[:, NC] * elem).astype(np.int64)
+    buckets = np.stack([out[newb, B], out[newb, SND], nbytes], axis=1)
+    out[:, B] = bid
+    return out, buckets
 
 
 def check_names(

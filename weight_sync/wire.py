@@ -1,9 +1,10 @@
 """Wire format: a safetensors file in memory (8-byte little-endian header length, JSON header, raw bytes).
 
 Any safetensors reader, in any Python environment or torch version (or none: numpy, Rust), can read a
-bucket; `unpack` returns zero-copy views into the buffer. Tensor names are `"{engine param}@{offset}"`
-(a slice of the receiver's flattened loaded-layout parameter), and `__metadata__` carries the policy
-version and bucket identity as strings, as the format requires.
+bucket; `unpack` returns zero-copy views into the buffer. A weight-sync bucket holds one 1-D tensor,
+`data`: its pieces back to back, in the order of the plan's piece table, which sender and receiver both
+hold (`begin_pack`); `__metadata__` carries the policy version and bucket id as strings, as the format
+requires.
 
 Invariants: data offsets are 8-byte aligned (safetensors' own writer aligns the header the same way),
 entries are 1-D and contiguous, and `pack_into` writes straight into a caller-provided buffer (shared
@@ -60,6 +61,22 @@ def pack_into(buf: memoryview | bytearray | torch.Tensor, tensors: list[tuple[st
         body[off: off + n].view(t.dtype).copy_(t.reshape(-1))
         off += n
     return off
+
+
+def begin_pack(buf: memoryview | bytearray | torch.Tensor, name: str, dtype: torch.dtype, numel: int,
+               metadata: dict[str, str] | None = None) -> torch.Tensor:
+    """Write the header of a one-tensor image into `buf` and return the tensor's (typed, 1-D) body for
+    the caller to fill in place: a weight-sync bucket is one tensor whose layout both sides know."""
+    header = header_for([(name, dtype, numel)], metadata)
+    if isinstance(buf, torch.Tensor):
+        buf[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        body = buf
+    else:
+        mv = memoryview(buf).cast("B")
+        mv[: len(header)] = header
+        body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
+    n = numel * torch.empty((), dtype=dtype).element_size()
+    return body[len(header): len(header) + n].view(dtype)
 
 
 def pack(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> bytearray:

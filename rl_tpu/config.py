@@ -325,6 +325,8 @@ def _check_cross_fields(cfg: Config) -> None:
                           "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"`")
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
+    if cfg.algorithm.use_kl_in_reward and not cfg.trainer.reference:
+        raise ConfigError("config error: `algorithm.use_kl_in_reward = true` needs `trainer.reference = true`")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

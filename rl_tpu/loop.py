@@ -202,8 +202,17 @@ def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoa
     return kept, timings
 
 
+def on_policy_update(cfg: Config) -> bool:
+    """One optimizer step per batch (one epoch, one mini-batch) and no KL in the reward: the old log-probs
+    are then the update's own forward (detached), so the separate log-prob pass is skipped and the
+    reference runs inside the update; `mismatch/kl` comes from that same forward."""
+    t, a = cfg.trainer, cfg.algorithm
+    return t.ppo_epochs == 1 and t.ppo_mini_batches == 1 and not a.use_kl_in_reward
+
+
 def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch, dict[str, float]]:
-    """Scores -> token rewards -> advantages, with the trainer's log-probs (and reference / values)."""
+    """Scores -> token rewards -> advantages, with the trainer's log-probs where the update needs them
+    beforehand (several updates per batch, KL in the reward) and the critic's values (GAE)."""
     a = cfg.algorithm
     scores = list(data.scores)
     rb = build_rollout_batch(data.groups, scores, tok.pad_token_id)
@@ -213,8 +222,9 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
         rb = build_rollout_batch(data.groups, (rb.scores + pen).tolist(), tok.pad_token_id)
         metrics["reward/overlong_penalty"] = pen.mean().item()
     batch = rb.batch
-    batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch))
-    if cfg.trainer.reference:
+    if not on_policy_update(cfg):
+        batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch))
+    if cfg.trainer.reference and (a.use_kl_in_reward or not on_policy_update(cfg)):
         batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch))
     if cfg.trainer.critic:
         batch = batch.replace(values=trainer.compute_values(batch))
@@ -229,16 +239,12 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
 
 
 def step_metrics(rb: RolloutBatch, trainer_version: int) -> dict[str, float]:
-    mask = rb.batch.response_mask
-    old, inf = rb.batch.old_log_probs, rb.batch.rollout_log_probs
-    n_tok = mask.sum().clamp(min=1)
+    """Batch metrics; the inference/trainer gap (`mismatch/kl`) comes from the trainer's update."""
     return {
         "reward/std": rb.scores.std().item() if rb.scores.numel() > 1 else 0.0,
         "response/length_mean": rb.response_lengths.float().mean().item(),
         "response/length_max": rb.response_lengths.max().item(),
         "staleness": float(trainer_version - rb.policy_versions.min().item()),
-        # inference vs trainer log-prob gap on the sampled tokens (k1 estimate of KL(engine || trainer))
-        "mismatch/kl": ((inf - old) * mask).sum().item() / n_tok.item(),
     }
 
 

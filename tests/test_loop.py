@@ -122,3 +122,29 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     for ra, rb in zip(a[2:5], b[2:5]):
         assert ra["reward/mean"] == rb["reward/mean"], (ra, rb)
         assert ra["loss/policy"] == pytest.approx(rb["loss/policy"], abs=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    # on-policy update: old log-probs from the update's forward, the reference inside the same call
+    ["--trainer.reference=true", "--algorithm.use_kl_loss=true", "--sync.transport=shm"],
+    # recompute path: two PPO epochs, KL in the reward, truncated IS, RLOO, the object-store transport
+    ["--trainer.ppo_epochs=2", "--trainer.reference=true", "--algorithm.use_kl_in_reward=true",
+     "--algorithm.rollout_is=token", "--algorithm.adv_estimator=rloo", "--sync.transport=ray"],
+], ids=["on-policy-kl-loss", "recompute-kl-reward-is-rloo"])
+def test_update_paths_run_verified_and_report_mismatch(options, tmp_path, reward_files):
+    from rl_tpu.loop import on_policy_update, train
+
+    fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]"
+    cfg = _run_cfg(tmp_path, "run", "--trainer.total_steps=2", "--sync.verify=true", fn, *options)
+    assert on_policy_update(cfg) == ("--trainer.ppo_epochs=2" not in options)
+    train(cfg)  # verify raises if any engine parameter differs from the trainer's after a sync
+    rows = _metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # fp32 engine and trainer agree on the sampled tokens' log-probs (per-token parity is 1e-5)
+        assert abs(r["mismatch/kl"]) <= 1e-5, r["mismatch/kl"]
+        assert r["loss/policy"] == r["loss/policy"]  # not NaN
+    if "--algorithm.use_kl_loss=true" in options:
+        assert all("loss/kl" in r for r in rows)
+    else:
+        assert all("mismatch/is_mean" in r and "actor/reward_kl_penalty" in r for r in rows)

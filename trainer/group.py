@@ -114,9 +114,12 @@ class TrainerGroup:
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
         return self._call("train_step", self._put(batch), algo_cfg)[0]
 
-    def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
-        """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step."""
-        return self._call("policy_grads", self._put(batch), algo_cfg)[0]
+    def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig,
+                     with_metrics: bool = False):
+        """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step;
+        with `with_metrics`, also the loss metrics `train_step` would report: (grads, metrics)."""
+        grads, metrics = self._call("policy_grads", self._put(batch), algo_cfg)[0]
+        return (grads, metrics) if with_metrics else grads
 
     def save_checkpoint(self, path: str) -> str:
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -237,6 +237,8 @@ class TrainerWorker:
                 for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
                     stats.append(self._update(batch, rows, self.critic, self.critic_optimizer,
                                               self.critic_scheduler, critic_loss, "critic"))
+        if self.ref is not None:
+            parallel.reshard(self.ref)  # the reference may have run inside the actor loss
         out = _mean_dicts(stats)
         tokens = float(batch.attention_mask.sum())
         elapsed = time.perf_counter() - t0
@@ -251,25 +253,34 @@ class TrainerWorker:
 
         def loss(mb: TrainBatch, g_tok: float, g_seq: float):
             lp, ent = self._policy_forward(self.model, mb)
-            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()  # on-policy: ratio 1
+            # on-policy (one epoch, one mini-batch): the pre-update log-probs are this very forward's, so
+            # the loop skips its separate pass and the ratio is exactly 1 (the clip cannot bind)
+            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
+            ref = mb.ref_log_probs
+            if ref is None and algo.use_kl_loss and self.ref is not None:
+                with torch.no_grad():  # the reference's forward in the same call: the batch crosses once
+                    ref = self._policy_forward(self.ref, mb)[0]
             return compute_policy_loss(
-                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(mb.ref_log_probs),
+                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(ref),
                 entropy=ent, rollout_log_prob=dev(mb.rollout_log_probs), global_tokens=g_tok, global_seqs=g_seq)
 
         return loss
 
-    def policy_grads(self, batch: TrainBatch, algo: AlgorithmConfig) -> dict[str, torch.Tensor]:
+    def policy_grads(self, batch: TrainBatch, algo: AlgorithmConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Full gradient of the policy loss over the whole batch (one mini-batch), without stepping:
-        what `train_step` would clip and apply. For verification; leaves no gradient behind."""
+        what `train_step` would clip and apply, and the loss metrics. For verification; leaves no
+        gradient behind."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._accumulate(batch, torch.arange(batch.num_seqs), self._actor_loss(algo))
+        metrics = self._reduce(*self._accumulate(batch, torch.arange(batch.num_seqs), self._actor_loss(algo)))
         out = {}
         for n, p in self.model.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
         self.optimizer.zero_grad(set_to_none=True)
-        return out
+        if self.ref is not None:
+            parallel.reshard(self.ref)
+        return out, metrics
 
     def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, float], dict[str, float], float]:
         """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up)."""
@@ -292,6 +303,16 @@ class TrainerWorker:
                     weighted[k] = weighted.get(k, 0.0) + w * float(v)
         return sums, weighted, weight
 
+    def _reduce(self, sums: dict[str, float], weighted: dict[str, float], weight: float) -> dict[str, float]:
+        """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means."""
+        keys = sorted(sums) + sorted(weighted)
+        vec = torch.tensor([sums.get(k, weighted.get(k)) for k in keys] + [weight], dtype=torch.float64)
+        vec = vec.to(self.local)
+        dist.all_reduce(vec)
+        vec = vec.cpu().tolist()
+        total_w = max(vec[-1], 1e-12)
+        return {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1])}
+
     def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix) -> dict[str, float]:
         """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
         from torchtitan.distributed import utils as dist_utils
@@ -304,14 +325,7 @@ class TrainerWorker:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # one all-reduce for every metric: loss shares add up, other metrics are token-weighted means
-        keys = sorted(sums) + sorted(weighted)
-        vec = torch.tensor([sums.get(k, weighted.get(k)) for k in keys] + [weight], dtype=torch.float64)
-        vec = vec.to(self.local)
-        dist.all_reduce(vec)
-        vec = vec.cpu().tolist()
-        total_w = max(vec[-1], 1e-12)
-        out = {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1])}
+        out = self._reduce(sums, weighted, weight)
         out = {(f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v for k, v in out.items()}
         out[f"{prefix}/grad_norm"] = float(grad_norm)
         out[f"{prefix}/lr"] = float(lr)

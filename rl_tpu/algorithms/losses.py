@@ -233,7 +233,7 @@ def compute_policy_loss(
     - entropy_coeff * agg(entropy) [if entropy_coeff > 0], each agg with `cfg.loss_agg_mode` and the
     global normalisers (see the module docstring). Metrics: loss/policy, loss/kl, loss/entropy,
     loss/total, actor/entropy, actor/clipfrac, actor/clipfrac_lower (vanilla), actor/ppo_kl, and
-    mismatch/* when `cfg.rollout_is` is on.
+    mismatch/* when `rollout_log_prob` is given (the IS weights' metrics too when `cfg.rollout_is` is on).
     """
     if cfg.policy_loss not in POLICY_LOSSES:
         raise _unknown("policy_loss", cfg.policy_loss, POLICY_LOSSES)
@@ -261,6 +261,12 @@ def compute_policy_loss(
         )
         pg_mat = pg_mat * weights
         metrics.update(is_metrics)
+    elif rollout_log_prob is not None:  # measure the inference/trainer gap even when not correcting it
+        with torch.no_grad():
+            fmask = response_mask.to(old_log_prob.dtype)
+            metrics["mismatch/kl"] = masked_mean((rollout_log_prob.detach() - old_log_prob) * fmask, fmask).item()
+            metrics["mismatch/k3_kl"] = masked_mean(
+                kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask).item()
     loss = agg(pg_mat)
     metrics["loss/policy"] = loss.item()
     if cfg.use_kl_loss:

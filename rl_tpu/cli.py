@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rl_tpu.config import DEFAULT_CONFIG, ConfigError, load_config, to_toml
+from rl_tpu.placement import PlacementError
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     try:
         return args.fn(args, extra)
-    except (ConfigError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
+    except (ConfigError, PlacementError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
         print(f"rl-tpu: {e}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,9 @@ Invariants:
   (no per-request seeds) only greedy outputs are worker-count independent; see `engine.py`.
 - Any failure of a worker (actor died, engine error, no answer within `timeout_s`) surfaces as
   `RolloutWorkerError` naming the worker; nothing waits forever.
+- Given `placement` (rl_tpu.placement), engine i runs in its bundle with `rollout.num_threads`
+  threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and keeps Ray's
+  thread count.
 - `policy_version` is the version every worker holds; `load_weights_full` installs on all workers and
   only then advances it.
 """
@@ -56,7 +59,8 @@ class RolloutGroup:
     """M vLLM engines as Ray actors. `num_workers` defaults to `cfg.rollout.engines`."""
 
     def __init__(self, cfg: Config, model_path: str, num_workers: int | None = None, *,
-                 timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0):
+                 timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0,
+                 placement=None):
         self.cfg, self.model_path = cfg, os.path.abspath(model_path)
         self.num_workers = num_workers if num_workers is not None else cfg.rollout.engines
         if self.num_workers < 1:
@@ -67,9 +71,15 @@ class RolloutGroup:
         self._calls = 0
         self.policy_version = 0
         # ping gets its own concurrency group so it answers while a generation runs
-        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
-            num_cpus=num_cpus_per_worker, max_restarts=0)
-        self.workers = [actor_cls.remote(cfg, self.model_path, i) for i in range(self.num_workers)]
+        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        options, threads = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers, [0] * self.num_workers
+        if placement is not None:
+            slots = placement.plan.role("rollout")
+            if len(slots) != self.num_workers:
+                raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots for {self.num_workers} engines")
+            options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
+        self.workers = [actor_cls.options(max_restarts=0, **options[i]).remote(cfg, self.model_path, i, threads=threads[i])
+                        for i in range(self.num_workers)]
         self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                   range(self.num_workers), self.timeout_s)
 
@@ -147,6 +157,10 @@ class RolloutGroup:
         """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one."""
         return self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                          range(self.num_workers), self.ping_timeout_s)
+
+    def threads(self) -> list[dict]:
+        """Per worker: its node and the torch / OMP threads of its process (see RolloutWorker.threads)."""
+        return self._get([w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s)
 
     def sleep(self, level: int = 1) -> list[bool]:
         return self._get([w.sleep.remote(level) for w in self.workers], range(self.num_workers), self.timeout_s)

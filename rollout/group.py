@@ -12,8 +12,8 @@ Invariants:
 - Any failure of a worker (actor died, engine error, no answer within `timeout_s`) surfaces as
   `RolloutWorkerError` naming the worker; nothing waits forever.
 - Given `placement` (rl_tpu.placement), engine i runs in its bundle with `rollout.num_threads`
-  threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and keeps Ray's
-  thread count.
+  threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
+  `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, i.e. one).
 - `policy_version` is the version every worker holds; `load_weights_full` installs on all workers and
   only then advances it.
 """
@@ -72,7 +72,8 @@ class RolloutGroup:
         self.policy_version = 0
         # ping gets its own concurrency group so it answers while a generation runs
         actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
-        options, threads = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers, [0] * self.num_workers
+        options = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers
+        threads = [cfg.rollout.num_threads] * self.num_workers  # 0: keep Ray's OMP_NUM_THREADS
         if placement is not None:
             slots = placement.plan.role("rollout")
             if len(slots) != self.num_workers:

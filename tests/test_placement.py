@@ -3,6 +3,7 @@ on a real 2-node Ray cluster started on this machine (integration: real Ray, vLL
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -199,6 +200,7 @@ def two_node_cluster():
             except subprocess.TimeoutExpired:
                 p.kill()
         _kill_leftovers(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _kill_leftovers(tmp: str) -> None:

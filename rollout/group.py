@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -32,6 +32,9 @@ from rl_tpu.config import Config
 from rl_tpu.rollout.engine import check_prompts, request_seed
 from rl_tpu.rollout.worker import RolloutWorker
 from rl_tpu.types import Completion
+
+if TYPE_CHECKING:
+    from rl_tpu.placement import PlacementGroups
 
 
 class RolloutWorkerError(RuntimeError):
@@ -60,7 +63,7 @@ class RolloutGroup:
 
     def __init__(self, cfg: Config, model_path: str, num_workers: int | None = None, *,
                  timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0,
-                 placement=None):
+                 placement: PlacementGroups | None = None):
         self.cfg, self.model_path = cfg, os.path.abspath(model_path)
         self.num_workers = num_workers if num_workers is not None else cfg.rollout.engines
         if self.num_workers < 1:
@@ -77,10 +80,11 @@ class RolloutGroup:
         if placement is not None:
             slots = placement.plan.role("rollout")
             if len(slots) != self.num_workers:
-                raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots for {self.num_workers} engines")
+                raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots, "
+                                 f"not {self.num_workers}")
             options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
-        self.workers = [actor_cls.options(max_restarts=0, **options[i]).remote(cfg, self.model_path, i, threads=threads[i])
-                        for i in range(self.num_workers)]
+        self.workers = [actor_cls.options(max_restarts=0, **options[i]).remote(
+            cfg, self.model_path, i, threads=threads[i]) for i in range(self.num_workers)]
         self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                   range(self.num_workers), self.timeout_s)
 

@@ -107,7 +107,8 @@ class RolloutWorker:
         self.device = rollout_device(cfg)
         self.traits = engine_traits(self.device)
         if threads:  # per TP rank, from the placement bundle; before the engine starts (rl_tpu.placement)
-            apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and cfg.rollout.tensor_parallel_size > 1)
+            tp = cfg.rollout.tensor_parallel_size
+            apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and tp > 1)
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from rl_tpu.config import AlgorithmConfig, Config
 from rl_tpu.devices import get_device
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
+
+if TYPE_CHECKING:
+    from rl_tpu.placement import PlacementGroups
 
 
 class TrainerError(RuntimeError):
@@ -42,7 +46,8 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None, placement=None):
+    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None,
+                 placement: PlacementGroups | None = None):
         import ray
 
         from rl_tpu.trainer.worker import TrainerWorker
@@ -63,7 +68,7 @@ class TrainerGroup:
         if placement is not None:
             slots = placement.plan.role("trainer")
             if len(slots) != self.world_size:
-                raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots for {self.world_size} ranks")
+                raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}")
             options = [placement.options(s) for s in slots]
             nodes = placement.bundle_nodes()
             rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]

@@ -193,7 +193,7 @@ def check_fits(plan: Plan, nodes: list[dict[str, float]]) -> None:
         total = sum(n.get(k, 0.0) for n in nodes)
         if total < v:
             raise PlacementError(f"the placement needs {k} = {v:g} in all, the cluster has {total:g}: lower "
-                                 f"{_keys('shared' if plan.placement == 'colocated' else 'trainer', k)}"
+                                 f"{_keys('shared', k)}"
                                  + (" or raise cluster.num_cpus" if k == "CPU" else ""))
 
 

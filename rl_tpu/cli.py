@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rl_tpu.config import DEFAULT_CONFIG, ConfigError, load_config, to_toml
+from rl_tpu.placement import PlacementError
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -137,11 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_override(arg: str) -> bool:
+    return arg.startswith("--") and "=" in arg and "." in arg.split("=", 1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # overrides bypass argparse: it takes "--x={a = 1}" (a value with spaces) for a positional argument
+    overrides = [a for a in argv if _is_override(a)]
+    args, extra = build_parser().parse_known_args([a for a in argv if not _is_override(a)])
+    extra = overrides + extra
     try:
         return args.fn(args, extra)
-    except (ConfigError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
+    except (ConfigError, PlacementError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
         print(f"rl-tpu: {e}", file=sys.stderr)
         return 2
 

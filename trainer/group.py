@@ -1,8 +1,11 @@
 """`TrainerGroup`: N `TrainerWorker` Ray actors forming one torch.distributed group, driven by fan-out calls.
 
 Invariants:
-- Rendezvous on 127.0.0.1 and a free port chosen here (single host; a multi-host group would pass the
-  head node's address). Rank r is actor r; results come back in rank order.
+- Rank r is actor r; results come back in rank order. Given `placement` (rl_tpu.placement), rank r
+  runs in its trainer bundle with the bundle's CPUs and accelerator share; otherwise it asks Ray for
+  `trainer.num_threads` CPUs (and a GPU on cuda).
+- Rendezvous on 127.0.0.1 and a free port chosen here; when the placement spreads the ranks over
+  several nodes, on rank 0's node IP instead (the port is still chosen on the driver's host).
 - A batch is put in the object store once and every rank reads the whole batch (see worker.py);
   per-row results (log-probs, values) are reassembled here in batch order.
 - A dead actor or an exception in one rank raises `TrainerError` naming the rank and the method; the
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +24,9 @@ from rl_tpu.config import AlgorithmConfig, Config
 from rl_tpu.devices import get_device
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
+
+if TYPE_CHECKING:
+    from rl_tpu.placement import PlacementGroups
 
 
 class TrainerError(RuntimeError):
@@ -39,7 +46,8 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None):
+    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None,
+                 placement: PlacementGroups | None = None):
         import ray
 
         from rl_tpu.trainer.worker import TrainerWorker
@@ -56,8 +64,17 @@ class TrainerGroup:
         # Ray schedules accelerators by resource name; only CUDA has a built-in one.
         gpus = 1 if device.torch_device == "cuda" else 0
         cls = ray.remote(num_cpus=cfg.trainer.num_threads, num_gpus=gpus)(TrainerWorker)
-        port = _free_port()
-        self.actors = [cls.remote(cfg, self.model_path, r, self.world_size, "127.0.0.1", port)
+        port, addr, options = _free_port(), "127.0.0.1", [{}] * self.world_size
+        if placement is not None:
+            slots = placement.plan.role("trainer")
+            if len(slots) != self.world_size:
+                raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}")
+            options = [placement.options(s) for s in slots]
+            nodes = placement.bundle_nodes()
+            rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
+            if len(set(rank_nodes)) > 1:
+                addr = placement.node_ips[rank_nodes[0]]
+        self.actors = [cls.options(**options[r]).remote(cfg, self.model_path, r, self.world_size, addr, port)
                        for r in range(self.world_size)]
         self.info = self._call("ready")
 

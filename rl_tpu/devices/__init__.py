@@ -1,7 +1,8 @@
 """Device table: one row per device type, read by every component instead of `if device == ...` checks.
 
 A row says which torch.distributed backend a rank group uses, which torch device string tensors live
-on, which package provides the vLLM engine, and how to seed and synchronise. Rows for accelerators
+on, which package provides the vLLM engine, which Ray resource counts one device (placement bundles),
+and how to seed and synchronise. `xla` runs on the PJRT CPU device here, so it asks Ray for CPUs only. Rows for accelerators
 exist even where their packages are absent here; `require()` names the missing package when one is
 used. Importing this module imports nothing device-specific.
 """
@@ -26,6 +27,7 @@ class Device:
     engine_module: str  # the module to import for it
     runtime_module: str | None  # extra module that must import for the device to exist (None: torch alone)
     static_shapes: bool  # pad sequences to length buckets so the compiler does not retrace per batch
+    ray_resource: str | None = None  # Ray's resource name for one device ("GPU", "TPU"); None: CPUs only
     env: tuple[tuple[str, str], ...] = ()  # environment defaults set in every actor of this device
 
     def require(self) -> None:
@@ -88,11 +90,11 @@ DEVICES: dict[str, Device] = {
     ),
     "cuda": Device(
         name="cuda", dist_backend="nccl", torch_device="cuda", engine_package="vllm",
-        engine_module="vllm", runtime_module=None, static_shapes=False,
+        engine_module="vllm", runtime_module=None, static_shapes=False, ray_resource="GPU",
     ),
     "tpu": Device(
         name="tpu", dist_backend="tpu_dist", torch_device="tpu", engine_package="vllm-torchtpu",
-        engine_module="vllm", runtime_module="torch_tpu", static_shapes=True,
+        engine_module="vllm", runtime_module="torch_tpu", static_shapes=True, ray_resource="TPU",
     ),
     "xla": Device(
         name="xla", dist_backend="xla", torch_device="xla", engine_package="vllm-torchtpu",

@@ -133,6 +133,10 @@ class WeightSyncer:
             nbytes = float((folder / "model.safetensors").stat().st_size)
         return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
 
+    def build(self) -> None:
+        if self.plan_sync is not None:
+            self.plan_sync.build()
+
     def routes(self) -> list[dict]:
         """(sender rank, receiver, transport) of every pair the sync moves bytes over (placement.json)."""
         return self.plan_sync.routes() if self.plan_sync is not None else []
@@ -302,7 +306,8 @@ def train(cfg: Config) -> dict[str, Any]:
         trainer = TrainerGroup(cfg, model_path, placement=groups)
         rollout = RolloutGroup(cfg, model_path, placement=groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
-        write_placement_json(run_dir, groups, rollout, getattr(syncer, "routes", lambda: [])())
+        syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
+        write_placement_json(run_dir, groups, rollout, syncer.routes())
         if resume is not None:
             state = load_state(resume)
             trainer.load_checkpoint(str(resume / "trainer"))

@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+import torch
 
 from rl_tpu.config import Config
 from rl_tpu.placement import apply_threads

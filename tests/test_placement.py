@@ -132,7 +132,9 @@ def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, loca
     train(cfg)
     actors, data = _placement(tmp_path)
     assert sorted(actors) == [("rollout", 0), ("trainer", 0), ("trainer", 1)]
-    assert isinstance(data["sync_routes"], list)  # filled once the weight sync reports its routes
+    # one route per (trainer rank, engine); one node, so auto takes shared memory
+    assert sorted((r["sender"], tuple(r["receiver"]), r["transport"]) for r in data["sync_routes"]) == \
+        [(0, (0, 0), "shm"), (1, (0, 0), "shm")]
     here = local_ray.get_runtime_context().get_node_id()
     assert {a["node_id"] for a in actors.values()} == {here} and all(a["node_ip"] for a in actors.values())
     engine, rank0, rank1 = actors["rollout", 0], actors["trainer", 0], actors["trainer", 1]
@@ -222,7 +224,7 @@ def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     cmd = [sys.executable, "-m", "rl_tpu.cli", "train", f"--address={address}", f"--logging.run_dir={run_dir}",
            "--trainer.total_steps=3", "--trainer.world_size=2", "--rollout.engines=2", "--rollout.num_threads=1",
            "--cluster.placement=disaggregated", "--cluster.trainer_resources={node_a = 0.01}",
-           "--cluster.rollout_resources={node_b = 0.01}", "--sync.transport=ray", "--sync.verify=true", *RUN]
+           "--cluster.rollout_resources={node_b = 0.01}", "--sync.transport=auto", "--sync.verify=true", *RUN]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     actors, data = _placement(run_dir)
@@ -232,7 +234,8 @@ def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     assert trainer_nodes == {node_ids["node_a"]} and rollout_nodes == {node_ids["node_b"]} != trainer_nodes
     assert all("node_a" in a["resources"] for (role, _), a in actors.items() if role == "trainer")
     assert all("node_b" in a["resources"] and a["threads"] == 1 for (role, _), a in actors.items() if role == "rollout")
-    assert all("shm" not in json.dumps(route) for route in data["sync_routes"])  # nodes share no memory
+    routes = data["sync_routes"]  # auto: trainer on node_a, engines on node_b, so never shared memory
+    assert len(routes) == 2 * 2 and {r["transport"] for r in routes} == {"ray"}, routes
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(abs(row["mismatch/kl"]) <= 1e-5 for row in rows), [row["mismatch/kl"] for row in rows]

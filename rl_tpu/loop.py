@@ -279,9 +279,7 @@ def train(cfg: Config) -> dict[str, Any]:
     trained policy exported to RUN_DIR/hf)."""
     from transformers import AutoTokenizer
 
-    from rl_tpu.rollout import RolloutGroup
-    from rl_tpu.trainer import TrainerGroup
-
+    t_start = time.perf_counter()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -300,11 +298,10 @@ def train(cfg: Config) -> dict[str, Any]:
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
     last: dict[str, float] = {}
     step = version = 0
+    startup_s: float | None = None
     try:
-        pool = RewardPool(cfg.reward)
         groups = PlacementGroups(plan)
-        trainer = TrainerGroup(cfg, model_path, placement=groups)
-        rollout = RolloutGroup(cfg, model_path, placement=groups)
+        pool, trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         write_placement_json(run_dir, groups, rollout, syncer.routes())
@@ -317,6 +314,8 @@ def train(cfg: Config) -> dict[str, Any]:
             syncer(version)  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
+        startup_s = time.perf_counter() - t_start  # Ray, reward workers, trainer, engines, plan: ready for step 1
+        log.info("ready for the first step after %.1f s", startup_s)
         bar = _progress(cfg, step)
         while step < cfg.trainer.total_steps:
             step += 1
@@ -352,6 +351,8 @@ def train(cfg: Config) -> dict[str, Any]:
             timings["time/step"] = time.perf_counter() - t_step
             n_tokens = int(rb.batch.response_mask.sum().item())
             metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}
+            if startup_s is not None:
+                metrics["time/startup"], startup_s = startup_s, None
             logger.log(step, metrics)
             logger.log_samples(step, _samples(data, cfg.logging.samples_per_step))
             last = metrics
@@ -376,6 +377,31 @@ def train(cfg: Config) -> dict[str, Any]:
             groups.remove()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
+
+
+def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
+    """Reward pool, trainer ranks and engines, started at the same time (each mostly waits on its own
+    processes: TorchTitan builds, vLLM engine start-up, spawned reward workers). If one fails, the ones
+    that started are shut down and the first error is raised."""
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.trainer import TrainerGroup
+
+    with ThreadPoolExecutor(max_workers=3) as ex:
+        futures = [ex.submit(RewardPool, cfg.reward), ex.submit(TrainerGroup, cfg, model_path, placement=groups),
+                   ex.submit(RolloutGroup, cfg, model_path, placement=groups)]
+    started, errors = [], []
+    for f in futures:
+        try:
+            started.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below once the others are stopped
+            started.append(None)
+            errors.append(e)
+    if errors:
+        for role in started:
+            if role is not None:
+                (role.close if hasattr(role, "close") else role.shutdown)()
+        raise errors[0]
+    return tuple(started)
 
 
 def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list) -> Path:

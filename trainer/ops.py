@@ -18,24 +18,27 @@ from torch import Tensor
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
+    """Works on any leading shape `[...]` (hidden `[..., D]`, targets `[...]`) and returns `[...]`
+    tensors of its own: never views, which FSDP2 warns about on a module's outputs."""
+
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int):
-        n, acc = h.shape[0], torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
-        m = torch.full((n,), -math.inf, dtype=acc, device=h.device)
-        s = torch.zeros(n, dtype=acc, device=h.device)  # sum exp(z - m)
-        t = torch.zeros(n, dtype=acc, device=h.device)  # sum exp(z - m) * z
-        tgt = torch.zeros(n, dtype=acc, device=h.device)
+        shape, acc = targets.shape, torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
+        m = torch.full(shape, -math.inf, dtype=acc, device=h.device)
+        s = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m)
+        t = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m) * z
+        tgt = torch.zeros(shape, dtype=acc, device=h.device)
         for lo in range(0, w.shape[0], chunk):
             z = (h @ w[lo: lo + chunk].T).to(acc)
-            m_new = torch.maximum(m, z.max(dim=1).values)
+            m_new = torch.maximum(m, z.max(dim=-1).values)
             scale = torch.exp(m - m_new)
-            e = torch.exp(z - m_new[:, None])
-            s = s * scale + e.sum(dim=1)
-            t = t * scale + (e * z).sum(dim=1)
+            e = torch.exp(z - m_new[..., None])
+            s = s * scale + e.sum(dim=-1)
+            t = t * scale + (e * z).sum(dim=-1)
             m = m_new
-            inside = (targets >= lo) & (targets < lo + z.shape[1])
-            idx = (targets - lo).clamp(0, z.shape[1] - 1)
-            tgt = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), tgt)
+            inside = (targets >= lo) & (targets < lo + z.shape[-1])
+            idx = (targets - lo).clamp(0, z.shape[-1] - 1)
+            tgt = torch.where(inside, z.gather(-1, idx[..., None])[..., 0], tgt)
         lse = m + torch.log(s)
         ez = t / s  # E_p[z]
         ctx.save_for_backward(h, w, targets, lse, ez)
@@ -50,28 +53,28 @@ class _ChunkedLogProbs(torch.autograd.Function):
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(acc)
         grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
         grad_w = torch.zeros(w.shape, dtype=acc, device=w.device)
+        h2 = h.reshape(-1, h.shape[-1])
         for lo in range(0, w.shape[0], chunk):
             wc = w[lo: lo + chunk]
             z = (h @ wc.T).to(acc)
-            p = torch.exp(z - lse[:, None])
-            dz = -g_lp[:, None] * p  # d log p_t / dz_k = 1[k = t] - p_k
-            inside = (targets >= lo) & (targets < lo + z.shape[1])
-            idx = (targets - lo).clamp(0, z.shape[1] - 1)
-            dz.scatter_add_(1, idx[:, None], (g_lp * inside)[:, None])
+            p = torch.exp(z - lse[..., None])
+            dz = -g_lp[..., None] * p  # d log p_t / dz_k = 1[k = t] - p_k
+            inside = (targets >= lo) & (targets < lo + z.shape[-1])
+            idx = (targets - lo).clamp(0, z.shape[-1] - 1)
+            dz.scatter_add_(-1, idx[..., None], (g_lp * inside)[..., None])
             if g_ent is not None:  # d H / dz_k = p_k (E_p[z] - z_k)
-                dz = dz + g_ent.to(acc)[:, None] * p * (ez[:, None] - z)
+                dz = dz + g_ent.to(acc)[..., None] * p * (ez[..., None] - z)
             dz = dz.to(h.dtype)
             grad_h += dz @ wc
-            grad_w[lo: lo + chunk] = dz.T @ h
+            grad_w[lo: lo + chunk] = dz.reshape(-1, dz.shape[-1]).T @ h2
         return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None
 
 
 def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """Log-prob of `targets` `[N]` and entropy `[N]` under logits `h @ w.T`, `h` `[N, D]`, `w` `[V, D]`,
-    computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V))."""
-    if h.shape[0] == 0:
-        z = h.new_zeros(0, dtype=torch.float32)
-        return z, z
+    """Log-prob of `targets` `[...]` and entropy `[...]` under logits `h @ w.T`, `h` `[..., D]`, `w`
+    `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V))."""
+    if targets.numel() == 0:
+        return h.new_zeros(targets.shape, dtype=torch.float32), h.new_zeros(targets.shape, dtype=torch.float32)
     return _ChunkedLogProbs.apply(h, w, targets, int(chunk))
 
 

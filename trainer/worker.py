@@ -49,9 +49,7 @@ def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
     def forward(h: torch.Tensor):
         hidx, targets = lm_head.rl_index
         hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))  # [b, T, D]
-        b, T = hidx.shape
-        lp, ent = ops.chunked_log_probs(hs.reshape(b * T, -1), lm_head.weight, targets.reshape(-1), chunk)
-        return lp.view(b, T), ent.view(b, T)
+        return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk)  # [b, T] each, not views
 
     lm_head.rl_index = None
     lm_head.forward = forward  # FSDP hooks live in __call__, so they still wrap this

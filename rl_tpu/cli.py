@@ -64,14 +64,22 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         cfg.cluster.address = args.address
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
-    train(cfg)
+    cfg.logging.verbose = cfg.logging.verbose or args.verbose
+    out = train(cfg)
+    final = out["final"]
+    shown = {k: final[k] for k in ("reward/mean", "eval/accuracy", "loss/policy", "mismatch/kl", "time/step")
+             if k in final}
+    print(f"trained {out['steps']} steps; last step: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+    print(f"metrics: {out['run_dir']}/metrics.jsonl   policy (HF folder): {out['hf']}")
     return 0
 
 
 def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
     from rl_tpu.sft import run_sft
 
-    out = run_sft(_load(args, extra))
+    cfg = _load(args, extra)
+    cfg.logging.verbose = cfg.logging.verbose or args.verbose
+    out = run_sft(cfg)
     print(f"wrote {out['hf']}")
     return 0
 
@@ -81,7 +89,7 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise ConfigError(f"demo: unrecognised argument(s) {extra}")
-    run_demo(out=args.out, quick=args.quick)
+    run_demo(out=args.out, quick=args.quick, verbose=args.verbose)
     return 0
 
 
@@ -120,10 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", nargs="?", type=Path)
     s.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     s.add_argument("--resume", help="'auto' or a checkpoint folder")
+    s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("sft", help="supervised fine-tuning on demonstrations with the same trainer")
     s.add_argument("config", nargs="?", type=Path)
+    s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_sft)
 
     s = sub.add_parser("plot", help="write PNG curves of a run's metrics.jsonl")
@@ -134,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="the CPU demo: build a model, train it, report")
     s.add_argument("--out", type=Path, default=Path("runs/demo"))
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
+    s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_demo)
     return p
 

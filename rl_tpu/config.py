@@ -177,6 +177,7 @@ class LoggingConfig:
     wandb_project: str = "rl-tpu"
     samples_per_step: int = F(4, ge=0)  # completions written to samples.jsonl per step
     progress: bool = True
+    verbose: bool = False  # library logs on the console (Ray, vLLM, actors' output); `--verbose` on the CLI
 
 
 @dataclass(kw_only=True)

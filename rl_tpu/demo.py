@@ -131,7 +131,8 @@ def _sft_phase(cfg: Config, model: str, demos, plan: DemoPlan, ev: Evaluator, ou
             "curve": curve, "model": str(out / "best")}
 
 
-def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None) -> dict:
+def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None,
+             verbose: bool = False) -> dict:
     from rl_tpu.data import make_synthetic
     from rl_tpu.loop import start_ray, train
     from rl_tpu.metrics import read_metrics
@@ -148,6 +149,7 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         print(f"[demo {time.time() - t_start:6.0f}s] {msg}", flush=True)
 
     cfg = demo_config(plan, out / "logs")
+    cfg.logging.verbose = verbose
     train_set, test_set = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
     demos = train_set[:plan.demonstrations]
     log(f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations, {len(test_set)} held-out prompts")

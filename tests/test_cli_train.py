@@ -30,3 +30,9 @@ def test_cli_with_verl_parquet_and_a_user_reward_file(tmp_path):
     assert 0.0 <= row["eval/accuracy"] <= 1.0
     samples = (run_dir / "samples.jsonl").read_text().splitlines()
     assert samples and json.loads(samples[0])["uid"].startswith("train.parquet:")  # file:row names each prompt
+    # the console carries our progress and result, not library noise (--verbose brings that back)
+    console = r.stdout + r.stderr
+    assert "trained 1 steps" in console and str(run_dir / "hf") in console
+    for noise in ("returned a view tensor", "Started a local Ray instance", "NUMA binding", "FutureWarning"):
+        assert noise not in console, noise
+    assert row["time/startup"] > 0  # ready-for-step-1 time is logged

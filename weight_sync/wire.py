@@ -43,18 +43,22 @@ def packed_size(entries: list[tuple[str, torch.dtype, int]], metadata: dict[str,
     return len(header_for(entries, metadata)) + body
 
 
+def _write_header(buf: memoryview | bytearray | torch.Tensor, header: bytes) -> torch.Tensor:
+    """Copy `header` to the start of `buf`; return all of `buf` as a uint8 tensor (host or device)."""
+    if isinstance(buf, torch.Tensor):
+        buf[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        return buf
+    mv = memoryview(buf).cast("B")
+    mv[: len(header)] = header
+    return torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
+
+
 def pack_into(buf: memoryview | bytearray | torch.Tensor, tensors: list[tuple[str, torch.Tensor]],
               metadata: dict[str, str] | None = None) -> int:
     """Write `tensors` (1-D) into `buf` as safetensors; returns bytes written. `buf` is host memory, or a
     uint8 tensor on any device (the collective transport's GPU buffers)."""
     header = header_for([(n, t.dtype, t.numel()) for n, t in tensors], metadata)
-    if isinstance(buf, torch.Tensor):
-        body = buf
-        body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    else:
-        mv = memoryview(buf).cast("B")
-        mv[: len(header)] = header
-        body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
+    body = _write_header(buf, header)
     off = len(header)
     for _, t in tensors:
         n = t.numel() * t.element_size()
@@ -68,13 +72,7 @@ def begin_pack(buf: memoryview | bytearray | torch.Tensor, name: str, dtype: tor
     """Write the header of a one-tensor image into `buf` and return the tensor's (typed, 1-D) body for
     the caller to fill in place: a weight-sync bucket is one tensor whose layout both sides know."""
     header = header_for([(name, dtype, numel)], metadata)
-    if isinstance(buf, torch.Tensor):
-        buf[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        body = buf
-    else:
-        mv = memoryview(buf).cast("B")
-        mv[: len(header)] = header
-        body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
+    body = _write_header(buf, header)
     n = numel * torch.empty((), dtype=dtype).element_size()
     return body[len(header): len(header) + n].view(dtype)
 

@@ -77,6 +77,7 @@ class EngineSide:
         self.numel: dict[str, int] = {}
         self.buckets: dict[int, np.ndarray] = {}
         self.layers: dict[str, tuple[Any, str]] = {}  # param -> (module, attribute)
+        self.params_of: dict[int, list[str]] = {}  # id(module) -> its params in the plan
         self.session: _Session | None = None
         self.kept: dict[str, torch.Tensor] = {}
         self.version = -1
@@ -94,19 +95,19 @@ class EngineSide:
         self.buckets = {int(b): np.frombuffer(p, dtype=np.int64).reshape(-1, PIECE_FIELDS)
                         for b, p in t["buckets"].items()}
         model = vllm_compat.model(self.worker)
-        self.layers = {}
+        self.layers, self.params_of = {}, {}
         for name in self.names:
             module_name, _, pname = name.rpartition(".")
-            self.layers[name] = (model.get_submodule(module_name), pname)
+            layer = model.get_submodule(module_name)
+            self.layers[name] = (layer, pname)
+            self.params_of.setdefault(id(layer), []).append(name)
         return len(self.buckets)
 
     def begin(self, version: int, keep: bool, direct: bool | None) -> int:
         model = vllm_compat.model(self.worker)
         if direct is None:
             direct = next(model.parameters()).device.type != "cpu"
-        layer_left: dict[int, int] = {}
-        for name in self.names:
-            layer_left[id(self.layers[name][0])] = layer_left.get(id(self.layers[name][0]), 0) + self.numel[name]
+        layer_left = {lid: sum(self.numel[n] for n in names) for lid, names in self.params_of.items()}
         self.session = _Session(version=version, direct=direct, keep=keep, remaining=dict(self.numel),
                                 layer_left=layer_left)
         if not direct:
@@ -119,9 +120,9 @@ class EngineSide:
         t = getattr(layer, pname)
         if not s.direct and t.is_meta:
             vllm_compat.materialize(layer)
-            for n2, (l2, p2) in self.layers.items():  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
-                if l2 is layer and self.numel[n2] < math.prod(self.shapes[n2]):
-                    getattr(l2, p2).data.zero_()
+            for n2 in self.params_of[id(layer)]:  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
+                if self.numel[n2] < math.prod(self.shapes[n2]):
+                    getattr(layer, self.layers[n2][1]).data.zero_()
             t = getattr(layer, pname)
         return t.data.view(rows_cols(tuple(t.shape)))
 
@@ -131,26 +132,24 @@ class EngineSide:
         s = self.session
         if s is None:
             raise RuntimeError("weight sync: receive outside a sync session (begin was not called)")
+        def done(name: str, n: int) -> None:
+            s.remaining[name] -= n
+            layer = self.layers[name][0]
+            s.layer_left[id(layer)] -= n
+            if s.layer_left[id(layer)] == 0:
+                self._complete(s, layer)
+
         n_bytes = 0
         for bid, handle, transport in handles.get(str(vllm_compat.tp_rank()), []):
             buf = handle if isinstance(handle, (bytes, bytearray)) else get_transport(transport).open(handle)
-
-            def done(name: str, n: int) -> None:
-                s.remaining[name] -= n
-                layer = self.layers[name][0]
-                s.layer_left[id(layer)] -= n
-                if s.layer_left[id(layer)] == 0:
-                    self._complete(s, layer)
-
             n_bytes += apply_bucket(buf, self.buckets[int(bid)], self.names, lambda n: self._dst(s, n), done)
         s.received_bytes += n_bytes
         return n_bytes
 
     def _complete(self, s: _Session, layer) -> None:
         if s.keep:
-            for n, (l2, p) in self.layers.items():
-                if l2 is layer:
-                    s.kept[n] = getattr(layer, p).data.detach().clone()
+            for n in self.params_of[id(layer)]:
+                s.kept[n] = getattr(layer, self.layers[n][1]).data.detach().clone()
         if s.direct:
             return
         t0 = time.perf_counter()

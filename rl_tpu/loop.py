@@ -237,10 +237,10 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
         rb = build_rollout_batch(data.groups, (rb.scores + pen).tolist(), tok.pad_token_id)
         metrics["reward/overlong_penalty"] = pen.mean().item()
     batch = rb.batch
-    if not on_policy_update(cfg):
+    if not on_policy_update(cfg):  # (KL in the reward is never on-policy here: it needs both beforehand)
         batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch))
-    if cfg.trainer.reference and (a.use_kl_in_reward or not on_policy_update(cfg)):
-        batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch))
+        if cfg.trainer.reference:
+            batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch))
     if cfg.trainer.critic:
         batch = batch.replace(values=trainer.compute_values(batch))
     token_rewards = rb.token_level_scores

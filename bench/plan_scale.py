@@ -221,7 +221,7 @@ def build_qwen3_06b(out: Path) -> Path:
     make_tiny_model(out, "qwen3", "tiny", 0)  # tokenizer files
     cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                      max_position_embeddings=4096, torch_dtype="bfloat16")
+                      max_position_embeddings=4096, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
     cfg.save_pretrained(out)
     g = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (151936, 1024), "model.norm.weight": (1024,)}

@@ -139,6 +139,54 @@ def test_row_parallel_narrowing_is_one_multi_row_run():
     assert run == [0, 0, 4, 3, [n for n, _ in hf_order].index("o"), 0, 3]
 
 
+def _tricky_loader(hf: dict, tp: int, rank: int) -> dict:
+    """Engine params from HF tensors of any dtype, the ways vLLM's loaders move values: rows fused and
+    narrowed per rank with a padding row, columns narrowed, 1-D tensors concatenated, rows permuted, a
+    column jump of exactly 256 (the low byte of the column code still steps by one across it), vocab
+    padding, and a tensor with more rows than two bytes of row code can name."""
+    z = lambda n, c: torch.zeros(n, c, dtype=hf["q"].dtype)  # noqa: E731
+    return {
+        "qkv": torch.cat([hf["q"].chunk(tp)[rank], hf["k"].chunk(tp)[rank], z(1, 4)]),
+        "o": hf["o"].chunk(tp, dim=1)[rank],
+        "bias": torch.cat([hf["bq"], hf["bk"]]),
+        "perm": hf["p"][torch.tensor([3, 1, 2, 0, 4])],
+        "jump": torch.cat([hf["w"][:, :100], hf["w"][:, 356:456], hf["w"][:, 100:101]], dim=1),
+        "emb": torch.cat([hf["e"], z(3, 8)]),
+        "long": hf["long"][1:],
+    }
+
+
+def test_byte_pass_decoding_equals_full_index_codes():
+    """The engine's byte-per-pass layout decoding (`rows.Segments`, the inputs vLLM's loaders get in
+    `derive_layout`) gives exactly the run tables of one pass with full int64 element codes."""
+    from rl_tpu.weight_sync.rows import Segments, Workspace, digit_input, digit_passes
+
+    hf_order = [("bk", (3,)), ("bq", (5,)), ("e", (7, 8)), ("k", (4, 4)), ("long", (70_000, 1)),
+                ("o", (4, 6)), ("p", (5, 3)), ("q", (6, 4)), ("w", (2, 600))]
+    shapes = dict(hf_order)
+    numel = [math.prod(sh) for _, sh in hf_order]
+    offsets = np.cumsum([0] + numel)[:-1]
+    cols = np.array([rows_cols(sh)[1] for _, sh in hf_order])
+    rows = np.array([rows_cols(sh)[0] for _, sh in hf_order])
+    row_offsets = np.cumsum(np.append(0, rows))[:-1]
+    passes = digit_passes(int(rows.sum()), int(cols.max()))
+    assert [k for kind, k in passes if kind == "row"] == [0, 1, 2] and [k for kind, k in passes if kind == "col"] == [0, 1]
+    for tp, rank in [(1, 0), (2, 1)]:
+        coded = {n: torch.arange(int(o) + 1, int(o) + 1 + m, dtype=torch.int64).view(shapes[n])
+                 for (n, _), o, m in zip(hf_order, offsets, numel)}
+        want = {n: engine_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
+                for n, t in _tricky_loader(coded, tp, rank).items()}
+        segs = {}
+        for kind, k in passes:
+            inputs = {n: digit_input(kind, k, int(o), sh) for (n, sh), o in zip(hf_order, row_offsets)}
+            for n, t in _tricky_loader(inputs, tp, rank).items():
+                d = t.reshape(rows_cols(tuple(t.shape)))
+                segs[n] = (segs.get(n) or Segments.whole_rows(*d.shape)).refine(d, kind, k, Workspace(64))
+        for n in want:
+            assert np.array_equal(segs[n].runs(row_offsets), want[n]), (tp, n, segs[n].runs(row_offsets), want[n])
+    assert want["jump"].shape[0] == 3 and want["emb"][:, 2].tolist() == [7]  # the jump split; padding dropped
+
+
 def test_owners_follow_dtensor_chunking_and_replication():
     s = ParamSpec(name="w", shape=(5, 3), dtype="float32", mesh_shape=(2, 3), mesh_dim_names=("rep", "shard"),
                   placements=("Replicate()", "Shard(dim=0)"))

@@ -1,14 +1,15 @@
-"""Engine-side layouts, derived by running vLLM's own weight loaders on index-coded tensors.
+"""Engine-side layouts, derived by running vLLM's own weight loaders on coded tensors.
 
 We never re-implement vLLM's tensor-parallel slicing or fusion rules. Once per engine layout, every
-Hugging Face tensor is replaced by an integer tensor (int32 where every code fits, else int64) whose elements encode their own global position
-(`code = 1 + hf_offset[name] + flat_index`), and the engine's normal loading path (`model.load_weights`
-under vLLM's layerwise reload) runs on it. `vllm_compat.capture_mode` materialises each layer's
-loaded-layout parameters as integer zeros, lets vLLM's original loaders fill them, hands them to us and
-puts the layer's kernel tensors back, so the engine's weights never change and no restore is needed.
-Each parameter's codes are compressed to row runs (`rows.engine_runs`) as soon as its layer completes
-and freed, so derivation holds at most the layers whose HF tensors are in flight (HF tensors are fed in
-name order, which groups them by layer): one layer's codes and its coded inputs, never the model's.
+Hugging Face tensor is replaced by a code tensor and the engine's normal loading path (`model.load_weights`
+under vLLM's layerwise reload) runs on it. Each HF row has a code (`1 + row offset of its tensor + row`)
+and each column one (`1 + col`); a pass feeds one byte of them as a stride-0 uint8 tensor (`rows.digit_input`:
+the size of a tensor's rows or columns, not its elements), so about five passes decode a model and the
+engine materialises one byte per element of the layer in flight. `vllm_compat.capture_mode` materialises
+each layer's loaded-layout parameters as uint8 zeros, lets vLLM's original loaders fill them, hands them
+to us and puts the layer's kernel tensors back, so the engine's weights never change and no restore is
+needed. Each pass refines every parameter's row segments (`rows.Segments`) a block of elements at a time
+and frees the layer, so derivation's extra memory is one byte per element of one layer plus small blocks.
 What comes out for every engine parameter on this TP rank is which HF rows and columns land where:
 fusion (q/k/v -> qkv_proj, gate/up -> gate_up_proj), TP narrowing, vocab padding (code 0), and any
 row-preserving layout transform, as vLLM's loaders do them.
@@ -19,14 +20,13 @@ Installing shards is `engine_side.py`. Functions here run inside a vLLM worker (
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import vllm_compat
-from .rows import ENGINE_COLS, engine_runs, rows_cols
+from .rows import ENGINE_COLS, Segments, Workspace, digit_input, digit_passes, rows_cols
 
 
 @dataclass(kw_only=True)
@@ -53,33 +53,32 @@ class EngineLayout:
 
 
 def derive_layout(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) -> EngineLayout:
-    """Inside a vLLM worker: run vLLM's loaders on index-coded HF tensors and read where each row landed."""
+    """Inside a vLLM worker: run vLLM's loaders on row and column codes, a byte per pass (`rows.digit_passes`),
+    and read where each HF row landed."""
     model = vllm_compat.model(worker)
     dtype = next(model.parameters()).dtype
     names = {id(m): n for n, m in model.named_modules()}
-    offsets = np.cumsum([0] + [math.prod(s) for _, s in hf_specs])[:-1]
-    hf_cols = np.asarray([rows_cols(tuple(s))[1] for _, s in hf_specs], dtype=np.int64)
-    # int32 codes where every code fits (half the memory of int64: the coded inputs and the captured
-    # layer are all derivation costs beyond the engine's own weights)
-    total = sum(math.prod(s) for _, s in hf_specs)
-    code_dtype = torch.int32 if total < 2**31 - 1 else torch.int64
-    runs: dict[str, np.ndarray] = {}
+    hf_rows = np.asarray([rows_cols(tuple(s))[0] for _, s in hf_specs], dtype=np.int64)
+    row_offsets = np.cumsum(np.append(0, hf_rows))[:-1]
+    max_cols = max((rows_cols(tuple(s))[1] for _, s in hf_specs), default=1)
+    segments: dict[str, Segments] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    work = Workspace()
 
-    def capture(layer, tensors: dict[str, torch.Tensor]) -> None:
-        prefix = names.get(id(layer), "")
-        for pname, t in tensors.items():
-            name = f"{prefix}.{pname}" if prefix else pname
-            r = engine_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, hf_cols)
-            if r.shape[0]:
-                runs[name], shapes[name] = r, tuple(t.shape)
+    for kind, k in digit_passes(int(hf_rows.sum()), max_cols):
+        def capture(layer, tensors: dict[str, torch.Tensor]) -> None:
+            prefix = names.get(id(layer), "")
+            for pname, t in tensors.items():
+                name = f"{prefix}.{pname}" if prefix else pname
+                d = t.reshape(rows_cols(tuple(t.shape)))
+                seg = segments.get(name) or Segments.whole_rows(*d.shape)
+                segments[name], shapes[name] = seg.refine(d, kind, k, work), tuple(t.shape)
 
-    def coded():
-        for (name, shape), off in zip(hf_specs, offsets):
-            n = math.prod(shape)
-            yield name, torch.arange(int(off) + 1, int(off) + 1 + n, dtype=code_dtype).view(tuple(shape))
+        inputs = ((name, digit_input(kind, k, int(off), tuple(shape)))
+                  for (name, shape), off in zip(hf_specs, row_offsets))
+        vllm_compat.run_loaders(worker, inputs, capture, dtype=torch.uint8)
 
-    vllm_compat.run_loaders(worker, coded(), capture, dtype=code_dtype)
+    runs = {n: r for n, seg in segments.items() if (r := seg.runs(row_offsets)).shape[0]}
     order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     ordered = sorted(runs, key=lambda n: order.get(n, len(order)))
     return EngineLayout(tp_rank=vllm_compat.tp_rank(), tp_size=vllm_compat.tp_size(),

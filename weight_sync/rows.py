@@ -109,6 +109,127 @@ def _merge_rows(seg: np.ndarray) -> np.ndarray:
     return out[np.lexsort((out[:, 1], out[:, 0]))]
 
 
+# ------------------------------------------------------------------------------------------------------
+# Decoding an engine layout one byte at a time. Index codes as wide as the model (int32 per element) made
+# derivation cost twice the bf16 weights of the layer in flight; instead each HF row and column gets a
+# code, `row code = 1 + row offset of its tensor + row` and `col code = 1 + col`, fed one byte per pass as
+# uint8 (stride-0 inputs: a tensor's rows or columns, not its elements), so the engine materialises one
+# byte per element and the per-element work happens a block at a time. Each pass refines the parameter's
+# row segments (runs of one HF row with columns stepping by one); bytes already decoded are carried per
+# segment, so no per-element state outlives a pass.
+
+
+def digit_passes(max_row_code: int, max_col_code: int) -> list[tuple[str, int]]:
+    """(kind, byte index) of every pass: all row-code bytes first (padding must be known before the
+    column passes), then the column-code bytes."""
+    def nbytes(m: int) -> int:
+        return max(1, (int(m).bit_length() + 7) // 8)
+    return [("row", k) for k in range(nbytes(max_row_code))] + [("col", k) for k in range(nbytes(max_col_code))]
+
+
+def digit_input(kind: str, k: int, row_offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Byte `k` of an HF tensor's row codes (or column codes) as a stride-0 uint8 tensor of its shape."""
+    R, C = rows_cols(shape)
+    if kind == "row":
+        d = ((torch.arange(row_offset + 1, row_offset + 1 + R) >> (8 * k)) & 255).to(torch.uint8).view(R, 1)
+    else:
+        d = ((torch.arange(1, C + 1) >> (8 * k)) & 255).to(torch.uint8).view(1, C)
+    return d.expand(R, C).view(shape)
+
+
+class Workspace:
+    """Block buffers reused by every `Segments.refine` of a derivation. Allocating them per block let
+    glibc's heap grow by about 1.5 GB over one embedding-sized parameter (freed, never returned); reused
+    buffers keep derivation's memory at the engine's uint8 layer plus these."""
+
+    def __init__(self, size: int = 1 << 20):
+        self.size = 0
+        self._grow(max(1, size))
+
+    def _grow(self, size: int) -> None:
+        self.size = size
+        self.flags = torch.zeros(3, size, dtype=torch.bool)
+        self.ints = torch.zeros(4, size, dtype=torch.int64)
+        self.iota = torch.arange(size, dtype=torch.int64)
+
+    def views(self, n: int):
+        """first, brk, live (bool) and sid, v, g, h (int64), each `n` long (one engine row may exceed the size)."""
+        if n > self.size:
+            self._grow(n)
+        return (*(self.flags[i, :n] for i in range(3)), *(self.ints[i, :n] for i in range(4)))
+
+
+class Segments:
+    """Row segments of one engine parameter, decoded so far: flat start positions (sorted; every engine
+    row starts one) with each segment's row code and column code (the bytes decoded up to now)."""
+
+    def __init__(self, starts: torch.Tensor, row: torch.Tensor, col: torch.Tensor, shape: tuple[int, int]):
+        self.starts, self.row, self.col, self.shape = starts, row, col, shape
+
+    @classmethod
+    def whole_rows(cls, R: int, C: int) -> "Segments":
+        z = torch.zeros(R, dtype=torch.int64)
+        return cls(torch.arange(R, dtype=torch.int64) * C, z, z.clone(), (R, C))
+
+    def refine(self, digits: torch.Tensor, kind: str, k: int, work: "Workspace | None" = None) -> "Segments":
+        """Read byte `k` of the row (or column) codes from `digits` (the parameter's 2-D uint8 view after
+        the loaders ran on that pass's inputs) and split segments wherever the codes stop continuing."""
+        R, C = self.shape
+        assert tuple(digits.shape) == (R, C), (tuple(digits.shape), self.shape)
+        work = work or Workspace(min(R * C, 1 << 20))
+        scale, step = 256 ** k, max(1, work.size // max(C, 1))
+        parts = []
+        for r0 in range(0, R, step):
+            lo, hi = r0 * C, min(R, r0 + step) * C
+            n = hi - lo
+            a, b = (int(torch.searchsorted(self.starts, x)) for x in (lo, hi))
+            s_loc = self.starts[a:b] - lo
+            first, brk, live, sid, v, g, h = work.views(n)
+            first.zero_()
+            first[s_loc] = True
+            h.zero_()
+            h[s_loc] = 1
+            torch.cumsum(h, 0, out=sid)  # int64 in and out: a bool input costs an 8 MB temporary per block
+            sid.sub_(1)
+            v.copy_(digits[r0:r0 + step].reshape(-1))
+            v.mul_(scale)
+            if kind == "row":
+                v.add_(torch.index_select(self.row[a:b], 0, sid, out=g))
+                torch.ne(v[1:], v[:-1], out=brk[1:])
+            else:  # bytes below k step with the position inside the segment
+                torch.index_select(self.col[a:b], 0, sid, out=g)
+                g.add_(work.iota[:n]).sub_(torch.index_select(s_loc, 0, sid, out=h)).remainder_(scale)
+                v.add_(g)
+                torch.add(v[:-1], 1, out=g[:-1]).remainder_(scale * 256)
+                torch.ne(v[1:], g[:-1], out=brk[1:])
+                # padding (row code 0) stays one segment whatever its columns
+                torch.gt(torch.index_select(self.row[a:b], 0, sid, out=h), 0, out=live)
+                brk[1:].logical_and_(live[1:])
+            brk.logical_or_(first)
+            new = torch.nonzero(brk).flatten()
+            old = sid[new] + a
+            row, col = (v[new], self.col[old]) if kind == "row" else (self.row[old], v[new])
+            parts.append((new + lo, row, col))
+        if not parts:
+            return self
+        return Segments(*(torch.cat(x) for x in zip(*parts)), shape=self.shape)
+
+    def runs(self, row_offsets: np.ndarray) -> np.ndarray:
+        """The decoded segments as an `ENGINE_COLS` run table (padding dropped, vertical runs merged)."""
+        R, C = self.shape
+        starts, row, col = self.starts.numpy(), self.row.numpy(), self.col.numpy()
+        ends = np.minimum(np.append(starts[1:], R * C), (starts // max(C, 1) + 1) * C)
+        keep = row > 0
+        if (col[keep] <= 0).any():
+            raise ValueError("a loaded element has a row code but no column code: vLLM's loader did not copy "
+                             "HF values as whole rows and columns")
+        starts, ends, row, col = starts[keep], ends[keep], row[keep] - 1, col[keep] - 1
+        offs = np.asarray(row_offsets, dtype=np.int64)
+        tid = np.searchsorted(offs, row, side="right") - 1
+        seg = np.stack([starts // C, starts % C, ends - starts, tid, row - offs[tid], col], axis=1)
+        return _merge_rows(seg.astype(np.int64))
+
+
 def split_at(starts: np.ndarray, lengths: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split intervals `[starts, starts + lengths)` at the sorted boundaries `bounds` (segment starts of
     a table that covers every interval). Returns (interval index, piece start, piece length) per piece,

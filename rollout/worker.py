@@ -121,9 +121,18 @@ class RolloutWorker:
         vllm_compat.check()  # name every vLLM internal weight sync needs that this vLLM lacks, now
         t = time.perf_counter()
         self.llm = build_engine(self.cfg.rollout, self.device, self.model_path, self.index)
+        self._warm_up()
         self.version = self.initial_version
         self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.build() again
         self.start_s = time.perf_counter() - t
+
+    def _warm_up(self) -> None:
+        """One greedy token with a log-prob: vLLM compiles its token-rank kernel (torch.compile, about 5 s
+        on CPU) on the first request asking for log-probs. Doing it here, while the trainer starts beside
+        this engine, takes it out of the first step. Greedy draws no random numbers and a 1-token prompt
+        fills no prefix-cache block, so later sampling is unchanged."""
+        params = sampling_params(self.cfg.rollout, self.device, n=1, max_tokens=1, temperature=0.0)
+        self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
 
     def _stop_engine(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -7,6 +7,7 @@ file order: read-only checks first, then the ones that train. Exact comparisons 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -378,6 +379,12 @@ def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_
         import ray
 
         ray.kill(resumed.actors[1])
+        for _ in range(300):  # ray.kill is asynchronous: a call made before the kill lands still succeeds
+            try:
+                ray.get(resumed.actors[1].param_specs.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            time.sleep(0.1)
         with pytest.raises(TrainerError, match="rank 1"):
             resumed.param_specs()
     finally:

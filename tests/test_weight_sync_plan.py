@@ -2,8 +2,9 @@
 
 No vLLM, Ray or TorchTitan here: engine layouts are built by hand in the shape vLLM's loaders produce
 (q/k/v fused and narrowed per TP rank, a row-parallel weight narrowed on columns, a padding row),
-coded the way vLLM's loaders leave index codes, and compressed by the same `rows.engine_runs` the engine
-uses; the real layouts are derived from vLLM in tests/test_weight_sync.py.
+coded with one full int64 index per element and compressed by `full_code_runs` below: the plain reference
+decoder, which `test_byte_pass_decoding_equals_full_index_codes` checks the engine's byte-pass decoder
+(`rows.Segments`) against; the real layouts are derived from vLLM in tests/test_weight_sync.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,36 @@ from rl_tpu.weight_sync.engine_layout import EngineLayout
 from rl_tpu.weight_sync.engine_side import apply_bucket
 from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
 from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names, owners
-from rl_tpu.weight_sync.rows import engine_runs, rows_cols, runs_1d, split_at
+from rl_tpu.weight_sync.rows import merge_rows, rows_cols, runs_1d, split_at
 from rl_tpu.weight_sync.specs import ParamSpec
 from rl_tpu.weight_sync.sync import Sender, receiver_tables
 from rl_tpu.weight_sync.transports import get_transport
 from rl_tpu.weight_sync.wire import pack, pack_into, unpack
+
+def full_code_runs(codes: torch.Tensor, hf_offsets: np.ndarray, hf_cols: np.ndarray) -> np.ndarray:
+    """Reference decoder: an engine parameter (2-D) whose elements hold `1 + global HF flat index` (0:
+    padding) -> its `ENGINE_COLS` run table. Row segments are maximal runs of one HF tensor and row with
+    columns stepping by one inside an engine row; `rows.merge_rows` stacks them into multi-row runs."""
+    R, C = codes.shape
+    offs = torch.from_numpy(np.asarray(hf_offsets, dtype=np.int64))
+    cols = torch.from_numpy(np.asarray(hf_cols, dtype=np.int64))
+    flat = codes.reshape(-1).to(torch.int64) - 1
+    if flat.numel() == 0:
+        return merge_rows(np.zeros((0, 6), dtype=np.int64))
+    valid = flat >= 0
+    tid = (torch.searchsorted(offs, flat.clamp(min=0), right=True) - 1).clamp(min=0)
+    local = flat - offs[tid]
+    hr, hc = local // cols[tid], local % cols[tid]
+    brk = torch.ones(R * C, dtype=torch.bool)
+    brk[1:] = ~((tid[1:] == tid[:-1]) & (hr[1:] == hr[:-1]) & (hc[1:] == hc[:-1] + 1) & valid[1:] & valid[:-1])
+    brk[torch.arange(0, R * C, C)] = True  # segments never wrap engine rows
+    starts = torch.nonzero(brk & valid).flatten()
+    ends = torch.nonzero(brk).flatten()
+    nxt = torch.searchsorted(ends, starts, right=True)  # each segment ends at the next break after its start
+    seg_end = torch.where(nxt < ends.numel(), ends[nxt.clamp(max=ends.numel() - 1)], torch.tensor(R * C))
+    return merge_rows(np.stack([(starts // C).numpy(), (starts % C).numpy(), (seg_end - starts).numpy(),
+                                tid[starts].numpy(), hr[starts].numpy(), hc[starts].numpy()], axis=1))
+
 
 # A toy "model": TorchTitan names, HF names by a rename + (for wq) a row permutation, like Llama's adapter.
 SHAPES = {"wq": (6, 4), "wk": (5, 4), "wv": (5, 4), "wo": (4, 6), "norm": (4,)}
@@ -63,7 +89,7 @@ def hand_layout(hf_order, tp: int, rank: int) -> EngineLayout:
     params = {"qkv": qkv, "o_proj": wo, "norm": norm}
     return EngineLayout(tp_rank=rank, tp_size=tp, dtype="float32",
                         shapes={n: tuple(t.shape) for n, t in params.items()},
-                        runs={n: engine_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
+                        runs={n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
                               for n, t in params.items()})
 
 
@@ -174,7 +200,7 @@ def test_byte_pass_decoding_equals_full_index_codes():
     for tp, rank in [(1, 0), (2, 1)]:
         coded = {n: torch.arange(int(o) + 1, int(o) + 1 + m, dtype=torch.int64).view(shapes[n])
                  for (n, _), o, m in zip(hf_order, offsets, numel)}
-        want = {n: engine_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
+        want = {n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
                 for n, t in _tricky_loader(coded, tp, rank).items()}
         segs = {}
         for kind, k in passes:

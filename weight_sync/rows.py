@@ -48,50 +48,7 @@ def runs_1d(values: np.ndarray) -> np.ndarray:
     return np.stack([starts, values[starts], lengths], axis=1)
 
 
-def engine_runs(codes: torch.Tensor, hf_offsets: np.ndarray, hf_cols: np.ndarray,
-                block: int = 1 << 22) -> np.ndarray:
-    """Compress one engine parameter's element codes into an `ENGINE_COLS` run table.
-
-    `codes` is the parameter (2-D view) after vLLM's loaders ran on index-coded HF tensors: each element
-    holds `1 + global HF flat index` (HF tensors concatenated in `hf_offsets` order), 0 where nothing
-    loaded (padding). Row segments (constant HF tensor and row, columns stepping by one) are found per
-    engine row, a block of about `block` elements at a time (segments never cross engine rows, so
-    blocks of whole rows are exact and temporaries stay small); then segments that continue each other
-    on the next engine row and the next HF row are merged vertically.
-    """
-    R, C = codes.shape
-    offs = torch.from_numpy(np.asarray(hf_offsets, dtype=np.int64))
-    cols = torch.from_numpy(np.asarray(hf_cols, dtype=np.int64))
-    step = max(1, block // max(C, 1))
-    segs = [_row_segments(codes[r0:r0 + step], r0, offs, cols) for r0 in range(0, R, step)]
-    seg = np.concatenate(segs) if segs else np.zeros((0, 6), dtype=np.int64)
-    return _merge_rows(seg)
-
-
-def _row_segments(codes: torch.Tensor, row0: int, offs: torch.Tensor, cols: torch.Tensor) -> np.ndarray:
-    """(dst_row, dst_col, ncols, hf, hf_row, hf_col) of every row segment of a block of engine rows."""
-    R, C = codes.shape
-    flat = codes.reshape(-1).to(torch.int64) - 1
-    if flat.numel() == 0:
-        return np.zeros((0, 6), dtype=np.int64)
-    valid = flat >= 0
-    tid = (torch.searchsorted(offs, flat.clamp(min=0), right=True) - 1).clamp(min=0)
-    local = flat - offs[tid]
-    hr, hc = local // cols[tid], local % cols[tid]
-    brk = torch.ones(R * C, dtype=torch.bool)
-    brk[1:] = ~((tid[1:] == tid[:-1]) & (hr[1:] == hr[:-1]) & (hc[1:] == hc[:-1] + 1) & valid[1:] & valid[:-1])
-    brk[torch.arange(0, R * C, C)] = True  # segments never wrap engine rows
-    starts = torch.nonzero(brk & valid).flatten()
-    ends = torch.nonzero(brk).flatten()
-    nxt = torch.searchsorted(ends, starts, right=True)  # each segment ends at the next break after its start
-    seg_end = torch.where(nxt < ends.numel(), ends[nxt.clamp(max=ends.numel() - 1)], torch.tensor(R * C))
-    return np.stack([
-        (starts // C).numpy() + row0, (starts % C).numpy(), (seg_end - starts).numpy(),
-        tid[starts].numpy(), hr[starts].numpy(), hc[starts].numpy(),
-    ], axis=1)
-
-
-def _merge_rows(seg: np.ndarray) -> np.ndarray:
+def merge_rows(seg: np.ndarray) -> np.ndarray:
     """Merge row segments (dst_row, dst_col, ncols, hf, hf_row, hf_col) into multi-row runs."""
     if seg.shape[0] == 0:
         return np.zeros((0, len(ENGINE_COLS)), dtype=np.int64)
@@ -148,15 +105,15 @@ class Workspace:
 
     def _grow(self, size: int) -> None:
         self.size = size
-        self.flags = torch.zeros(3, size, dtype=torch.bool)
+        self.flags = torch.zeros(2, size, dtype=torch.bool)
         self.ints = torch.zeros(4, size, dtype=torch.int64)
         self.iota = torch.arange(size, dtype=torch.int64)
 
     def views(self, n: int):
-        """first, brk, live (bool) and sid, v, g, h (int64), each `n` long (one engine row may exceed the size)."""
+        """brk, live (bool) and sid, v, g, h (int64), each `n` long (one engine row may exceed the size)."""
         if n > self.size:
             self._grow(n)
-        return (*(self.flags[i, :n] for i in range(3)), *(self.ints[i, :n] for i in range(4)))
+        return (*(self.flags[i, :n] for i in range(2)), *(self.ints[i, :n] for i in range(4)))
 
 
 class Segments:
@@ -184,9 +141,7 @@ class Segments:
             n = hi - lo
             a, b = (int(torch.searchsorted(self.starts, x)) for x in (lo, hi))
             s_loc = self.starts[a:b] - lo
-            first, brk, live, sid, v, g, h = work.views(n)
-            first.zero_()
-            first[s_loc] = True
+            brk, live, sid, v, g, h = work.views(n)
             h.zero_()
             h[s_loc] = 1
             torch.cumsum(h, 0, out=sid)  # int64 in and out: a bool input costs an 8 MB temporary per block
@@ -205,7 +160,7 @@ class Segments:
                 # padding (row code 0) stays one segment whatever its columns
                 torch.gt(torch.index_select(self.row[a:b], 0, sid, out=h), 0, out=live)
                 brk[1:].logical_and_(live[1:])
-            brk.logical_or_(first)
+            brk.index_fill_(0, s_loc, True)  # every segment start stays one
             new = torch.nonzero(brk).flatten()
             old = sid[new] + a
             row, col = (v[new], self.col[old]) if kind == "row" else (self.row[old], v[new])
@@ -218,7 +173,7 @@ class Segments:
         """The decoded segments as an `ENGINE_COLS` run table (padding dropped, vertical runs merged)."""
         R, C = self.shape
         starts, row, col = self.starts.numpy(), self.row.numpy(), self.col.numpy()
-        ends = np.minimum(np.append(starts[1:], R * C), (starts // max(C, 1) + 1) * C)
+        ends = np.append(starts[1:], R * C)  # every engine row starts a segment, so none crosses a row
         keep = row > 0
         if (col[keep] <= 0).any():
             raise ValueError("a loaded element has a row code but no column code: vLLM's loader did not copy "
@@ -227,7 +182,7 @@ class Segments:
         offs = np.asarray(row_offsets, dtype=np.int64)
         tid = np.searchsorted(offs, row, side="right") - 1
         seg = np.stack([starts // C, starts % C, ends - starts, tid, row - offs[tid], col], axis=1)
-        return _merge_rows(seg.astype(np.int64))
+        return merge_rows(seg.astype(np.int64))
 
 
 def split_at(starts: np.ndarray, lengths: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

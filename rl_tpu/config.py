@@ -91,6 +91,7 @@ class RolloutConfig:
     multiprocess: bool = False  # vLLM engine core in its own process
     num_threads: int = F(0, ge=0)  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    max_restarts: int = F(3, ge=0)  # engines that die or hang are restarted and re-synced, this many times per run
 
 
 @dataclass(kw_only=True)

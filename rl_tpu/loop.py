@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,10 +103,17 @@ class WeightSyncer:
     `sync.transport` = inprocess | shm | ray | collective selects the plan-based `WeightSync` (each
     engine gets exactly its shard's bytes). `sync.transport = "reload"` is the full-tensor reference
     path: the trainer exports HF safetensors and the engines `reload_weights` them. `sync.verify`
-    compares every engine parameter with vLLM's own full-tensor loader after each sync, bit for bit."""
+    compares every engine parameter with vLLM's own full-tensor loader after each sync, bit for bit.
+
+    A restarted engine (`RolloutGroup.on_restart`, or one found dead during a sync) is synced alone
+    with the trainer's current weights, labelled `trainer_version`. `lock` is held while an update
+    changes the trainer's weights and its version, so that label is never one update behind (async mode
+    restarts an engine from the generation thread while the trainer trains)."""
 
     def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path):
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
+        self.lock = threading.Lock()
+        self.trainer_version = 0  # the version of the weights the trainer holds now
         self.plan_sync = None
         if cfg.sync.transport != "reload":
             import functools
@@ -119,22 +127,40 @@ class WeightSyncer:
                                         engine_model_dir=model_path)
 
     def __call__(self, version: int) -> dict[str, float]:
+        """Every engine gets the trainer's weights as `version`."""
+        from rl_tpu.weight_sync import ReceiverLost
+
         t = time.perf_counter()
+        try:
+            nbytes = self._sync(version)
+        except ReceiverLost as e:  # the others are synced; a restarted engine is synced on its own
+            for engine in e.engines:
+                self.rollout.restart_worker(engine, f"died during the weight sync of version {version}")
+            nbytes = 0.0
+        self.rollout.policy_version = version
+        return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+
+    def _sync(self, version: int, engines: list[int] | None = None) -> float:
         if self.plan_sync is not None:
-            stats = self.plan_sync.sync(version, keep_for_verify=self.cfg.sync.verify)
-            nbytes = float(stats.bytes)
-            self.rollout.policy_version = version
+            stats = self.plan_sync.sync(version, keep_for_verify=self.cfg.sync.verify, engines=engines)
             if self.cfg.sync.verify:
-                diffs = self.plan_sync.verify(sorted(self.trainer.hf_state_dict().items()))
+                diffs = self.plan_sync.verify(sorted(self.trainer.hf_state_dict().items()), engines)
                 bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}
                 if bad:
                     raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's: {bad}")
-        else:
-            folder = self.tmp_dir / "sync"
-            self.trainer.export_hf(str(folder))
-            self.rollout.load_weights_full(str(folder / "model.safetensors"), version)
-            nbytes = float((folder / "model.safetensors").stat().st_size)
-        return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+            return float(stats.bytes)
+        folder = self.tmp_dir / "sync"
+        self.trainer.export_hf(str(folder))
+        self.rollout.load_weights_full(str(folder / "model.safetensors"), version, workers=engines)
+        return float((folder / "model.safetensors").stat().st_size)
+
+    def engine_restarted(self, engine: int) -> None:
+        """`RolloutGroup.on_restart`: the new engine takes its slot in the plan and gets the current policy."""
+        with self.lock:
+            if self.plan_sync is not None:
+                self.plan_sync.replace_receiver(engine, self.rollout.workers[engine])
+            self._sync(self.trainer_version, engines=[engine])
+            log.info("rollout worker %d restarted and synced to policy version %d", engine, self.trainer_version)
 
     def build(self) -> None:
         if self.plan_sync is not None:
@@ -307,6 +333,7 @@ def train(cfg: Config) -> dict[str, Any]:
         pool, trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
+        rollout.on_restart = syncer.engine_restarted
         write_placement_json(run_dir, groups, rollout, syncer.routes())
         if resume is not None:
             state = load_state(resume)
@@ -314,6 +341,7 @@ def train(cfg: Config) -> dict[str, Any]:
             loader.load_state_dict(state["data"])
             rollout.load_state_dict(state["rollout"])
             step, version = state["step"], state["version"]
+            syncer.trainer_version = version
             syncer(version)  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
@@ -336,11 +364,14 @@ def train(cfg: Config) -> dict[str, Any]:
             if cfg.cluster.placement == "colocated":
                 rollout.sleep()  # hand the shared devices to the trainer (CUDA); a no-op reported once elsewhere
             rb, prep_metrics = prepare_batch(cfg, data, trainer, tok)
-            train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
+            with syncer.lock:  # a restarted engine must not be synced mid-update (see WeightSyncer)
+                train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
+                syncer.trainer_version = version + 1
             if cfg.cluster.placement == "colocated":
                 rollout.wake_up()
             timings["time/train"] = time.perf_counter() - t
             metrics = data.metrics | prep_metrics | step_metrics(rb, version) | train_metrics
+            metrics["rollout/samples"] = float(sum(len(g) for g in data.groups))  # completions in the update
             # 3. new weights into the engines (waits for an in-flight generation: the engine is serial)
             if pending is not None:
                 pending_data = pending.result()
@@ -351,6 +382,7 @@ def train(cfg: Config) -> dict[str, Any]:
             # 4. evaluation, logging, checkpoint
             if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
                 metrics |= evaluate(cfg, rollout, pool, test_set, tok)
+            metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
             timings["time/step"] = time.perf_counter() - t_step
             n_tokens = int(rb.batch.response_mask.sum().item())
             metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}

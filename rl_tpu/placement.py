@@ -212,7 +212,7 @@ def placement_record(plan: Plan, bundle_nodes: dict[tuple[str, int], str], node_
                      reports: dict[tuple[str, int], dict] | None = None) -> list[dict[str, Any]]:
     """One entry per actor for placement.json. `bundle_nodes`: (group, bundle) -> node id from Ray's
     placement-group table; `reports`: (role, index) -> what the actor said about itself (node_id,
-    node_ip, threads), which wins over the table where given."""
+    node_ip, threads, pid), which wins over the table where given."""
     out = []
     for s in sorted(plan.slots, key=lambda s: (s.role != "trainer", s.index)):
         node = bundle_nodes.get((s.group, s.bundle), "")
@@ -220,7 +220,7 @@ def placement_record(plan: Plan, bundle_nodes: dict[tuple[str, int], str], node_
                  "bundle": s.bundle, "group": s.group, "resources": plan.bundles[s.group][s.bundle],
                  "threads": s.threads}
         rep = (reports or {}).get((s.role, s.index), {})
-        entry.update({k: rep[k] for k in ("node_id", "node_ip", "threads") if k in rep})
+        entry.update({k: rep[k] for k in ("node_id", "node_ip", "threads", "pid") if k in rep})
         out.append(entry)
     return out
 

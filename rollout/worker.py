@@ -150,7 +150,7 @@ class RolloutWorker:
     def threads(self) -> dict:
         """This actor's node and threads (the in-process engine's, for a TP=1 engine)."""
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
+                "pid": os.getpid(), "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
 
     def ping(self) -> dict:
         return {"worker": self.index, "pid": os.getpid(), "policy_version": self.version,

@@ -227,7 +227,17 @@ def test_sleep_is_a_reported_noop_on_cpu(group1):
     assert group1.sleep() == [False] and group1.wake_up() == [False]
 
 
-def test_ping_answers_during_generation_and_dead_worker_raises(group1, prompts):
+def _wait_dead(group, w):
+    for _ in range(300):  # ray.kill is asynchronous: a call made before the kill lands still succeeds
+        try:
+            group.workers[w].ping.remote().future().result(timeout=60)
+        except Exception:  # noqa: BLE001 - RayActorError once the kill landed
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"worker {w} still answers after ray.kill")
+
+
+def test_ping_answers_during_generation_and_dead_worker_is_restarted(group1, prompts):
     ref = group1.workers[0].generate.remote(prompts * 8, list(range(len(prompts) * 8)), {"max_tokens": 64,
                                                                                            "n": 4}, None)
     t = time.perf_counter()
@@ -235,13 +245,28 @@ def test_ping_answers_during_generation_and_dead_worker_raises(group1, prompts):
     ping_s = time.perf_counter() - t
     ray.get(ref)
     assert ping_s < 5.0
+    before = group1.generate(prompts, n=1, temperature=0.0)
+    old_pid = group1.ping()[0]["pid"]
     ray.kill(group1.workers[0])
-    t = time.perf_counter()
+    _wait_dead(group1, 0)
     with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died"):
         group1.ping()
-    with pytest.raises(RolloutWorkerError, match="rollout worker 0"):
-        group1.generate(prompts[:1], n=1)
-    assert time.perf_counter() - t < 30
+    restarted: list[int] = []
+    group1.on_restart = restarted.append
+    try:
+        # the lost call goes to a new actor in the same slot; the same prompts come back whole and in order
+        after = group1.generate(prompts, n=1, temperature=0.0)
+        assert restarted == [0] and group1.restarts == 1 and group1.ping()[0]["pid"] != old_pid
+        assert [[c.response_ids for c in g] for g in after] == [[c.response_ids for c in g] for g in before]
+        assert [g[0].prompt_index for g in after] == list(range(len(prompts)))
+        group1.max_restarts = 1  # spent: the next loss is an error naming the worker and the limit
+        ray.kill(group1.workers[0])
+        _wait_dead(group1, 0)
+        with pytest.raises(RolloutWorkerError, match=r"rollout worker 0: actor died.*rollout.max_restarts = 1"):
+            group1.generate(prompts[:1], n=1)
+    finally:
+        group1.on_restart, group1.max_restarts = None, 5
+        group1.restart_worker(0, "test cleanup")  # leave a live worker for the module's other tests
 
 
 # -- in-process helper ---------------------------------------------------------------------------------

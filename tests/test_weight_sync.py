@@ -254,6 +254,39 @@ def test_fsdp2_to_two_engines_bit_exact_in_parallel(trained, ray_session, tiny_q
         g.shutdown()
 
 
+def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ray_session, tiny_qwen3):
+    """The other engine finishes its sync; the dead one is named, its replacement re-derives the same
+    layout, takes the dead one's tables and alone receives the weights, bit for bit."""
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.weight_sync import ReceiverLost
+
+    g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2, num_cpus_per_worker=0)
+    try:
+        ws = _weight_sync(trained, g, tiny_qwen3)
+        ws.build()
+        ray.kill(g.workers[1])
+        with pytest.raises(ReceiverLost, match=r"engine\(s\) \[1\] died") as lost:
+            for _ in range(300):  # ray.kill is asynchronous: wait until a sync really meets the dead engine
+                ws.sync(3, keep_for_verify=True)
+        assert lost.value.engines == [1]
+        assert ray.get(g.workers[0].policy_version.remote()) == 3  # engine 0 finished its sync
+        synced: list = []
+        g.on_restart = lambda e: synced.append(ws.replace_receiver(e, g.workers[e]) or
+                                               ws.sync(3, keep_for_verify=True, engines=[e]))
+        g.restart_worker(1, "killed by the test")
+        (stats,) = synced
+        assert [a["version"] for a in stats.acks] == [3] and stats.bytes == ws.plan.nbytes // 2
+        diffs = ws.verify(sorted(trained.hf_state_dict().items()))
+        assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
+        per_engine = [ray.get(w.generate.remote(PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0,
+                                                                                      "max_tokens": 12}, None))
+                      for w in g.workers]
+        assert [c[0].response_ids for c in per_engine[0]] == [c[0].response_ids for c in per_engine[1]]
+        ws.close()
+    finally:
+        g.shutdown()
+
+
 @pytest.mark.parametrize("overrides", [["--rollout.multiprocess=true"], ["--rollout.tensor_parallel_size=2"]],
                          ids=["multiprocess", "tp2"])
 def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny_qwen3, overrides):

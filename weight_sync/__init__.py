@@ -5,6 +5,6 @@ Importable with torch alone: vLLM, Ray and TorchTitan are imported inside the fu
 
 from .plan import Plan, PlanError, build_plan
 from .specs import ParamSpec
-from .sync import SyncStats, WeightSync
+from .sync import ReceiverLost, SyncStats, WeightSync
 
-__all__ = ["ParamSpec", "Plan", "PlanError", "SyncStats", "WeightSync", "build_plan"]
+__all__ = ["ParamSpec", "Plan", "PlanError", "ReceiverLost", "SyncStats", "WeightSync", "build_plan"]

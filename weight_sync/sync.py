@@ -55,6 +55,35 @@ def _node_id() -> str:
     return "local"
 
 
+class ReceiverLost(RuntimeError):
+    """Engines whose actor died during a sync (the others finished theirs): restart them, then
+    `replace_receiver` and sync them alone."""
+
+    def __init__(self, engines: list[int], why: str):
+        super().__init__(f"weight sync: engine(s) {engines} died during the sync ({why})")
+        self.engines = engines
+
+
+def _get_each(xs: list) -> list:
+    """Like `_get` over a list of calls, but every call is waited for; engines whose Ray actor died are
+    raised together as `ReceiverLost` after the rest finished."""
+    if not xs or type(xs[0]).__name__ != "ObjectRef":
+        return xs
+    import ray
+
+    out, lost, why = [], [], ""
+    for i, ref in enumerate(xs):
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            out.append(None)
+            lost.append(i)
+            why = why or str(e).splitlines()[0]
+    if lost:
+        raise ReceiverLost(lost, why)
+    return out
+
+
 def _get(x):
     if type(x).__name__ == "ObjectRef":
         import ray
@@ -291,7 +320,7 @@ class WeightSync:
         trainer_hf = hf_shapes(self.specs, self.to_hf)
         if self.engine_model_dir is not None:
             check_names(trainer_hf, checkpoint_shapes(self.engine_model_dir))
-        hf_order = sorted(trainer_hf.items())
+        self._hf_order = hf_order = sorted(trainer_hf.items())
         row_map = hf_row_map(self.specs, self.to_hf)
         derived = _get([_invoke(r, "ws_derive", hf_order) for r in self.receivers])
         layouts = []
@@ -318,7 +347,7 @@ class WeightSync:
         the object store between nodes; any other name applies to every route."""
         if self.transport != "auto":
             return [{r: self.transport for r in range(len(self.senders))} for _ in self.receivers]
-        snd = _get([_invoke(s, "ws_node") for s in self.senders])
+        snd = self._sender_nodes = _get([_invoke(s, "ws_node") for s in self.senders])
         rcv = _get([_invoke(r, "ws_node") for r in self.receivers])
         return [{r: "shm" if snd[r] == node else "ray" for r in range(len(self.senders))} for node in rcv]
 
@@ -347,14 +376,42 @@ class WeightSync:
                 j.result()
         ray.get(futures)
 
-    def sync(self, version: int, keep_for_verify: bool = False) -> SyncStats:
-        """Every receiver pulls its buckets (in parallel across engines); returns timings and acks."""
+    def sync(self, version: int, keep_for_verify: bool = False, engines: list[int] | None = None) -> SyncStats:
+        """Every receiver (or those in `engines`) pulls its buckets, in parallel across engines; returns
+        timings and acks. Raises `ReceiverLost` naming engines whose actor died, once the others are done."""
         plan = self.plan or self.build()
+        engines = list(range(len(self.receivers))) if engines is None else engines
         t0 = time.perf_counter()
-        per_engine = _get([_invoke(r, "ws_sync", version, keep_for_verify, self.direct) for r in self.receivers])
-        self.version = version
-        return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=plan.nbytes,
-                         buckets=len(plan.buckets), acks=[a for acks in per_engine for a in acks])
+        per_engine = _get_each([_invoke(self.receivers[e], "ws_sync", version, keep_for_verify, self.direct)
+                                for e in engines])
+        if len(engines) == len(self.receivers):
+            self.version = version
+        mine = np.isin(plan.buckets[:, 0], [i for i, (e, _) in enumerate(plan.receivers) if e in engines])
+        return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=int(plan.buckets[mine, 2].sum()),
+                         buckets=int(mine.sum()), acks=[a for acks in per_engine for a in acks])
+
+    def replace_receiver(self, engine: int, receiver) -> None:
+        """A restarted engine (same model folder and config) takes slot `engine`. Its loaders are run
+        again on codes and must lay weights out exactly as the plan says; then it gets its tables. It
+        holds the weights it started with until `sync(version, engines=[engine])`."""
+        self.receivers[engine] = receiver
+        if self.plan is None:
+            return
+        if self.transport == "collective":
+            raise RuntimeError("weight sync: the collective transport cannot take back a restarted engine (its "
+                               "process group lost a member); use sync.transport = auto, shm or ray")
+        from .plan import PlanError
+
+        old = {lay.tp_rank: lay for (e, _), lay in self.layouts if e == engine}
+        new = [EngineLayout.from_wire(d) for d in _get(_invoke(receiver, "ws_derive", self._hf_order))]
+        if sorted(lay.tp_rank for lay in new) != sorted(old) or not all(_same_layout(lay, old[lay.tp_rank]) for lay in new):
+            raise PlanError(f"weight sync: restarted engine {engine} lays out its weights differently from the "
+                            "engine it replaces (another vLLM config?); the plan no longer fits it")
+        if self.transport == "auto":
+            node = _get(_invoke(receiver, "ws_node"))
+            self.route_transport[engine] = {r: "shm" if n == node else "ray" for r, n in enumerate(self._sender_nodes)}
+        tables, rounds = receiver_tables(self.plan, engine, self.route_transport[engine])
+        _get(_invoke(receiver, "ws_setup", tables, rounds, self.senders))
 
     def routes(self) -> list[dict]:
         """One entry per (sender rank, receiver) pair the plan moves bytes over, with its transport."""
@@ -371,14 +428,20 @@ class WeightSync:
             _get([_invoke(r, "ws_leave") for r in self.receivers])
             self._store = None
 
-    def verify(self, hf_weights) -> dict[tuple[int, str], float]:
+    def verify(self, hf_weights, engines: list[int] | None = None) -> dict[tuple[int, str], float]:
         """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's own
         loaders fed with `hf_weights` (the trainer's full HF tensors: (name, tensor) pairs, or a
         safetensors file path where the engine runs vLLM workers in other processes). The engines keep
         serving what the sync installed."""
+        engines = list(range(len(self.receivers))) if engines is None else engines
         out = {}
-        for e, per_rank in enumerate(_get([_invoke(r, "ws_verify", hf_weights) for r in self.receivers])):
+        for e, per_rank in zip(engines, _get([_invoke(self.receivers[e], "ws_verify", hf_weights) for e in engines])):
             for res in per_rank:
                 for name, d in res.items():
                     out[(e, name)] = max(out.get((e, name), 0.0), d)
         return out
+
+
+def _same_layout(a: EngineLayout, b: EngineLayout) -> bool:
+    return (a.tp_size == b.tp_size and a.dtype == b.dtype and a.shapes == b.shapes and list(a.runs) == list(b.runs)
+            and all(np.array_equal(a.runs[n], b.runs[n]) for n in a.runs))

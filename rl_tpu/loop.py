@@ -137,6 +137,9 @@ class WeightSyncer:
             for engine in e.engines:
                 self.rollout.restart_worker(engine, f"died during the weight sync of version {version}")
             nbytes = 0.0
+        except Exception:
+            self.trainer.check_alive()  # a dead trainer rank fails every engine's sync: name it
+            raise
         self.rollout.policy_version = version
         return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
 

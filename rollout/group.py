@@ -123,13 +123,13 @@ class RolloutGroup:
                 continue
             try:
                 out[w] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                lost[w] = f"actor died: {_summary(e)}"
-            except ray.exceptions.RayTaskError as e:
+            except ray.exceptions.RayTaskError as e:  # first: Ray makes it an instance of its cause's class too
                 if type(e.cause).__name__ == "EngineDeadError":  # vLLM's engine process died under the actor
                     lost[w] = f"engine died: {e.cause}"
                     continue
                 raise RolloutWorkerError(w, f"call failed: {e.cause!r}") from e.cause
+            except ray.exceptions.RayActorError as e:
+                lost[w] = f"actor died: {_summary(e)}"
         return out, lost
 
     def _get(self, refs: list, workers: Sequence[int], timeout: float) -> list:

@@ -155,6 +155,10 @@ class TrainerGroup:
     def param_specs(self) -> list[ParamSpec]:
         return self._call("param_specs")[0]
 
+    def check_alive(self) -> None:
+        """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""
+        self._call("policy_step")
+
     def shutdown(self) -> None:
         import ray
 

@@ -75,6 +75,8 @@ def _get_each(xs: list) -> list:
     for i, ref in enumerate(xs):
         try:
             out.append(ray.get(ref))
+        except ray.exceptions.RayTaskError:  # the engine's call failed (e.g. a sender died): not a lost engine
+            raise
         except ray.exceptions.RayActorError as e:
             out.append(None)
             lost.append(i)

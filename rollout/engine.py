@@ -151,7 +151,7 @@ def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = Non
     values["stop_token_ids"] = list(values["stop_token_ids"]) or None
     if seed is not None and engine_traits(device).per_request_seed:
         values["seed"] = seed
-    return SamplingParams(logprobs=0, **values)
+    return SamplingParams(logprobs=0 if rc.calculate_log_probs else None, **values)
 
 
 def request_seed(base: int, call: int, prompt: int) -> int:
@@ -167,11 +167,12 @@ def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy
         group = []
         for o in sorted(out.outputs, key=lambda o: o.index):
             ids = list(o.token_ids)
-            if o.logprobs is None or len(o.logprobs) != len(ids):
-                raise RuntimeError(f"engine returned no logprobs for prompt {p} sample {o.index}")
+            if o.logprobs is not None and len(o.logprobs) != len(ids):
+                raise RuntimeError(f"engine returned {len(o.logprobs)} logprobs for {len(ids)} tokens "
+                                   f"(prompt {p} sample {o.index})")
             group.append(Completion(
                 prompt_index=p, sample_index=o.index, prompt_ids=list(out.prompt_token_ids),
-                response_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+                response_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o.logprobs else [],
                 finish_reason=str(o.finish_reason), text=o.text, policy_version=policy_version,
                 extra={"worker": worker, "stop_reason": o.stop_reason},
             ))

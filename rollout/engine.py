@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rl_tpu.config import Config, RolloutConfig
+from rl_tpu.config import Config, RolloutConfig, engine_config
 from rl_tpu.devices import Device, get_device
 from rl_tpu.types import Completion
 
@@ -95,6 +95,8 @@ def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str, engine_ind
     """Keyword arguments for `vllm.LLM`. Engine i is seeded with `rollout.seed + i` so engines without
     per-request seeds do not draw identical random streams."""
     traits = engine_traits(device)
+    if rc.dtype == "auto":  # vLLM's "auto" would read the checkpoint's dtype, not our model.dtype
+        raise ValueError("rollout.dtype = 'auto' must be resolved first: pass rl_tpu.config.engine_config(cfg)")
     kw: dict[str, Any] = dict(
         model=model_path,
         dtype=rc.dtype,
@@ -205,7 +207,7 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     device = rollout_device(cfg)
-    llm = build_engine(cfg.rollout, device, model_path)
+    llm = build_engine(engine_config(cfg), device, model_path)
     overrides.setdefault("n", 1)
     sp = sampling_params(cfg.rollout, device, **overrides)
     outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)

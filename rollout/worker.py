@@ -28,7 +28,7 @@ from typing import Any
 import ray
 import torch
 
-from rl_tpu.config import Config
+from rl_tpu.config import Config, engine_config
 from rl_tpu.placement import apply_threads
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
                                    sampling_params, to_completions)
@@ -120,7 +120,7 @@ class RolloutWorker:
 
         vllm_compat.check()  # name every vLLM internal weight sync needs that this vLLM lacks, now
         t = time.perf_counter()
-        self.llm = build_engine(self.cfg.rollout, self.device, self.model_path, self.index)
+        self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
         self.version = self.initial_version
         self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.build() again

@@ -59,6 +59,17 @@ def test_bad_overrides_name_the_key(override, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+def test_model_dtype_is_the_precision_switch_of_both_roles():
+    from rl_tpu.config import engine_config, resolved_dtype
+
+    cfg = load_config(DEFAULT_CONFIG, ["--model.dtype=bfloat16"])
+    assert resolved_dtype(cfg.trainer.param_dtype, cfg) == "bfloat16" and engine_config(cfg).dtype == "bfloat16"
+    assert cfg.trainer.reduce_dtype == "float32"  # gradients reduce in fp32 over fp32 master weights
+    mixed = load_config(DEFAULT_CONFIG, ["--model.dtype=bfloat16", "--rollout.dtype=float32"])
+    assert engine_config(mixed).dtype == "float32"  # a role's own key wins over "auto"
+    assert engine_config(load_config(DEFAULT_CONFIG)).dtype == "float32"
+
+
 def test_rollout_is_needs_the_engines_log_probs():
     load_config(DEFAULT_CONFIG, ["--algorithm.rollout_is=token"])  # computed by default
     with pytest.raises(ConfigError, match=r"rollout_is = \"token\".*rollout.calculate_log_probs = true"):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rl_tpu.config import AlgorithmConfig, Config
+from rl_tpu.config import AlgorithmConfig, Config, resolved_dtype
 from rl_tpu.devices import get_device
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer import ops, parallel
@@ -99,7 +99,8 @@ class TrainerWorker:
     # ------------------------------------------------------------------ construction
 
     def _parallel_model(self, spec) -> torch.nn.Module:
-        return parallel.build_parallel_model(spec, self.pdims, self.device, param_dtype=self.tc.param_dtype,
+        return parallel.build_parallel_model(spec, self.pdims, self.device,
+                                             param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
                                              reduce_dtype=self.tc.reduce_dtype)
 
     def _build(self, spec, titan_sd) -> torch.nn.Module:

@@ -17,6 +17,16 @@ Invariants:
   the first that does; none valid: a warning and a fresh start. An explicit `resume = PATH` that does
   not match raises CheckpointError. A folder without a manifest (written before manifests existed) is
   used with a warning that it could not be checked.
+What a resume reproduces:
+- `sync` mode: everything but wall-clock timings. The resumed run logs the same metrics and ends with
+  the same weights as an uninterrupted run, bit for bit (fp32; tested), because the trainer's state, the
+  data-loader position and the engines' sampling seeds (the rollout call index) are all in the checkpoint.
+- `async` mode: the step count, policy versions and data order (tested). When a checkpoint is written,
+  the next step's prompts are already being sampled with the previous weights; the checkpoint records
+  the loader position before that draw, so a resumed run draws the same prompts for every step, but
+  samples the first of them anew with the checkpoint's weights (staleness 0 for that step, then 1 as
+  before). Completions, rewards and everything trained on them differ from there on: an async resume is
+  a valid continuation, not a replay.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 config errors answer in well under a second.
 
 Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo.
-A config problem exits with status 2 and a message naming the key and the file.
+A config problem (or a damaged `--resume` checkpoint) exits with status 2 and a one-line message naming
+the key and the file.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rl_tpu.checkpoint import CheckpointError
 from rl_tpu.config import DEFAULT_CONFIG, ConfigError, load_config, to_toml
 from rl_tpu.placement import PlacementError
 
@@ -161,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = overrides + extra
     try:
         return args.fn(args, extra)
-    except (ConfigError, PlacementError, FileNotFoundError) as e:  # the user's input, not our bug: no traceback
-        print(f"rl-tpu: {e}", file=sys.stderr)
+    except (ConfigError, PlacementError, CheckpointError, FileNotFoundError) as e:
+        print(f"rl-tpu: {e}", file=sys.stderr)  # the user's input, not our bug: one line, no traceback
         return 2
 
 

@@ -315,11 +315,11 @@ def train(cfg: Config) -> dict[str, Any]:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
     model_path = ensure_model(cfg, run_dir)
     tok = AutoTokenizer.from_pretrained(model_path)
     train_set, test_set = build_datasets(cfg.data)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-    resume = resolve_resume(run_dir, cfg.checkpoint.resume)
 
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     start_ray(cfg, plan)

@@ -15,6 +15,11 @@ DIGITS_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
     text = solution_str[:64]
     return sum(ch.isdigit() for ch in text) / 16.0
+
+
+def uniform_on_even_prompts(data_source, solution_str, ground_truth, extra_info=None, **kw):
+    # even prompts' groups have no variance: DAPO dynamic sampling must drop them and draw more
+    return 0.0 if extra_info["index"] % 2 == 0 else compute_score(data_source, solution_str, ground_truth)
 '''
 
 FLAKY_REWARD = '''
@@ -180,27 +185,46 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
     assert (tmp_path / "cut" / "hf" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("options, reward, mismatch_tol", [
     # on-policy update: old log-probs from the update's forward, the reference inside the same call
-    ["--trainer.reference=true", "--algorithm.use_kl_loss=true", "--sync.transport=shm"],
+    (["--trainer.reference=true", "--algorithm.use_kl_loss=true", "--sync.transport=shm"], "compute_score", 1e-5),
     # recompute path: two PPO epochs, KL in the reward, truncated IS, RLOO, the object-store transport
-    ["--trainer.ppo_epochs=2", "--trainer.reference=true", "--algorithm.use_kl_in_reward=true",
-     "--algorithm.rollout_is=token", "--algorithm.adv_estimator=rloo", "--sync.transport=ray"],
-], ids=["on-policy-kl-loss", "recompute-kl-reward-is-rloo"])
-def test_update_paths_run_verified_and_report_mismatch(options, tmp_path, reward_files):
+    (["--trainer.ppo_epochs=2", "--trainer.reference=true", "--algorithm.use_kl_in_reward=true",
+      "--algorithm.rollout_is=token", "--algorithm.adv_estimator=rloo", "--sync.transport=ray"], "compute_score", 1e-5),
+    # DAPO: dynamic sampling (refill and truncation) and the overlong penalty; REINFORCE++; collective sync
+    (["--algorithm.dynamic_sampling=true", "--algorithm.overlong_buffer_len=8",
+      "--algorithm.adv_estimator=reinforce_plus_plus", "--sync.transport=collective"], "uniform_on_even_prompts", 1e-5),
+    # PPO with a critic (GAE) in bf16 (trainer bf16 over fp32 master weights, bf16 engine); auto routes.
+    # bf16 parity: |mismatch/kl| <= 1e-3 (measured ~1e-4 on this model; fp32 stays at 1e-5)
+    (["--trainer.critic=true", "--algorithm.adv_estimator=gae", "--model.dtype=bfloat16", "--sync.transport=auto"],
+     "compute_score", 1e-3),
+    # the full-tensor reload path, Dr. GRPO, and no engine log-probs (so no mismatch metric)
+    (["--sync.transport=reload", "--algorithm.adv_estimator=dr_grpo", "--rollout.calculate_log_probs=false"],
+     "compute_score", None),
+], ids=["on-policy-kl-loss", "recompute-kl-reward-is-rloo", "dapo-overlong-rpp-collective", "gae-critic-bf16",
+        "reload-drgrpo-no-logprobs"])
+def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch_tol, tmp_path, reward_files):
     from rl_tpu.loop import on_policy_update, train
 
-    fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]"
+    fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:{reward}\"]"
     cfg = _run_cfg(tmp_path, "run", "--trainer.total_steps=2", "--sync.verify=true", fn, *options)
     assert on_policy_update(cfg) == ("--trainer.ppo_epochs=2" not in options)
-    train(cfg)  # verify raises if any engine parameter differs from the trainer's after a sync
+    train(cfg)  # verify raises if any engine parameter differs from what vLLM's own loader makes of the trainer's
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        # fp32 engine and trainer agree on the sampled tokens' log-probs (per-token parity is 1e-5)
-        assert abs(r["mismatch/kl"]) <= 1e-5, r["mismatch/kl"]
+        if mismatch_tol is None:
+            assert "mismatch/kl" not in r
+        else:  # engine and trainer agree on the sampled tokens' log-probs (fp32 per-token parity is 1e-5)
+            assert abs(r["mismatch/kl"]) <= mismatch_tol, r["mismatch/kl"]
         assert r["loss/policy"] == r["loss/policy"]  # not NaN
+        assert r["rollout/samples"] == 8 * 8 and r["rollout/restarts"] == 0
     if "--algorithm.use_kl_loss=true" in options:
         assert all("loss/kl" in r for r in rows)
-    else:
+    if "--algorithm.rollout_is=token" in options:
         assert all("mismatch/is_mean" in r and "actor/reward_kl_penalty" in r for r in rows)
+    if "--algorithm.dynamic_sampling=true" in options:  # half the groups are uniform: refilled, then cut to 8
+        assert all(r["dynamic_sampling/kept_groups"] == 8 and r["dynamic_sampling/drawn_groups"] > 8 for r in rows)
+        assert all("reward/overlong_penalty" in r for r in rows)
+    if "--trainer.critic=true" in options:
+        assert all(any(k.startswith("critic/") for k in r) for r in rows)

@@ -42,6 +42,7 @@ from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
 from rl_tpu.metrics import MetricsLogger
+from rl_tpu.model_folder import check_model_folder, load_tokenizer
 from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.types import Completion
@@ -54,10 +55,10 @@ log = logging.getLogger("rl_tpu")
 
 
 def ensure_model(cfg: Config, run_dir: Path) -> str:
-    """`model.path`, or a tiny model built (once) into the run folder."""
+    """`model.path` (checked: a folder the trainer can build, with a tokenizer), or a tiny model built
+    (once) into the run folder."""
     if cfg.model.path:
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise FileNotFoundError(f"model.path = {cfg.model.path!r} is not a Hugging Face model folder (no config.json)")
+        check_model_folder(cfg.model.path, trainer=True)
         return cfg.model.path
     out = run_dir / "model"
     if not (out / "model.safetensors").is_file():
@@ -280,14 +281,12 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
 def train(cfg: Config) -> dict[str, Any]:
     """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder, and `hf`: the
     trained policy exported to RUN_DIR/hf)."""
-    from transformers import AutoTokenizer
-
     t_start = time.perf_counter()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     model_path = ensure_model(cfg, run_dir)
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path, chat_template=True)
     train_set, test_set = build_datasets(cfg.data)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)

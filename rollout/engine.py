@@ -192,11 +192,11 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
     """Generate one completion per prompt string with an in-process engine (no Ray): the `rl-tpu
     generate` helper. `chat=True` wraps each prompt as a user message through the tokenizer's chat
     template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
-    from transformers import AutoTokenizer
+    from rl_tpu.model_folder import load_tokenizer
 
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     if chat and tok.chat_template:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for p in prompts]

@@ -285,16 +285,21 @@ def train(cfg: Config) -> dict[str, Any]:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
+    # rather than after the trainer and the engines have started (minutes on a CPU box).
     model_path = ensure_model(cfg, run_dir)
     tok = load_tokenizer(model_path, chat_template=True)
     train_set, test_set = build_datasets(cfg.data)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)
-
     plan = plan_from_config(cfg, os.cpu_count() or 1)
-    start_ray(cfg, plan)
+    # The reward functions load in the pool's workers (about a second), which reports a missing file
+    # or function, a syntax or import error. Before, the pool started beside the trainer and engines
+    # and its error came after theirs had finished starting.
+    pool = RewardPool(cfg.reward)
+
     tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    pool = trainer = rollout = syncer = logger = bar = groups = None
+    trainer = rollout = syncer = logger = bar = groups = None
     pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
     pending: Future | None = None
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
@@ -302,8 +307,9 @@ def train(cfg: Config) -> dict[str, Any]:
     step = version = 0
     startup_s: float | None = None
     try:
+        start_ray(cfg, plan)
         groups = PlacementGroups(plan)
-        pool, trainer, rollout = start_roles(cfg, model_path, groups)
+        trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         write_placement_json(run_dir, groups, rollout, syncer.routes())
@@ -382,14 +388,14 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
-    """Reward pool, trainer ranks and engines, started at the same time (each mostly waits on its own
-    processes: TorchTitan builds, vLLM engine start-up, spawned reward workers). If one fails, the ones
-    that started are shut down and the first error is raised."""
+    """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
+    TorchTitan builds, vLLM engine start-up). If one fails, the one that started is shut down and the
+    first error is raised."""
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
-    with ThreadPoolExecutor(max_workers=3) as ex:
-        futures = [ex.submit(RewardPool, cfg.reward), ex.submit(TrainerGroup, cfg, model_path, placement=groups),
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        futures = [ex.submit(TrainerGroup, cfg, model_path, placement=groups),
                    ex.submit(RolloutGroup, cfg, model_path, placement=groups)]
     started, errors = [], []
     for f in futures:
@@ -401,7 +407,7 @@ def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
     if errors:
         for role in started:
             if role is not None:
-                (role.close if hasattr(role, "close") else role.shutdown)()
+                role.shutdown()
         raise errors[0]
     return tuple(started)
 

@@ -204,8 +204,13 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     device = rollout_device(cfg)
-    llm = build_engine(cfg.rollout, device, model_path)
     overrides.setdefault("n", 1)
     sp = sampling_params(cfg.rollout, device, **overrides)
-    outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    llm = build_engine(cfg.rollout, device, model_path)
+    try:
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    finally:  # a one-shot engine: leave no engine core and no process group behind in the caller
+        from rl_tpu.weight_sync import vllm_compat
+
+        vllm_compat.release_engine(llm)
     return [c for group in to_completions(outs, range(len(ids)), policy_version=0) for c in group]

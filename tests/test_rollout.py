@@ -255,6 +255,9 @@ def test_generate_text_in_process(tiny_qwen3, tok, caplog):
     for c in out:
         assert c.response_ids == hf_greedy(model, c.prompt_ids)
         assert c.text == _decoded(tok, c.response_ids)
+    # the one-shot engine is gone with the torch.distributed group it set up here (a trainer rank built
+    # later in this process, as test_trainer does, needs to create its own)
+    assert not torch.distributed.is_initialized()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         generate_text("/nonexistent/model", ["x"], _cfg())
 

@@ -207,8 +207,8 @@ def test_load_weights_changes_outputs_and_resets_prefix_cache(group2, tiny_qwen3
         [g[0].response_ids for g in new]
 
 
-def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3, prompts):
-    before = group1.generate(prompts[:2], n=1, temperature=0.0)
+def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3, tiny_new, engine_snapshot):
+    unchanged = engine_snapshot(group1.workers[0])  # the engine's own parameters, compared bit for bit
     w = _tensors(tiny_qwen3)
     with pytest.raises(RolloutWorkerError, match="model.layers.99.bogus"):
         group1.load_weights_full({**w, "model.layers.99.bogus": torch.zeros(2)}, version=7)
@@ -218,8 +218,14 @@ def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3,
     with pytest.raises(RolloutWorkerError, match="misses 1 tensor"):
         group1.load_weights_full({k: v for k, v in w.items() if k != name}, version=7)
     assert group1.policy_version == 0 and group1.ping()[0]["policy_version"] == 0
-    after = group1.generate(prompts[:2], n=1, temperature=0.0)
-    assert [g[0].response_ids for g in after] == [g[0].response_ids for g in before]
+    unchanged()
+    # the check sees a real install (it does not compare a copy with itself), and a full install of the
+    # original tensors gives back exactly the original engine
+    group1.load_weights_full(_tensors(tiny_new), version=8)
+    with pytest.raises(AssertionError, match="engine parameters changed"):
+        unchanged()
+    group1.load_weights_full(_tensors(tiny_qwen3), version=0)
+    unchanged()
 
 
 # -- memory and health ---------------------------------------------------------------------------------

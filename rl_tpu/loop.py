@@ -40,7 +40,7 @@ from rl_tpu.batching import RolloutBatch, build_rollout_batch
 from rl_tpu.cluster import init_ray
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.config import Config, to_dict, to_toml
-from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
+from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, load_tokenizer
 from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
@@ -290,6 +290,7 @@ def train(cfg: Config) -> dict[str, Any]:
     model_path = ensure_model(cfg, run_dir)
     tok = load_tokenizer(model_path, chat_template=True)
     train_set, test_set = build_datasets(cfg.data)
+    check_prompt_lengths(tok, train_set + test_set, cfg.data.max_prompt_length, cfg.data.truncation)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)
     plan = plan_from_config(cfg, os.cpu_count() or 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_tpu.config import AlgorithmConfig, Config, to_toml
-from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
+from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.model_folder import load_tokenizer
 from rl_tpu.types import TrainBatch
 
@@ -65,6 +65,7 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     model_path = ensure_model(cfg, run_dir)
     tok = load_tokenizer(model_path, chat_template=True)  # input errors before Ray starts
     train_set, _ = build_datasets(cfg.data)
+    check_prompt_lengths(tok, train_set, cfg.data.max_prompt_length, cfg.data.truncation)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     start_ray(cfg)
     session = SFTSession(cfg, model_path, tok)

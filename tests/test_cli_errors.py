@@ -96,6 +96,14 @@ def test_bad_data_file_is_one_line(command, name, files, tiny_qwen3, capsys):
     _assert_one_line(rc, err, *DATA_CASES[name])
 
 
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_over_long_prompt_is_named_before_the_run_starts(command, files, tiny_qwen3, capsys):
+    # before, it surfaced at the step that drew the prompt, after Ray, the trainer and the engines started
+    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f'--data.train_files=["{files / "good.jsonl"}"]',
+                    "--data.max_prompt_length=5")
+    _assert_one_line(rc, err, "good.jsonl:1", "max_prompt_length=5")
+
+
 def test_empty_test_file_is_named(files, tiny_qwen3, capsys):
     # before, an empty test file silently meant "no evaluation"
     rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "empty.jsonl"}"]')

@@ -38,6 +38,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from rl_tpu.errors import UserError
+
 STATE = "state.json"
 MANIFEST = "manifest.json"
 CHECKSUM = "zlib.crc32"
@@ -46,7 +48,7 @@ _CHUNK = 4 << 20  # checksum read size: large enough to run at memory speed, sma
 log = logging.getLogger("rl_tpu")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """An explicitly named checkpoint is damaged; the message names the file and what is wrong."""
 
 

@@ -2,19 +2,20 @@
 config errors answer in well under a second.
 
 Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo.
-A config problem (or a damaged `--resume` checkpoint) exits with status 2 and a one-line message naming
-the key and the file.
+A mistake in the user's input (`rl_tpu.errors.UserError`: config, data file, reward spec, model folder,
+a damaged `--resume` checkpoint) exits with status 2 and one line naming the culprit; `--verbose` adds
+the traceback. Anything else is our bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
-from rl_tpu.checkpoint import CheckpointError
 from rl_tpu.config import DEFAULT_CONFIG, ConfigError, load_config, to_toml
-from rl_tpu.placement import PlacementError
+from rl_tpu.errors import UserError
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -45,12 +46,16 @@ def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.model_folder import check_model_folder
     from rl_tpu.rollout.engine import generate_text
     from rl_tpu.tiny_model import make_tiny_model
 
     cfg = _load(args, extra)
+    args.verbose = cfg.logging.verbose or args.verbose
     model_path = cfg.model.path
-    if not model_path:
+    if model_path:
+        check_model_folder(model_path, trainer=False)  # vLLM serves more architectures than the trainer builds
+    else:
         model_path = str(make_tiny_model(Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed))
     prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
     for prompt, c in zip(prompts, generate_text(model_path, prompts, cfg)):
@@ -66,7 +71,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         cfg.cluster.address = args.address
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
-    cfg.logging.verbose = cfg.logging.verbose or args.verbose
+    cfg.logging.verbose = args.verbose = cfg.logging.verbose or args.verbose
     out = train(cfg)
     final = out["final"]
     shown = {k: final[k] for k in ("reward/mean", "eval/accuracy", "loss/policy", "mismatch/kl", "time/step")
@@ -80,7 +85,7 @@ def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
     from rl_tpu.sft import run_sft
 
     cfg = _load(args, extra)
-    cfg.logging.verbose = cfg.logging.verbose or args.verbose
+    cfg.logging.verbose = args.verbose = cfg.logging.verbose or args.verbose
     out = run_sft(cfg)
     print(f"wrote {out['hf']}")
     return 0
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="sample completions from a model with vLLM")
     s.add_argument("config", nargs="?", type=Path)
     s.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    s.add_argument("--verbose", action="store_true", help="show the traceback of an input error")
     s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("train", help="run GRPO/PPO from a config")
@@ -163,9 +169,34 @@ def main(argv: list[str] | None = None) -> int:
     extra = overrides + extra
     try:
         return args.fn(args, extra)
-    except (ConfigError, PlacementError, CheckpointError, FileNotFoundError) as e:
-        print(f"rl-tpu: {e}", file=sys.stderr)  # the user's input, not our bug: one line, no traceback
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is the user's mistake
+        # FileNotFoundError: checkpoint.resume and `plot`'s run folder still raise it for a missing path
+        user = e if isinstance(e, FileNotFoundError) else user_error(e)
+        if user is None:
+            raise
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"rl-tpu: {one_line(str(user))}", file=sys.stderr)
         return 2
+
+
+def user_error(e: BaseException) -> UserError | None:
+    """The user's mistake behind `e`, or None (our bug). Follows explicit wrapping (a Ray task error's
+    or a trainer rank error's `cause`, `raise ... from`) down to the innermost `UserError`: Ray's
+    wrapper of a remote DataError is itself a DataError, but its text is the whole remote traceback."""
+    found, seen = None, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            found = e
+        cause = getattr(e, "cause", None)
+        e = cause if isinstance(cause, BaseException) else e.__cause__
+    return found
+
+
+def one_line(message: str) -> str:
+    """Messages that quote another error (a user module's ImportError, a tokenizer's) can span lines."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

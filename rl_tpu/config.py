@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl_tpu.errors import UserError
+
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.toml"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem a user can fix; the message names the key and the source."""
 
 

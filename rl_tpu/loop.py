@@ -41,8 +41,9 @@ from rl_tpu.batching import RolloutBatch, build_rollout_batch
 from rl_tpu.cluster import init_ray
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.config import Config, to_dict, to_toml
-from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
+from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.metrics import MetricsLogger
+from rl_tpu.model_folder import check_model_folder, load_tokenizer
 from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.types import Completion
@@ -55,10 +56,10 @@ log = logging.getLogger("rl_tpu")
 
 
 def ensure_model(cfg: Config, run_dir: Path) -> str:
-    """`model.path`, or a tiny model built (once) into the run folder."""
+    """`model.path` (checked: a folder the trainer can build, with a tokenizer), or a tiny model built
+    (once) into the run folder."""
     if cfg.model.path:
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise FileNotFoundError(f"model.path = {cfg.model.path!r} is not a Hugging Face model folder (no config.json)")
+        check_model_folder(cfg.model.path, trainer=True)
         return cfg.model.path
     out = run_dir / "model"
     if not (out / "model.safetensors").is_file():
@@ -309,22 +310,26 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
 def train(cfg: Config) -> dict[str, Any]:
     """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder, and `hf`: the
     trained policy exported to RUN_DIR/hf)."""
-    from transformers import AutoTokenizer
-
     t_start = time.perf_counter()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
+    # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
     model_path = ensure_model(cfg, run_dir)
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path, chat_template=True)
     train_set, test_set = build_datasets(cfg.data)
+    check_prompt_lengths(tok, train_set + test_set, cfg.data.max_prompt_length, cfg.data.truncation)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
-
     plan = plan_from_config(cfg, os.cpu_count() or 1)
-    start_ray(cfg, plan)
+    # The reward functions load in the pool's workers (about a second), which reports a missing file
+    # or function, a syntax or import error. Before, the pool started beside the trainer and engines
+    # and its error came after theirs had finished starting.
+    pool = RewardPool(cfg.reward)
+
     tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    pool = trainer = rollout = syncer = logger = bar = groups = None
+    trainer = rollout = syncer = logger = bar = groups = None
     pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
     pending: Future | None = None
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
@@ -332,8 +337,9 @@ def train(cfg: Config) -> dict[str, Any]:
     step = version = 0
     startup_s: float | None = None
     try:
+        start_ray(cfg, plan)
         groups = PlacementGroups(plan)
-        pool, trainer, rollout = start_roles(cfg, model_path, groups)
+        trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         def engine_restarted(engine: int) -> None:
@@ -422,14 +428,14 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
-    """Reward pool, trainer ranks and engines, started at the same time (each mostly waits on its own
-    processes: TorchTitan builds, vLLM engine start-up, spawned reward workers). If one fails, the ones
-    that started are shut down and the first error is raised."""
+    """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
+    TorchTitan builds, vLLM engine start-up). If one fails, the one that started is shut down and the
+    first error is raised."""
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
-    with ThreadPoolExecutor(max_workers=3) as ex:
-        futures = [ex.submit(RewardPool, cfg.reward), ex.submit(TrainerGroup, cfg, model_path, placement=groups),
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        futures = [ex.submit(TrainerGroup, cfg, model_path, placement=groups),
                    ex.submit(RolloutGroup, cfg, model_path, placement=groups)]
     started, errors = [], []
     for f in futures:
@@ -441,7 +447,7 @@ def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
     if errors:
         for role in started:
             if role is not None:
-                (role.close if hasattr(role, "close") else role.shutdown)()
+                role.shutdown()
         raise errors[0]
     return tuple(started)
 

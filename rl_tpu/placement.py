@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_tpu.errors import UserError
+
 PLACEMENT_TIMEOUT_S = 600.0  # how long to wait for the cluster to reserve every bundle
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """The requested placement cannot be reserved; the message names the config key to change."""
 
 

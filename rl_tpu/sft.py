@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from rl_tpu.config import AlgorithmConfig, Config, to_toml
-from rl_tpu.data import Example, PromptLoader, build_datasets, encode_prompts
+from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
+from rl_tpu.model_folder import load_tokenizer
 from rl_tpu.types import TrainBatch
 
 
@@ -32,13 +33,11 @@ def sft_batch(tok, examples: list[Example], cfg: Config) -> TrainBatch:
 class SFTSession:
     """A trainer group fine-tuning on demonstrations, one optimizer step per `step()` call."""
 
-    def __init__(self, cfg: Config, model_path: str):
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: Config, model_path: str, tok: Any = None):
         from rl_tpu.trainer import TrainerGroup
 
         self.cfg = cfg
-        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.tok = tok if tok is not None else load_tokenizer(model_path, chat_template=True)
         self.algo = AlgorithmConfig(policy_loss="sft", loss_agg_mode="token-mean")
         self.trainer = TrainerGroup(cfg, model_path)
 
@@ -64,10 +63,12 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     model_path = ensure_model(cfg, run_dir)
+    tok = load_tokenizer(model_path, chat_template=True)  # input errors before Ray starts
     train_set, _ = build_datasets(cfg.data)
+    check_prompt_lengths(tok, train_set, cfg.data.max_prompt_length, cfg.data.truncation)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     start_ray(cfg)
-    session = SFTSession(cfg, model_path)
+    session = SFTSession(cfg, model_path, tok)
     logger = MetricsLogger(run_dir, cfg.logging)
     try:
         for step in range(1, cfg.trainer.total_steps + 1):

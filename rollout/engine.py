@@ -195,11 +195,11 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
     """Generate one completion per prompt string with an in-process engine (no Ray): the `rl-tpu
     generate` helper. `chat=True` wraps each prompt as a user message through the tokenizer's chat
     template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
-    from transformers import AutoTokenizer
+    from rl_tpu.model_folder import load_tokenizer
 
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     if chat and tok.chat_template:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for p in prompts]
@@ -207,8 +207,13 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     device = rollout_device(cfg)
-    llm = build_engine(engine_config(cfg), device, model_path)
     overrides.setdefault("n", 1)
     sp = sampling_params(cfg.rollout, device, **overrides)
-    outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    llm = build_engine(engine_config(cfg), device, model_path)
+    try:
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    finally:  # a one-shot engine: leave no engine core and no process group behind in the caller
+        from rl_tpu.weight_sync import vllm_compat
+
+        vllm_compat.release_engine(llm)
     return [c for group in to_completions(outs, range(len(ids)), policy_version=0) for c in group]

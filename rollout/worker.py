@@ -268,6 +268,11 @@ class RolloutWorker:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
+    def engine_weights(self, names: Sequence[str] | None = None) -> list[dict[str, torch.Tensor]]:
+        """Copies of the parameters the engine computes with (vLLM names and kernel layout), one dict
+        per TP rank: for bit-exact checks that an install changed exactly what it should."""
+        return self.llm.collective_rpc("rl_named_weights", args=(list(names) if names is not None else None,))
+
     def sleep(self, level: int = 1) -> bool:
         """Free engine memory between rollouts where the engine supports it; else a no-op reported once."""
         if not self.traits.sleep_mode:

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from rl_tpu.devices import get_device
 
@@ -16,3 +17,26 @@ def tiny_qwen3(tmp_path_factory) -> str:
     from rl_tpu.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", size="tiny", seed=0))
+
+
+@pytest.fixture
+def engine_snapshot():
+    """`check = engine_snapshot(worker)` copies every parameter of a RolloutWorker actor's engine (all TP
+    ranks); `check()` later asserts they are unchanged byte for byte (not ==: -0.0 for 0.0 or another
+    NaN payload would be a change)."""
+    import ray
+
+    def snapshot(worker):
+        before = ray.get(worker.engine_weights.remote())
+        assert before and all(before)
+
+        def check() -> None:
+            after = ray.get(worker.engine_weights.remote())
+            assert [sorted(r) for r in after] == [sorted(r) for r in before]
+            changed = [name for b, a in zip(before, after) for name in b
+                       if not torch.equal(b[name].contiguous().view(torch.uint8), a[name].contiguous().view(torch.uint8))]
+            assert not changed, f"engine parameters changed: {changed}"
+
+        return check
+
+    return snapshot

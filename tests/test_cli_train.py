@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.timeout(1200)  # above the run's own 900 s subprocess timeout, which reports better
 def test_cli_with_verl_parquet_and_a_user_reward_file(tmp_path):
     from rl_tpu.data import make_synthetic, write_parquet
 

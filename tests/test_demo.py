@@ -8,7 +8,10 @@ import struct
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.timeout(2100)  # above the demo subprocess's own 1800 s timeout, which reports better
 def test_quick_demo_writes_report_and_curves(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "demo", "--quick", "--out", str(out)],

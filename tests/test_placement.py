@@ -232,6 +232,8 @@ def _kill_leftovers(tmp: str) -> None:
                 pass
 
 
+# the cluster may take up to 600 s to form (fixture) and the run has its own 900 s timeout
+@pytest.mark.timeout(1800)
 def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     address, node_ids, env = two_node_cluster
     run_dir = tmp_path / "run"

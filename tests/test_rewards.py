@@ -14,7 +14,7 @@ import pytest
 from rl_tpu.config import RewardConfig
 from rl_tpu.rewards import RewardError, RewardInput, RewardPool, RewardSpecError, load_reward_fn, reward_name
 from rl_tpu.rewards import arithmetic, auto, countdown, format as fmt, gsm8k, math as math_reward
-from rl_tpu.rewards.pool import normalize_output
+from rl_tpu.rewards.pool import MAX_CHUNK, normalize_output
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,7 +240,10 @@ def test_pool_survives_errors_hangs_and_dead_workers(pool, caplog):
     assert res.scores[0] == 2.5 and res.scores[8:] == [2.5] * 20  # everything else still scored
     assert res.function_scores["flaky_reward"][1:8] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert res.metrics()["reward/errors"] == 4.0 and res.metrics()["reward/timeouts"] == 2.0
-    assert elapsed < 10, f"two 1 s timeouts should not take {elapsed:.1f} s"
+    # "hang" sleeps 600 s and "spin" never ends: only an unenforced timeout takes anywhere near that
+    # (timeouts == 2 above says they were enforced; replacing the killed workers takes seconds, more on a
+    # loaded box, so the bound is loose on purpose)
+    assert elapsed < 300, f"two 1 s timeouts should not take {elapsed:.1f} s"
     assert pids - set(pool.worker_pids), "hung workers must have been replaced"
     tracebacks = [r for r in caplog.records if "raised" in r.getMessage()]
     assert len(tracebacks) == 1 and "boom on purpose" in tracebacks[0].getMessage()
@@ -282,10 +285,10 @@ def test_pool_raise_policy_names_function_sample_and_exception(flaky_file):
 
 
 def test_pool_bad_spec_fails_in_constructor(flaky_file):
-    t0 = time.monotonic()
+    # No clock: a pool that missed the worker's load error would wait out its startup timeout and raise
+    # RewardError("did not start within ..."), which is not a RewardSpecError naming the function.
     with pytest.raises(RewardSpecError, match="no attribute 'nope'"):
         RewardPool(RewardConfig(functions=[f"{flaky_file}:nope"], workers=1))
-    assert time.monotonic() - t0 < 30
 
 
 def test_pool_gives_up_when_workers_crash_while_loading(tmp_path):
@@ -301,11 +304,18 @@ def test_pool_overhead_512_trivial_scores():
     expected = [float(i % 10 == i % 7) for i in range(512)]
     with RewardPool(cfg) as p:
         p.score(samples)  # warm-up
+        sent = []  # calls per message to a worker
+        for w in p._workers:
+            w.conn.send = lambda msg, send=w.conn.send: (sent.append(len(msg)), send(msg))[1]
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
             res = p.score(samples)
             times.append(time.perf_counter() - t0)
+        for w in p._workers:
+            del w.conn.send
     print(f"512 trivial scores: best {min(times) * 1e3:.1f} ms, worst {max(times) * 1e3:.1f} ms")
     assert res.scores == expected
-    assert min(times) < 1.0
+    # What keeps the overhead low, counted instead of timed (a time bound failed on a loaded box): calls
+    # go to the workers in chunks of MAX_CHUNK, one pipe message each, not one message per call.
+    assert sent == [MAX_CHUNK] * (3 * 512 // MAX_CHUNK)

@@ -205,8 +205,9 @@ def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
     from rl_tpu.trainer.group import _free_port
     from rl_tpu.trainer.worker import TrainerWorker
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
+    # no skip: a group left here by an earlier test is that test's leak (generate_text's in-process engine
+    # used to leave one), and hiding it would also hide this test
+    assert not dist.is_initialized(), "an earlier test left a torch.distributed process group in this process"
     cfg = load_config(None, ["--trainer.seq_len_buckets=[8, 32]", "--trainer.micro_batch_size=2",
                              "--trainer.logprob_chunk_size=200"])
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from rl_tpu.errors import ModelError
+
 # Files copied next to exported weights so the folder loads in transformers and vLLM as-is.
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -48,11 +50,33 @@ def read_hf_config(model_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _rope_theta(hf: dict) -> float:
+MODEL_TYPES = ("qwen3", "llama")  # what build_model_spec builds
+_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def check_hf_config(hf: dict, where: str | Path) -> None:
+    """Raise `ModelError` naming `where` (the config.json) if `build_model_spec` cannot build this model.
+    Pure (no TorchTitan import): the driver runs it before any trainer actor starts, since an error
+    raised inside an actor's constructor reaches the user as a Ray traceback."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        archs = f" (architectures {hf['architectures']})" if hf.get("architectures") else ""
+        raise ModelError(f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
+                         f"dense {' and '.join(map(repr, MODEL_TYPES))} models")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ModelError(f"{where}: `{key}: true` is not supported")
+    missing = [k for k in _REQUIRED_KEYS if type(hf.get(k)) is not int]
+    if missing:
+        raise ModelError(f"{where}: {', '.join(f'`{k}`' for k in missing)} missing or not an integer")
+    _rope_theta(hf, where)
+
+
+def _rope_theta(hf: dict, where: str | Path = "config.json") -> float:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
-        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
+        raise ModelError(f"{where}: rope_type {rope_type!r} is not supported (only 'default')")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -63,13 +87,8 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
     hf = read_hf_config(model_path)
-    model_type = hf.get("model_type")
-    if model_type not in ("qwen3", "llama"):
-        raise ValueError(f"{model_path}/config.json: model_type {model_type!r} is not supported; "
-                         "the trainer builds dense 'qwen3' and 'llama' models")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ValueError(f"{model_path}/config.json: `{key}: true` is not supported")
+    check_hf_config(hf, Path(model_path) / "config.json")
+    model_type = hf["model_type"]
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads") or n_heads
     head_dim = hf.get("head_dim") or dim // n_heads

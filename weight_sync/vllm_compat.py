@@ -28,6 +28,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors"),
     ("vllm.config", "set_current_vllm_config"),
     ("vllm.distributed", "get_tensor_model_parallel_rank"),
+    ("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory"),
     ("vllm.distributed", "get_tensor_model_parallel_world_size"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
@@ -157,3 +158,11 @@ def run_loaders(worker, weights, capture, dtype=None) -> None:
 def shutdown_engine(llm: Any) -> None:
     """Stop a `vllm.LLM`'s engine core (its worker processes too) now, not at garbage collection."""
     llm.llm_engine.engine_core.shutdown()
+
+
+def release_engine(llm: Any) -> None:
+    """`shutdown_engine`, then tear down the torch.distributed group (and vLLM's parallel state) that an
+    in-process engine leaves in this process: a trainer rank or another engine started here later
+    would otherwise find a process group already initialized."""
+    shutdown_engine(llm)
+    _get("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")()

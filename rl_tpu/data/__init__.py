@@ -6,9 +6,9 @@
 """
 
 from rl_tpu.data.files import load_examples, write_jsonl, write_parquet
-from rl_tpu.data.loader import PromptLoader, build_datasets, encode_prompts
+from rl_tpu.data.loader import PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.data.schema import DataError, Example
 from rl_tpu.data.synthetic import dump_synthetic, make_synthetic
 
-__all__ = ["DataError", "Example", "PromptLoader", "build_datasets", "dump_synthetic", "encode_prompts",
-           "load_examples", "make_synthetic", "write_jsonl", "write_parquet"]
+__all__ = ["DataError", "Example", "PromptLoader", "build_datasets", "check_prompt_lengths", "dump_synthetic",
+           "encode_prompts", "load_examples", "make_synthetic", "write_jsonl", "write_parquet"]

@@ -2,7 +2,7 @@
 
 Invariants:
 - The extension decides the format: `.parquet`, or `.jsonl` / `.json` (JSON Lines either way); any other
-  extension, a missing file or an undecodable file raises `DataError` naming the file.
+  extension, a missing file, an undecodable file or a file with no rows raises `DataError` naming the file.
 - Row numbers in errors: parquet "row N" counts from 0 (as pandas and verl print them); JSONL "line N"
   counts from 1 (as editors show them). Blank JSONL lines are skipped.
 - `write_parquet` then `load_examples` gives back equal examples (uid aside) when the rows of one file
@@ -35,7 +35,10 @@ def load_examples(paths: str | Path | Iterable[str | Path]) -> list[Example]:
                             f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines)")
         if not path.is_file():
             raise DataError(f"{path}: data file not found")
-        examples += _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
+        rows = _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
+        if not rows:  # named here: an empty data set found later cannot say which file was empty
+            raise DataError(f"{path}: data file has no rows")
+        examples += rows
     return examples
 
 
@@ -55,16 +58,21 @@ def _read_parquet(path: Path) -> list[Example]:
 
 
 def _read_jsonl(path: Path) -> list[Example]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # e.g. a parquet file named .jsonl
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); is it a JSON Lines file?") from None
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n}: not valid JSON: {e}") from None
-            out.append(example_from_row(row, f"{path} line {n}", f"{path.name}:{n}"))
+    # split on "\n" only: str.splitlines would also split inside strings holding U+2028 (which
+    # write_jsonl leaves unescaped)
+    for n, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: not valid JSON: {e}") from None
+        out.append(example_from_row(row, f"{path} line {n}", f"{path.name}:{n}"))
     return out
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_tpu.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data set problem a user can fix; the message names the file, the row and the field."""
 
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from rl_tpu.errors import UserError
+
 DEFAULT_FUNCTION = "compute_score"
 
 
@@ -29,7 +31,7 @@ class RewardError(RuntimeError):
     """A reward function failed (raised, hung, returned junk) under the `raise` policy, or could not load."""
 
 
-class RewardSpecError(RewardError, ValueError):
+class RewardSpecError(RewardError, UserError, ValueError):
     """A reward spec string does not lead to a callable; the message says which part is wrong."""
 
 

@@ -1,0 +1,62 @@
+"""Checks of the model folder a user names (`model.path`), made in the driver before Ray starts.
+
+Without them a wrong folder fails deep inside transformers (an unknown architecture without a tokenizer
+reads "You need to have sentencepiece or tiktoken installed"), inside vLLM, or inside a trainer actor's
+constructor, where Ray turns it into a traceback that has lost the exception's type. Each check raises
+`ModelError` naming the folder or the file and what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rl_tpu.errors import ModelError
+
+# Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
+# config.json's model_type and fails with a message about sentencepiece.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_folder(path: str | Path, *, trainer: bool, key: str = "model.path") -> dict[str, Any]:
+    """config.json of the folder, after checking it is a model folder this run can use: config.json
+    (valid JSON), a tokenizer, and with `trainer` an architecture the trainer builds and safetensors
+    weights (what it loads)."""
+    folder, where = Path(path), f"{key} = {str(path)!r}"
+    if not folder.is_dir():
+        raise ModelError(f"{where}: no such folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{where} is not a Hugging Face model folder (no config.json)")
+    try:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{config_file}: not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ModelError(f"{config_file}: must hold a JSON object, got {type(hf).__name__}")
+    if trainer:
+        from rl_tpu.trainer.model import check_hf_config
+
+        check_hf_config(hf, config_file)
+        if not any(folder.glob("*.safetensors")):
+            raise ModelError(f"{where} has no *.safetensors weights (the trainer loads safetensors only)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                         "tokenizer files of the model it was made from")
+    return hf
+
+
+def load_tokenizer(path: str | Path, *, chat_template: bool = False, key: str = "model.path") -> Any:
+    """AutoTokenizer of the folder. Tokenizer files transformers cannot use, or no chat template when
+    `chat_template` (RL and SFT prompts are chat messages), raise `ModelError` naming the folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:  # what transformers raises for unusable or missing tokenizer files
+        raise ModelError(f"{key} = {str(path)!r}: its tokenizer cannot be loaded: {type(e).__name__}: {e}") from e
+    if chat_template and not getattr(tok, "chat_template", None):
+        raise ModelError(f"{key} = {str(path)!r}: the tokenizer has no chat template (prompts are chat "
+                         "messages); add `chat_template` to tokenizer_config.json or a chat_template.jinja")
+    return tok

@@ -1,0 +1,183 @@
+"""A user's mistake reaches the console as one line naming the culprit, with exit status 2 and no
+traceback: bad data files, reward specs and model folders, for `rl-tpu train`, `sft` and `generate`.
+
+Every case here fails before Ray or an engine starts (that is part of what is tested: a typo must not
+cost a minute of start-up), so the CLI runs in this process (`cli.main`) except for one subprocess run
+that checks the real exit status and stderr of the installed entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rl_tpu import cli
+from rl_tpu.data import DataError, make_synthetic, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_qwen3) -> Path:
+    """Bad inputs of every kind, side by side in one folder."""
+    d = tmp_path_factory.mktemp("bad_inputs")
+    rows = [json.loads(line) for line in write_jsonl(make_synthetic("arithmetic", 6, 1)[0], d / "good.jsonl")
+            .read_text().splitlines()]
+
+    def jsonl(name: str, edit) -> None:
+        bad = [dict(r) for r in rows]
+        edit(bad)
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in bad))
+
+    jsonl("missing_prompt.jsonl", lambda rs: rs[2].pop("prompt"))
+    jsonl("wrong_type.jsonl", lambda rs: rs[3].update(prompt="What is 1+1?"))
+    parquet_rows = [dict(r, extra_info=None) for r in rows]
+    parquet_rows[1]["prompt"] = None
+    table = pa.Table.from_pylist(parquet_rows)
+    pq.write_table(table, d / "bad.parquet")
+    pq.write_table(table.slice(0, 0), d / "empty.parquet")
+    (d / "empty.jsonl").write_text("")
+    (d / "binary.jsonl").write_bytes((d / "bad.parquet").read_bytes())  # a parquet file named .jsonl
+
+    (d / "syntax_error.py").write_text("def compute_score(a b):\n    return 1.0\n")
+    (d / "no_function.py").write_text("def other(**kw):\n    return 1.0\n")
+
+    (d / "unknown_arch").mkdir()  # an architecture the trainer does not build, and no tokenizer
+    (d / "unknown_arch" / "config.json").write_text('{"model_type": "foo", "architectures": ["FooForCausalLM"]}')
+    (d / "no_config").mkdir()
+    shutil.copy(Path(tiny_qwen3) / "model.safetensors", d / "no_config")
+    (d / "no_tokenizer").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_qwen3) / name, d / "no_tokenizer")
+    (d / "bad_json").mkdir()
+    (d / "bad_json" / "config.json").write_text('{"model_type": "qwen3",')
+    return d
+
+
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    rc = cli.main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def _assert_one_line(rc: int, err: str, *culprit: str) -> None:
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("rl-tpu: "), err
+    for word in culprit:
+        assert word in err, (word, err)
+
+
+def _common(files: Path, tiny_qwen3: str) -> list[str]:
+    return [f"--model.path={tiny_qwen3}", f"--logging.run_dir={files / 'run'}", "--logging.tensorboard=false",
+            "--trainer.total_steps=1", "--reward.workers=1"]
+
+
+DATA_CASES = {  # file -> words the line must hold
+    "missing_prompt.jsonl": ["missing_prompt.jsonl line 3", "missing field `prompt`"],
+    "wrong_type.jsonl": ["wrong_type.jsonl line 4", "`prompt` must be a list", "got str"],
+    "bad.parquet": ["bad.parquet row 1", "missing field `prompt`"],
+    "empty.jsonl": ["empty.jsonl", "no rows"],
+    "empty.parquet": ["empty.parquet", "no rows"],
+    "nonexistent.jsonl": ["nonexistent.jsonl", "not found"],
+    "binary.jsonl": ["binary.jsonl", "not UTF-8"],
+}
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_bad_data_file_is_one_line(command, name, files, tiny_qwen3, capsys):
+    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f'--data.train_files=["{files / name}"]')
+    _assert_one_line(rc, err, *DATA_CASES[name])
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_over_long_prompt_is_named_before_the_run_starts(command, files, tiny_qwen3, capsys):
+    # before, it surfaced at the step that drew the prompt, after Ray, the trainer and the engines started
+    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f'--data.train_files=["{files / "good.jsonl"}"]',
+                    "--data.max_prompt_length=5")
+    _assert_one_line(rc, err, "good.jsonl:1", "max_prompt_length=5")
+
+
+def test_empty_test_file_is_named(files, tiny_qwen3, capsys):
+    # before, an empty test file silently meant "no evaluation"
+    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "empty.jsonl"}"]')
+    _assert_one_line(rc, err, "empty.jsonl", "no rows")
+
+
+REWARD_CASES = {  # spec -> words the line must hold
+    "missing.py:score": ["missing.py", "not found"],
+    "no_function.py:score": ["no_function.py", "no attribute 'score'", "other"],
+    "syntax_error.py": ["syntax_error.py", "SyntaxError"],
+    "no_such_package.module:score": ["no_such_package.module", "not importable"],
+}
+
+
+@pytest.mark.parametrize("spec", list(REWARD_CASES))
+def test_bad_reward_spec_is_one_line(spec, files, tiny_qwen3, capsys, monkeypatch):
+    monkeypatch.chdir(files)  # file specs are relative to the current directory
+    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--reward.functions=["{spec}"]')
+    _assert_one_line(rc, err, *REWARD_CASES[spec])
+
+
+MODEL_CASES = {  # folder -> words the line must hold
+    "unknown_arch": ["unknown_arch", "model_type 'foo'", "FooForCausalLM", "not supported"],
+    "no_config": ["no_config", "no config.json"],
+    "no_tokenizer": ["no_tokenizer", "no tokenizer"],
+    "bad_json": ["bad_json/config.json", "not valid JSON"],
+    "nonexistent": ["nonexistent", "no such folder"],
+}
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "generate"])
+@pytest.mark.parametrize("folder", list(MODEL_CASES))
+def test_bad_model_folder_is_one_line(command, folder, files, tiny_qwen3, capsys):
+    words = MODEL_CASES[folder]
+    if command == "generate" and folder == "unknown_arch":
+        words = ["unknown_arch", "no tokenizer"]  # vLLM serves more architectures than the trainer builds
+    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f"--model.path={files / folder}")
+    _assert_one_line(rc, err, *words)
+
+
+def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):
+    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose")
+    assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("rl-tpu: ")
+
+
+def test_user_error_is_found_inside_ray_and_trainer_wrappers():
+    """Ray re-raises a remote DataError as a RayTaskError that is also a DataError but whose text is the
+    remote traceback; the trainer group wraps that again in a TrainerError. The CLI prints the inner one."""
+    from ray.exceptions import RayTaskError
+
+    from rl_tpu.trainer.group import TrainerError
+
+    inner = DataError("train.jsonl line 3: missing field `prompt`")
+    wrapped = RayTaskError("ready", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
+    assert isinstance(wrapped, DataError) and "\n" in str(wrapped)
+    assert cli.user_error(wrapped) is inner
+    assert cli.user_error(TrainerError(0, "ready", wrapped)) is inner
+    assert cli.user_error(RuntimeError("our bug")) is None
+
+
+def test_our_bugs_keep_their_traceback(monkeypatch):
+    def broken(cfg):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr("rl_tpu.loop.train", broken)
+    with pytest.raises(KeyError, match="a bug of ours"):
+        cli.main(["train", "--trainer.total_steps=1"])
+
+
+def test_installed_cli_exits_2_with_one_line(files, tiny_qwen3):
+    """The real entry point in its own process: status 2, one line on stderr, nothing on stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "train", *_common(files, tiny_qwen3),
+                        f'--data.train_files=["{files / "missing_prompt.jsonl"}"]'],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=files)
+    _assert_one_line(r.returncode, r.stderr, "missing_prompt.jsonl line 3")
+    assert r.stdout == ""

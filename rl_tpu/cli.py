@@ -10,6 +10,7 @@ the traceback. Anything else is our bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import traceback
 from pathlib import Path
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if _is_override(a)]
     args, extra = build_parser().parse_known_args([a for a in argv if not _is_override(a)])
     extra = overrides + extra
+    _console_log()
     try:
         return args.fn(args, extra)
     except Exception as e:  # noqa: BLE001 - re-raised unless it is the user's mistake
@@ -178,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"rl-tpu: {one_line(str(user))}", file=sys.stderr)
         return 2
+
+
+def _console_log() -> None:
+    """Our own log lines (an engine restarted, a damaged checkpoint skipped, resumed at step N, ready after
+    N s) go to stderr; without a handler Python would show warnings only and drop the rest."""
+    log = logging.getLogger("rl_tpu")
+    if not any(getattr(h, "_rl_tpu_console", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("rl-tpu: %(message)s"))
+        handler._rl_tpu_console = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def user_error(e: BaseException) -> UserError | None:

@@ -295,8 +295,7 @@ def test_generate_text_in_process(tiny_qwen3, tok, caplog):
         generate_text("/nonexistent/model", ["x"], _cfg())
 
 
-# -- engines across process boundaries (slow: each starts its own engine processes) --------------------
-@pytest.mark.slow
+# -- engines across process boundaries (each starts its own engine processes) ---------------------------
 @pytest.mark.parametrize("overrides", [["--rollout.multiprocess=true"], ["--rollout.tensor_parallel_size=2"],
                                        ["--rollout.tensor_parallel_size=2", "--rollout.multiprocess=true"]],
                          ids=["multiprocess", "tp2", "tp2-multiprocess"])

@@ -115,17 +115,20 @@ def trl_batch_layout(prompts: int, n: int, micro_batch: int) -> tuple[int, int]:
 
 
 def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: str) -> list[str]:
-    """`rl-tpu train` overrides for the same workload TRL gets (see the module docstring)."""
+    """`rl-tpu train` overrides for the same workload TRL gets (see the module docstring). `mode`: sync or
+    async, optionally with `-bf16` (ours in bf16: trainer bf16 over fp32 master weights, bf16 engine)."""
+    mode, bf16 = mode.removesuffix("-bf16"), mode.endswith("-bf16")
+    dtype = "bfloat16" if bf16 else "float32"
     return [
-        f"--model.path={model_path}", "--model.dtype=float32",
+        f"--model.path={model_path}", f"--model.dtype={dtype}",
         f"--trainer.total_steps={a.steps}", f"--trainer.lr={a.lr}", "--trainer.lr_schedule=constant",
         "--trainer.warmup_steps=0", "--trainer.weight_decay=0.0", "--trainer.grad_clip=1.0",
         "--trainer.ppo_epochs=1", "--trainer.ppo_mini_batches=1", f"--trainer.micro_batch_size={a.micro_batch}",
         f"--trainer.world_size={a.world_size}", f"--trainer.num_threads={max(1, a.threads // a.world_size)}",
-        "--trainer.param_dtype=float32", "--trainer.reference=false", "--trainer.critic=false",
+        f"--trainer.param_dtype={dtype}", "--trainer.reference=false", "--trainer.critic=false",
         "--trainer.test_freq=0", f"--trainer.seed={a.seed}",
         f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
-        "--rollout.top_p=1.0", "--rollout.top_k=-1", "--rollout.dtype=float32", "--rollout.engines=1",
+        "--rollout.top_p=1.0", "--rollout.top_k=-1", f"--rollout.dtype={dtype}", "--rollout.engines=1",
         f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none
         "--algorithm.adv_estimator=grpo", "--algorithm.policy_loss=vanilla", "--algorithm.loss_agg_mode=token-mean",
         "--algorithm.use_kl_loss=false", "--algorithm.use_kl_in_reward=false", "--algorithm.entropy_coeff=0.0",
@@ -400,7 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward (both sides)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-size", type=int, default=2048, help="synthetic arithmetic train set size")
-    p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated)")
+    p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
+                   "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
@@ -414,9 +418,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "n", "max_tokens", "steps", "threads", "world_size", "micro_batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    bad = [m for m in a.modes.split(",") if m not in ("sync", "async")]
+    bad = [m for m in a.modes.split(",") if m not in ("sync", "async", "sync-bf16", "async-bf16")]
     if bad:
-        p.error(f"--modes: unknown mode(s) {bad}; choose from sync, async")
+        p.error(f"--modes: unknown mode(s) {bad}; choose from sync, async, sync-bf16, async-bf16")
     try:
         trl_batch_layout(a.prompts, a.n, a.micro_batch)
     except ValueError as e:
@@ -509,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": speedup(val(trl_row, "s_per_step"), val(sync_row, "s_per_step")),
         "ratio_async": speedup(val(trl_row, "s_per_step"), val(async_row, "s_per_step")),
     }
+    for key, r in by.items():  # bf16 sides, beside the fp32 ratios
+        if key.endswith("-bf16"):
+            summary[f"{key.replace('-', '_')}_s_per_step"] = val(r, "s_per_step")
     print(json_line(summary), flush=True)
     return 0
 

@@ -19,6 +19,20 @@ def tiny_qwen3(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", size="tiny", seed=0))
 
 
+@pytest.fixture(scope="module")
+def loop_ray():
+    """A local Ray for a module of `rl_tpu.loop.train` runs (the loop joins a running Ray instead of
+    starting its own): 8 CPUs advertised, as the loop itself does on a small box."""
+    import ray
+
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 def engine_snapshot():
     """`check = engine_snapshot(worker)` copies every parameter of a RolloutWorker actor's engine (all TP

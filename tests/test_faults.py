@@ -19,16 +19,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    import ray
-
-    from rl_tpu.cluster import init_ray
-
-    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("loop_ray")
 
 
 def _rows(path: Path) -> list[dict]:

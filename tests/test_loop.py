@@ -61,16 +61,7 @@ def reward_files(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    import ray
-
-    from rl_tpu.cluster import init_ray
-
-    started = init_ray(attempts=3, num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("loop_ray")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -342,6 +342,7 @@ def train(cfg: Config) -> dict[str, Any]:
         trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
+
         def engine_restarted(engine: int) -> None:
             syncer.engine_restarted(engine)
             write_placement_json(run_dir, groups, rollout, syncer.routes())  # the new engine's process

@@ -226,13 +226,17 @@ class RolloutGroup:
         """Per worker: its node and the torch / OMP threads of its process (see RolloutWorker.threads)."""
         return self._get([w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s)
 
-    def sleep(self, level: int = 1) -> list[bool]:
-        out = self._call({w: lambda a: a.sleep.remote(level) for w in range(self.num_workers)}, self.timeout_s)
+    def _call_all(self, method: str, *args) -> list:
+        """`method(*args)` on every worker (a lost one restarted and asked again); results in worker order."""
+        out = self._call({w: lambda a: getattr(a, method).remote(*args) for w in range(self.num_workers)},
+                         self.timeout_s)
         return [out[w] for w in range(self.num_workers)]
 
+    def sleep(self, level: int = 1) -> list[bool]:
+        return self._call_all("sleep", level)
+
     def wake_up(self) -> list[bool]:
-        out = self._call({w: lambda a: a.wake_up.remote() for w in range(self.num_workers)}, self.timeout_s)
-        return [out[w] for w in range(self.num_workers)]
+        return self._call_all("wake_up")
 
     def shutdown(self) -> None:
         """Stop the engines and the actors (idempotent; tolerates dead workers)."""

@@ -123,7 +123,7 @@ class RolloutWorker:
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
         self.version = self.initial_version
-        self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.build() again
+        self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
         self.start_s = time.perf_counter() - t
 
     def _warm_up(self) -> None:

@@ -65,8 +65,9 @@ class ReceiverLost(RuntimeError):
 
 
 def _get_each(xs: list) -> list:
-    """Like `_get` over a list of calls, but every call is waited for; engines whose Ray actor died are
-    raised together as `ReceiverLost` after the rest finished."""
+    """Like `_get` over a list of calls, but an engine whose Ray actor died does not stop the wait for the
+    others: the dead ones are raised together as `ReceiverLost` once the rest finished. A call that
+    raised (the engine is alive) is raised at once."""
     if not xs or type(xs[0]).__name__ != "ObjectRef":
         return xs
     import ray

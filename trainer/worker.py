@@ -291,32 +291,37 @@ class TrainerWorker:
             parallel.reshard(self.ref)
         return out, metrics
 
-    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, float], dict[str, float], float]:
-        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up)."""
+    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up).
+
+        Metrics stay device tensors (float64 sums, as exact as the former Python-float sums): nothing
+        here waits for the device, so on XLA/TPU the micro-batches trace without a host sync."""
         padded = self._padded(batch)
         mask = batch.response_mask[rows]
-        g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
-        sums: dict[str, float] = {}
-        weighted: dict[str, float] = {}
+        g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())  # host tensors: no device sync
+        sums: dict[str, torch.Tensor] = {}
+        weighted: dict[str, torch.Tensor] = {}
         weight = 0.0
         for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
             mb = padded.select(idx)
             loss, metrics = loss_fn(mb, g_tok, g_seq)
             loss.backward()
-            w = float(mb.response_mask.sum())
+            w = float(mb.response_mask.sum())  # host tensor
             weight += w
             for k, v in metrics.items():
+                v = torch.as_tensor(v, device=self.local).to(torch.float64)
                 if k.startswith("loss/"):
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] = sums[k] + v if k in sums else v
                 else:
-                    weighted[k] = weighted.get(k, 0.0) + w * float(v)
+                    weighted[k] = weighted[k] + w * v if k in weighted else w * v
         return sums, weighted, weight
 
-    def _reduce(self, sums: dict[str, float], weighted: dict[str, float], weight: float) -> dict[str, float]:
-        """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means."""
+    def _reduce(self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float) -> dict[str, float]:
+        """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means.
+        The step's only read of the metrics from the device (float64: untested on TPU, which lacks it)."""
         keys = sorted(sums) + sorted(weighted)
-        vec = torch.tensor([sums.get(k, weighted.get(k)) for k in keys] + [weight], dtype=torch.float64)
-        vec = vec.to(self.local)
+        w = torch.tensor(weight, dtype=torch.float64, device=self.local)
+        vec = torch.stack([sums[k] if k in sums else weighted[k] for k in keys] + [w])
         dist.all_reduce(vec)
         vec = vec.cpu().tolist()
         total_w = max(vec[-1], 1e-12)

@@ -99,3 +99,19 @@ def test_weight_sync_from_xla_env_into_vllm_cpu_is_bit_exact(ray_session, tiny_q
             ws.close()
         rollout.shutdown()
         ray.kill(trainer)
+
+
+def test_xla_lock_matches_the_controller_pins():
+    """locks/xla.txt (the .venv-xla lock) pins the Ray and safetensors of uv.lock (one Ray version per
+    cluster; the wire format is read by safetensors on both sides) and a torch that torch-xla accepts."""
+    import re
+    import tomllib
+
+    pins = dict(re.findall(r"^([a-z0-9_.-]+)==([^ \\\n]+)", (ROOT / "locks" / "xla.txt").read_text(), re.M))
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    main = {}
+    for p in lock["package"]:
+        main.setdefault(p["name"], set()).add(p["version"])
+    assert main["ray"] == {pins["ray"]} and pins["safetensors"] in main["safetensors"], (pins["ray"], main["ray"])
+    assert pins["torch"].split(".")[:2] == pins["torch-xla"].split(".")[:2] == ["2", "9"]
+    assert pins["torchtitan"] == "0.2.0"  # the newest release that imports on torch 2.9 (docs/devices.md)

@@ -12,8 +12,8 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   repack) and copies the result into the original kernel tensors. `finish` puts back layers that
   received nothing. What the engine ends up with is exactly what vLLM's full-tensor reload would have
   produced from the same values; verify mode checks that on the loaded layout.
-  With a receiver region (`region()`, asked for by the driver when the engine has shm routes): the rank
-  keeps one /dev/shm file holding every plan parameter's loaded-layout tensor at a fixed offset,
+  With a receiver region (`make_region()`, asked for by the driver when the engine has shm routes): the
+  rank keeps one /dev/shm file holding every plan parameter's loaded-layout tensor at a fixed offset,
   zero-filled once (padding reads 0). Senders write their pieces straight into it (route `shm_region`:
   `receive` only counts elements), pieces from other transports are copied into it, and a completed
   layer is materialised with views into the region (`vllm_compat.materialize_into`) before vLLM's

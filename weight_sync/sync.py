@@ -100,6 +100,16 @@ def route(transport: str, region: bool) -> str:
     return "shm_region" if transport == "shm" and region else transport
 
 
+def _ready(refs: list) -> bool:
+    """Whether every call in `refs` has finished (local calls always have)."""
+    refs = [r for r in refs if type(r).__name__ == "ObjectRef"]
+    if not refs:
+        return True
+    import ray
+
+    return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+
 def _get(x):
     if type(x).__name__ == "ObjectRef":
         import ray
@@ -298,14 +308,27 @@ class Receiver:
         pending = [issue(k, True) for k in range(n)]  # region routes reuse no buffer: every round now
         for k in range(min(2, n)):  # the others keep two rounds in flight (pooled slots are reused)
             pending[k].update(issue(k, False))
-        for i in range(n):
-            got = {tp: (bid, tr, _get(ref)) for tp, (bid, tr, ref) in pending[i].items()}
-            pending[i] = None
-            self._rpc("rl_ws_receive", {str(tp): [[bid, self._plain(h, tr), tr]] for tp, (bid, tr, h) in got.items()})
-            for _, tr, h in got.values():
+        i = 0
+        while i < n:
+            # round i, and every later round already packed, go to the engine in one call (in order)
+            j = i + 1  # a round past i + 1 whose other routes are not issued yet must wait for them
+            while (j < n and (j <= i + 1 or all(x[3] == "shm_region" for x in self.rounds[j].values()))
+                   and _ready([ref for _, _, ref in pending[j].values()])):
+                j += 1
+            handles: dict[str, list] = {}
+            done = []
+            for k in range(i, j):
+                for tp, (bid, tr, ref) in pending[k].items():
+                    h = _get(ref)
+                    handles.setdefault(str(tp), []).append([bid, self._plain(h, tr), tr])
+                    done.append((tr, h))
+                pending[k] = None
+            self._rpc("rl_ws_receive", handles)
+            for tr, h in done:
                 get_transport(tr).release(h)
-            if i + 2 < n:
-                pending[i + 2].update(issue(i + 2, False))
+            for k in range(max(i + 2, j), min(j + 2, n)):
+                pending[k].update(issue(k, False))
+            i = j
         acks = self._rpc("rl_ws_finish")
         self.engine.reset_prefix_cache()
         self.version = version

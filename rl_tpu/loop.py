@@ -135,7 +135,7 @@ class WeightSyncer:
             to_hf = functools.partial(titan.titan_to_hf, titan.build_model_spec(model_path))
             self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout.workers,
                                         transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
-                                        engine_model_dir=model_path)
+                                        receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
 
     def __call__(self, version: int) -> dict[str, float]:
         """Every engine gets the trainer's weights as `version`."""

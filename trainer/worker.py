@@ -446,6 +446,9 @@ class TrainerWorker:
     def ws_setup(self, names: list[str], buckets: dict) -> int:
         return self._ws().ws_setup(names, buckets)
 
+    def ws_regions(self, regions: dict, dst: dict) -> int:
+        return self._ws().ws_regions(regions, dst)
+
     def ws_pack(self, bucket: int, transport: str, version: int, slot=None):
         return self._ws().ws_pack(bucket, transport, version, slot)
 

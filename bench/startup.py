@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     first = train_once(work / "run", [])
     again = [train_once(work / "run", []) for _ in range(a.repeats)]
-    ready = sorted(r["ready"] for r in again)[len(again) // 2]
+    ready = statistics.median(r["ready"] for r in again)
     load1 = load_average()
 
     print(f"imports, CPU s in a fresh interpreter: driver {cpu['driver']:.1f}, trainer rank {cpu['trainer']:.1f}, "

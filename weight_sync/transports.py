@@ -130,12 +130,8 @@ class SharedMemory(Transport):
 
     def release(self, handle):
         path, _ = handle
-        if "_pool_" in os.path.basename(path):
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        if "_pool_" not in os.path.basename(path):
+            _unlink_quietly(path)
 
     @classmethod
     def _cleanup(cls) -> None:
@@ -203,9 +199,7 @@ class Region:
         """A tensor of `shape` and `dtype` over the region at byte `offset` (no copy)."""
         import math
 
-        import torch
-
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         return self.bytes[offset:offset + n].view(dtype).view(tuple(shape))
 
     def unlink(self) -> None:

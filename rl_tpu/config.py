@@ -5,6 +5,8 @@ Invariants:
   out-of-range value raises `ConfigError` naming the key (and the file it came from).
 - Overrides are parsed as TOML values (`--rollout.n=4`, `--reward.functions='["a.py:f"]'`); a value
   that is not valid TOML is taken as a string, so `--logging.run_dir=runs/x` needs no quotes.
+- A list-typed key also takes one value (verl's habit, `--data.train_files=train.parquet`), stored as a
+  one-item list; a value that is not a valid item is still an error naming the key.
 - The resolved config round-trips: `to_toml(load(...))` loads back to an equal config.
 Names follow verl where verl has the same knob, so configs translate.
 """
@@ -165,6 +167,11 @@ class SyncConfig:
     # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
     transport: Literal["auto", "inprocess", "shm", "ray", "collective", "reload"] = "auto"
     bucket_mb: float = F(64.0, gt=0)
+    # shm into a CPU engine: each engine rank keeps one shared-memory region holding its loaded-layout
+    # weights for the engine's lifetime, and trainer ranks write straight into it (no bucket files, no copy
+    # on the engine side). Costs the model's loaded-layout bytes per engine rank; a rank whose region would
+    # be larger than this takes bucket files instead. 0 = always bucket files.
+    receiver_buffer_mb: float = F(4096.0, ge=0)
     verify: bool = False  # compare every engine parameter with the trainer's after each sync
 
 
@@ -230,9 +237,16 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
             raise bad(f"must be one of {list(choices)}, got {value!r}")
         return value
     if origin is list:
-        if not isinstance(value, list):
-            raise bad(f"must be a list, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            # verl's habit: one value where a list is allowed (`data.train_files=~/gsm8k/train.parquet`)
+            # means a list of that one value. Anything that is not a valid single item keeps the list error.
+            try:
+                _check_value(key, item_tp, value, None, where)  # the item's type alone, without its range
+            except ConfigError:
+                raise bad(f"must be a list (or a single {_type_name(item_tp)}), "
+                          f"got {type(value).__name__} {value!r}") from None
+            return [_check_value(key, item_tp, value, meta, where)]  # a range error names the key
         return [_check_value(f"{key}[{i}]", item_tp, v, meta, where) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -264,6 +278,10 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
     if bounds.get("le") is not None and value > bounds["le"]:
         raise bad(f"must be <= {bounds['le']}, got {value!r}")
     return value
+
+
+def _type_name(tp: Any) -> str:
+    return {str: "string", int: "integer", float: "number", bool: "true/false"}.get(tp, str(tp))
 
 
 def _hints(cls: type) -> dict[str, Any]:

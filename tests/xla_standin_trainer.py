@@ -63,6 +63,9 @@ class XlaStandInTrainer:
     def ws_setup(self, names, buckets):
         return self._sender.ws_setup(names, buckets)
 
+    def ws_regions(self, regions, dst):
+        return self._sender.ws_regions(regions, dst)
+
     def ws_pack(self, bucket, transport, version, slot=None):
         return self._sender.ws_pack(bucket, transport, version, slot)
 

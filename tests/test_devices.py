@@ -54,3 +54,35 @@ def test_trainer_math_on_xla_static_shapes_no_recompilation():
     assert got["param_max_diff"] <= 1e-5 and got["metric_max_diff"] <= 1e-5, got
     assert all(math.isfinite(v) for v in got["metrics_last"].values())
     assert got["metrics_last"]["mismatch/kl"] > 0  # the engine log-probs are random: a real gap
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)")
+def test_xla_env_builds_the_trainers_qwen3_equal_to_torchtitan_030(tiny_qwen3, tmp_path):
+    """.venv-xla has TorchTitan 0.2.0 (the newest on torch 2.9): `titan_compat` builds its Qwen3 under the
+    0.3.0 parameter names; on the CPU its logits equal 0.3.0's here bit for bit, on xla:0 to XLA's rounding."""
+    import torch
+
+    from rl_tpu.trainer import model as tm
+
+    out = tmp_path / "xla_model.pt"
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    r = subprocess.run([str(XLA_PYTHON), str(ROOT / "tests" / "xla_titan_model.py"), tiny_qwen3, str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(out)
+    assert got["torchtitan"] == "0.2.0" and got["compat"] and got["roundtrip"]
+    spec = tm.build_model_spec(tiny_qwen3)  # TorchTitan 0.3.0, this environment
+    sd = tm.hf_to_titan(spec, tm.load_hf_state_dict(tiny_qwen3))
+    with torch.device("meta"):
+        m = spec.config.build()
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.init_weights(buffer_device=torch.device("cpu"))
+        for n, p in m.named_parameters():
+            p.copy_(sd[n])
+        want = m(got["ids"])
+    names = [n for n, _ in m.named_parameters()]
+    assert got["names"] == got["xla_names"] == names and got["titan_names"] == sorted(sd)
+    assert torch.equal(got["cpu_logits"], want)
+    assert (got["xla_logits"] - want).abs().max() <= 1e-5  # measured 5.4e-7

@@ -81,10 +81,10 @@ def _rope_theta(hf: dict, where: str | Path = "config.json") -> float:
 
 
 def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> ModelSpec:
-    """Translate an HF `config.json` (Qwen3ForCausalLM / LlamaForCausalLM) into a TorchTitan config."""
-    from torchtitan.models.common import CosSinRoPE, ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    """Translate an HF `config.json` (Qwen3ForCausalLM / LlamaForCausalLM) into a TorchTitan config.
+    On a TorchTitan without the `models.common` API (0.2.0, the newest on torch 2.9 / torch_xla),
+    `titan_compat` builds the same Qwen3 under the same parameter names."""
+    from rl_tpu.trainer import titan_compat
 
     hf = read_hf_config(model_path)
     check_hf_config(hf, Path(model_path) / "config.json")
@@ -94,6 +94,12 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     head_dim = hf.get("head_dim") or dim // n_heads
     vocab, eps = hf["vocab_size"], float(hf.get("rms_norm_eps", 1e-6))
     seq = int(max_seq_len or hf.get("max_position_embeddings", 4096))
+    if not titan_compat.has_common_api():
+        return titan_compat.build_model_spec(hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json")
+
+    from torchtitan.models.common import CosSinRoPE, ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     # Init functions only matter for parameters the HF checkpoint does not cover (none for the policy).
     lin_init = {"weight": torch.nn.init.zeros_}
     norm_init = {"weight": torch.nn.init.ones_}

@@ -105,6 +105,9 @@ class RolloutConfig:
     calculate_log_probs: bool = True
     max_restarts: int = F(3, ge=0)  # engines that die or hang are restarted and re-synced, this many times per run
     python: str = ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
+    # the engines' device row; empty: trainer.device. `cpu` under an `xla` trainer on the PJRT CPU device
+    # (there is no XLA vLLM engine on CPU; docs/devices.md)
+    device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
 
 
 @dataclass(kw_only=True)

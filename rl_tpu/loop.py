@@ -89,6 +89,7 @@ def start_ray(cfg: Config, plan=None) -> None:
     from rl_tpu.devices import get_device
 
     get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
+    get_device(cfg.rollout.device or cfg.trainer.device).apply_env()
     # The console shows our progress and results; Ray's and vLLM's logs (and every actor's output) come
     # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
     verbose = cfg.logging.verbose
@@ -125,6 +126,7 @@ class WeightSyncer:
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
         self.lock = threading.Lock()
         self.trainer_version = 0  # the version of the weights the trainer holds now
+        self.verified = 0  # engine parameters the last verified sync compared (`sync.verify`)
         self.plan_sync = None
         if cfg.sync.transport != "reload":
             import functools
@@ -152,7 +154,10 @@ class WeightSyncer:
             self.trainer.check_alive()  # a dead trainer rank fails every engine's sync: name it
             raise
         self.rollout.policy_version = version
-        return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+        out = {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
+        if self.cfg.sync.verify and self.plan_sync is not None:
+            out["sync/verified_params"] = float(self.verified)  # engine parameters found bit-identical
+        return out
 
     def _sync(self, version: int, engines: list[int] | None = None) -> float:
         if self.plan_sync is not None:
@@ -162,6 +167,7 @@ class WeightSyncer:
                 bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}
                 if bad:
                     raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's: {bad}")
+                self.verified = len(diffs)
             return float(stats.bytes)
         folder = self.tmp_dir / "sync"
         self.trainer.export_hf(str(folder))

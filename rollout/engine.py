@@ -64,8 +64,8 @@ def engine_traits(device: Device) -> EngineTraits:
 
 
 def rollout_device(cfg: Config) -> Device:
-    """Rollout engines run on the trainer's device type (`trainer.device`)."""
-    return get_device(cfg.trainer.device)
+    """The engines' device row: `rollout.device`, or the trainer's (`trainer.device`) when that is empty."""
+    return get_device(cfg.rollout.device or cfg.trainer.device)
 
 
 def threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:

@@ -8,6 +8,10 @@ Invariants:
 - Gradients are SUMMED across ranks (`set_force_sum_reduction_for_comms(True)`: gloo has no
   PREMUL_SUM, so FSDP's default average is unavailable). Losses must therefore be normalised by
   global (all-rank) token/sequence counts, which is what makes N ranks equal 1 rank.
+- Devices whose row has `fsdp2 = False` (xla: torch_xla 2.9's DeviceMesh carries no process groups,
+  so `fully_shard` raises "DeviceMesh process groups not initialized!") train on ONE rank with plain,
+  unsharded parameters: `make_parallel_dims` returns None and `build_parallel_model` skips the
+  parallelize function. Compute is in the parameters' dtype (fp32): there is no FSDP mixed precision.
 - TorchTitan 0.3.0 facts (DESIGN.md): `ParallelDims` builds meshes on `tools.utils.device_type`,
   which is "cuda" on a CPU-only host, so it is pointed at the devices-table device; the
   `partial_dtensor` SPMD backend is the one that works on gloo.
@@ -35,7 +39,13 @@ def init_process_group(device: Device, rank: int, world_size: int, master_addr: 
 
 
 def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
-    """FSDP over all ranks (times TP where the backend supports it)."""
+    """FSDP over all ranks (times TP where the backend supports it); None on a device without FSDP2
+    (one rank, plain parameters)."""
+    if not device.fsdp2:
+        if world_size != 1 or tp != 1:
+            raise ValueError(f"trainer.device = {device.name!r} trains on one rank without FSDP2 (docs/devices.md): "
+                             f"set trainer.world_size = 1 (got {world_size}, tp {tp})")
+        return None
     import torchtitan.distributed.parallel_dims as pd_mod
     import torchtitan.distributed.utils as dist_utils
 
@@ -55,15 +65,32 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
     sharded with the root unit (used for the critic's value head). Weights are uninitialised until
     `load_full_state_dict`; buffers (RoPE caches) are initialised here.
     """
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torch.distributed.fsdp import FSDPModule
-
     with torch.device("meta"):
         model = spec.config.build()
         if drop_lm_head:
             model.lm_head = None
         for name, mod in (extra_modules or {}).items():
             setattr(model, name, mod.build() if hasattr(mod, "build") else mod)
+    if pdims is None:  # one rank, plain parameters (see the module docstring)
+        if param_dtype != "float32":
+            raise ValueError(f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
+                             "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')")
+    else:
+        model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype)
+    local = device.local_device()
+    model.to_empty(device=local)
+    with torch.no_grad():
+        model.init_weights(buffer_device=local)
+    return model
+
+
+def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torch.distributed.fsdp import FSDPModule
+
+    if spec.parallelize_fn is None:
+        raise ValueError("this TorchTitan has no parallelize function for the trainer's model (TorchTitan 0.2.0, "
+                         "rl_tpu.trainer.titan_compat): it trains on one rank without FSDP2 only")
     model = spec.parallelize_fn(
         model,
         parallel_dims=pdims,
@@ -77,10 +104,6 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
-    local = device.local_device()
-    model.to_empty(device=local)
-    with torch.no_grad():
-        model.init_weights(buffer_device=local)
     return model
 
 

@@ -15,6 +15,11 @@ Invariants:
   the value of response token j is read at the state that predicts it, like the log-prob.
 - Optimizer steps per `train_step` = ppo_epochs x ppo_mini_batches; mini-batches are contiguous row
   blocks in batch order (no shuffling), the LR schedule advances once per optimizer step.
+- Lazy-tensor devices (XLA): every optimizer step ends its graph (`Device.step_end`) before the step's
+  single read of the metrics, so each step is ONE program, the same for every step of a shape bucket;
+  the optimizer state exists (zeros) before the first step for the same reason, and device results
+  are moved to the host before they are cut to the real lengths. `perf/compiles` counts the programs
+  compiled by this rank so far.
 Methods that touch parameters are collective: the group calls them on every rank.
 """
 
@@ -97,6 +102,10 @@ class TrainerWorker:
             self.critic = self._build_critic(titan_sd)
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, tc.critic_lr)
         self.step = 0  # optimizer steps taken by the policy
+        self._host: dict[str, torch.Tensor] | None = None  # host copy of the weights (lazy devices' sync)
+        self.device.step_end()  # loaded weights and optimizer state become device data before step 1
+        if self.device.lazy_tensors:
+            self._host_shards()  # XLA compiles a transfer program per parameter shape: now, not after step 1
 
     # ------------------------------------------------------------------ construction
 
@@ -131,6 +140,8 @@ class TrainerWorker:
         tc = self.tc
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, eps=1e-8)
+        if self.device.lazy_tensors:
+            _zero_adamw_state(opt)
         total = max(tc.total_steps * tc.ppo_epochs * tc.ppo_mini_batches, 1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: ops.lr_factor(
             s, warmup_steps=tc.warmup_steps, total_steps=total, schedule=tc.lr_schedule,
@@ -195,7 +206,7 @@ class TrainerWorker:
         out = []
         for idx in self._micro_batches(padded, torch.arange(batch.num_seqs), self.tc.micro_batch_size):
             res = fn(padded.select(idx))
-            out.append((idx, tuple(r.detach()[:, :T].float().cpu() for r in res)))
+            out.append((idx, tuple(r.detach().cpu()[:, :T].float() for r in res)))  # cut on the host: static shapes
         for m in (self.model, self.ref, self.critic):
             if m is not None:
                 parallel.reshard(m)  # keep every parameter a DTensor shard between calls
@@ -252,6 +263,9 @@ class TrainerWorker:
         tokens = float(batch.attention_mask.sum())
         elapsed = time.perf_counter() - t0
         out.update({"actor/step": float(self.step), "perf/train_tokens": tokens, "perf/train_s": elapsed})
+        compiles = self.device.compile_count()
+        if compiles is not None:
+            out["perf/compiles"] = float(compiles)
         return out
 
     def _actor_loss(self, algo: AlgorithmConfig):
@@ -319,10 +333,17 @@ class TrainerWorker:
     def _reduce(self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float) -> dict[str, float]:
         """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means.
         The step's only read of the metrics from the device (float64: untested on TPU, which lacks it)."""
+        keys, vec = self._metric_vector(sums, weighted, weight)
+        return self._read_metrics(sums, keys, vec)
+
+    def _metric_vector(self, sums, weighted, weight: float) -> tuple[list[str], torch.Tensor]:
         keys = sorted(sums) + sorted(weighted)
         w = torch.tensor(weight, dtype=torch.float64, device=self.local)
         vec = torch.stack([sums[k] if k in sums else weighted[k] for k in keys] + [w])
         dist.all_reduce(vec)
+        return keys, vec
+
+    def _read_metrics(self, sums, keys: list[str], vec: torch.Tensor) -> dict[str, float]:
         vec = vec.cpu().tolist()
         total_w = max(vec[-1], 1e-12)
         return {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1])}
@@ -334,12 +355,16 @@ class TrainerWorker:
         sums, weighted, weight = self._accumulate(batch, rows, loss_fn)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=True)
+        foreach = None if self.device.lazy_tensors else True  # torch has no foreach kernels for xla tensors
+        grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=foreach)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        out = self._reduce(sums, weighted, weight)
+        keys, vec = self._metric_vector(sums, weighted, weight)
+        self.device.step_end()  # lazy devices: the update, the metrics and the grad norm are one program
+        self._host = None
+        out = self._read_metrics(sums, keys, vec)
         out = {(f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v for k, v in out.items()}
         out[f"{prefix}/grad_norm"] = float(grad_norm)
         out[f"{prefix}/lr"] = float(lr)
@@ -353,36 +378,50 @@ class TrainerWorker:
             parts.append(("critic", self.critic, self.critic_optimizer))
         return parts
 
-    def save_checkpoint(self, path: str) -> str:
-        import torch.distributed.checkpoint as dcp
+    def _checkpoint_state(self) -> tuple[dict, dict]:
+        """The DCP state of every stateful part, and DCP's extra arguments. Lazy devices (XLA): DCP reads
+        and writes host copies (`set_state_dict` copies them back), and a trainer without FSDP2 (one rank)
+        runs DCP without its coordination collectives, which the `xla` backend rejects on CPU tensors."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.utils._pytree import tree_map_only
 
-        path = Path(path)
         state = {}
         for name, m, opt in self._stateful():
-            msd, osd = get_state_dict(m, opt)
-            state[f"{name}_model"], state[f"{name}_optim"] = msd, osd
-        dcp.save(state, checkpoint_id=str(path / "dcp"))
+            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt)
+        if self.device.lazy_tensors:
+            state = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
+        return state, ({} if self.device.fsdp2 else {"no_dist": True})
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def save_checkpoint(self, path: str) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        state, kw = self._checkpoint_state()
+        dcp.save(state, checkpoint_id=str(path / "dcp"), **kw)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "world_size": self.world_size}
         torch.save(extra, path / f"extra_rank{self.rank}.pt")
-        dist.barrier()
+        self._barrier()
         return str(path)
 
     def load_checkpoint(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = Path(path)
         if not (path / "dcp").is_dir():
             raise FileNotFoundError(f"checkpoint {str(path)!r} has no dcp/ folder (not a trainer checkpoint)")
-        state = {}
-        for name, m, opt in self._stateful():
-            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt)
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        state, kw = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=str(path / "dcp"), **kw)
         for name, m, opt in self._stateful():
             set_state_dict(m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"])
+        self.device.step_end()
+        self._host = None
         own = path / f"extra_rank{self.rank}.pt"
         extra = torch.load(own if own.is_file() else path / "extra_rank0.pt", weights_only=False)
         self.step = extra["step"]
@@ -407,14 +446,16 @@ class TrainerWorker:
                 parallel.load_full_state_dict(m, titan_sd)
         self.optimizer, self.scheduler = self._optimizer(self.model, self.tc.lr)
         self.model_path, self.step = str(model_path), 0
-        dist.barrier()
+        self.device.step_end()
+        self._host = None
+        self._barrier()
         return self.step
 
     def export_hf(self, out_dir: str) -> str | None:
         full = parallel.full_state_dict(self.model)
         if self.rank == 0:
             tmodel.save_hf(self.spec, full, out_dir, self.model_path)
-        dist.barrier()
+        self._barrier()
         return str(out_dir)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -455,8 +496,17 @@ class TrainerWorker:
         if getattr(self, "_sender", None) is None:
             from rl_tpu.weight_sync.sync import Sender, fsdp_local_shards
 
-            self._sender = Sender(lambda: fsdp_local_shards(self.model))
+            self._sender = Sender(self._host_shards if self.device.lazy_tensors else lambda: fsdp_local_shards(self.model))
         return self._sender
+
+    def _host_shards(self) -> dict[str, torch.Tensor]:
+        """Lazy devices: slicing device tensors per bucket piece would trace and compile, so the sender
+        packs from one host copy per policy version (dropped whenever the weights change)."""
+        if self._host is None:
+            from rl_tpu.weight_sync.sync import fsdp_local_shards
+
+            self._host = {n: t.cpu() for n, t in fsdp_local_shards(self.model).items()}
+        return self._host
 
     def ws_setup(self, names: list[str], buckets: dict) -> int:
         return self._ws().ws_setup(names, buckets)
@@ -475,6 +525,18 @@ class TrainerWorker:
 
     def ws_close(self) -> None:
         self._ws().ws_close()
+
+
+def _zero_adamw_state(opt: torch.optim.Optimizer) -> None:
+    """Give every parameter the AdamW state its first step would create (step 0, zero moments), through
+    `load_state_dict`: the first step then traces the same program as every later one. Same values as
+    a fresh state, so the same update."""
+    sd = opt.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]  # state_dict's indices, in param order
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+             for i, p in zip(ids, params)}
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

@@ -36,6 +36,12 @@ class Device:
     static_shapes: bool  # pad sequences to length buckets so the compiler does not retrace per batch
     ray_resource: str | None = None  # Ray's resource name for one device ("GPU", "TPU"); None: CPUs only
     env: tuple[tuple[str, str], ...] = ()  # environment defaults set in every actor of this device
+    # FSDP2 over a DeviceMesh; False: one trainer rank with plain (unsharded) parameters (xla: torch_xla 2.9's
+    # DeviceMesh has no process groups, so `fully_shard` fails; docs/devices.md)
+    fsdp2: bool = True
+    # tensors are lazy (traced, compiled, run at `step_end`): the trainer ends each step's graph explicitly
+    # and the weight sync reads parameters through one host copy per policy version
+    lazy_tensors: bool = False
 
     def require(self) -> None:
         """Raise a clear error when the packages this device needs are not installed."""
@@ -76,6 +82,24 @@ class Device:
 
     def synchronize(self) -> None:
         _SYNC.get(self.name, lambda: None)()
+
+    def step_end(self) -> None:
+        """End the traced graph of lazy tensors (XLA `mark_step`): what was computed since the last call
+        runs as one program and becomes device data. Returns without waiting; no-op on eager devices."""
+        if self.lazy_tensors:
+            import torch_xla.core.xla_model as xm
+
+            xm.mark_step()
+
+    def compile_count(self) -> int | None:
+        """Programs compiled so far in this process (torch_xla's `CompileTime` metric); None where the
+        device does not compile (eager devices)."""
+        if not self.lazy_tensors:
+            return None
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
 
     def local_device(self, local_rank: int = 0) -> torch.device:
         if self.name == "cuda":
@@ -144,7 +168,7 @@ DEVICES: dict[str, Device] = {
     "xla": Device(
         name="xla", dist_backend="xla", torch_device="xla", engine_package="vllm-torchtpu",
         engine_module="vllm", runtime_module="torch_xla", static_shapes=True,
-        env=(("PJRT_DEVICE", "CPU"),),
+        env=(("PJRT_DEVICE", "CPU"),), fsdp2=False, lazy_tensors=True,
     ),
 }
 

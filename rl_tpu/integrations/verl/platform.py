@@ -114,13 +114,13 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        # verl places every worker by accelerator slots (single_controller/ray/base.py:229 counts only "GPU"
+        # or "NPU"; vllm_async_server.py:1348 indexes get_accelerator_ids() by this name). On CPU those are
+        # Ray's logical GPU slots, advertised with `+ray_kwargs.ray_init.num_gpus=N` (docs/verl.md).
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []
-
-    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        return {}  # no accelerator to reserve: a worker takes the CPU its placement bundle gives it
 
     def is_ipc_supported(self) -> bool:
         return False

@@ -10,8 +10,13 @@ processing time, from the same sync) / sync time (1.0 = nothing beyond what the 
 and peak extra memory (VmHWM above the pre-sync RSS, per process,
 reset with /proc/self/clear_refs) of the receiver and of each sender.
 
+`shm` runs twice in the same engine: `shm` writes straight into the engine's receiver region (the
+default for CPU engines; `region_mb` = the region's size, held for the engine's lifetime) and
+`shm_files` is the bucket-file path (`receiver_buffers=False`).
+
 Each size runs in its own subprocess (one vLLM engine per process). The last line is one JSON object;
-its "ratio" is the shm transport's sync/memcpy ratio on the largest model.
+its "ratio" is the shm transport's sync/memcpy ratio on the largest model, with the 1-minute load
+average at the start and end of the run (timings on a loaded box are only good for A/B within a run).
 
     python bench/sync.py                       # sizes 2,4,5 layers of hidden 1024 (~110, ~210, ~260 MB)
     python bench/sync.py --layers 1,2 --transports shm
@@ -177,10 +182,12 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
     local = [Holder(p) for p in pieces]
     engine = Receiver(llm)
     results = {}
-    for transport in transports:
+    rows = [(t2, t2.removesuffix("_files"), t2 != "shm_files") for t in transports
+            for t2 in (["shm", "shm_files"] if t == "shm" else [t])]
+    for row, transport, regions in rows:
         senders = local if transport == "inprocess" else actors
         ws = WeightSync(specs, to_hf, senders, [engine], transport=transport, bucket_mb=bucket_mb,
-                        engine_model_dir=str(model_dir))
+                        engine_model_dir=str(model_dir), receiver_buffers=regions)
         ws.build()
         ws.sync(0)  # warm: first touch of buffers and kernels
         secs, procs, rcv_peak, snd_peak = [], [], 0, 0
@@ -197,7 +204,7 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
         mc = memcpy_gbps(nbytes)
         s = min(secs)
         p = procs[secs.index(s)]
-        results[transport] = {
+        results[row] = {
             "seconds_per_sync": round(s, 4), "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3),
             "ratio": round(nbytes / s / 1e9 / mc, 3),
             "vllm_process_s": round(p, 4),
@@ -208,6 +215,7 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
             "peak_extra_mb_receiver": round(rcv_peak / MB, 1),
             "peak_extra_mb_sender": round(snd_peak / MB, 1) if senders is actors else None,
             "buckets": st.buckets, "plan_s": round(ws.plan_seconds, 2),
+            "region_mb": round(sum(r.get("nbytes", 0) for e in ws.regions for r in e.values()) / MB, 1),
         }
         ws.close()
     ray.shutdown()
@@ -229,6 +237,7 @@ def main() -> None:
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     transports = a.transports.split(",")
+    load0 = os.getloadavg()[0]
     if a.worker:
         print("RESULT " + json.dumps(run_size(a.worker, a.hidden, a.inter, transports, a.bucket_mb, a.repeats)))
         return
@@ -245,14 +254,17 @@ def main() -> None:
         sizes.append(r)
         print(f"\n{r['layers']} layers x {r['hidden']}: {r['mb']} MB, buckets of {r['bucket_mb']} MB")
         print(f"  {'transport':10} {'s/sync':>8} {'GB/s':>7} {'memcpy':>7} {'ratio':>6} {'vLLM proc s':>11} "
-              f"{'ratio_floor':>11} {'peak rcv MB':>11} {'peak snd MB':>11}")
+              f"{'ratio_floor':>11} {'peak rcv MB':>11} {'peak snd MB':>11} {'region MB':>9}")
         for t, x in r["transports"].items():
             print(f"  {t:10} {x['seconds_per_sync']:8.3f} {x['gbps']:7.2f} {x['memcpy_gbps']:7.2f} {x['ratio']:6.2f} "
                   f"{x['vllm_process_s']:11.3f} {x['ratio_floor']:11.2f} {x['peak_extra_mb_receiver']:11.1f} "
-                  f"{str(x['peak_extra_mb_sender']):>11}")
+                  f"{str(x['peak_extra_mb_sender']):>11} {x['region_mb']:9.1f}")
     head_t = "shm" if "shm" in transports else transports[0]
     biggest = max(sizes, key=lambda r: r["mb"])
-    lin = {t: [round(r["transports"][t]["seconds_per_sync"] / r["mb"] * 100, 4) for r in sizes] for t in transports}
+    rows = list(biggest["transports"])
+    lin = {t: [round(r["transports"][t]["seconds_per_sync"] / r["mb"] * 100, 4) for r in sizes] for t in rows}
+    load = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    print(f"load average (1 min) at start and end: {load}")
     print("\nseconds per 100 MB at each size (flat = linear in bytes):", lin)
     h = biggest["transports"][head_t]
     print(json.dumps({"bench": "sync", "transport": head_t, "model_mb": biggest["mb"], "gbps": h["gbps"],
@@ -260,7 +272,9 @@ def main() -> None:
                       "ratio_without_vllm_processing": h["ratio_without_vllm_processing"],
                       "ratio_floor": h["ratio_floor"],
                       "peak_extra_mb_receiver": h["peak_extra_mb_receiver"],
-                      "per_transport": {t: biggest["transports"][t]["ratio"] for t in transports},
+                      "region_mb": h["region_mb"], "load_avg_1m": load,
+                      "per_transport": {t: biggest["transports"][t]["ratio"] for t in rows},
+                      "ratio_floor_per_transport": {t: biggest["transports"][t]["ratio_floor"] for t in rows},
                       "seconds_per_100mb": lin, "sizes": sizes}))
 
 

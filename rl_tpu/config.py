@@ -163,6 +163,11 @@ class SyncConfig:
     # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
     transport: Literal["auto", "inprocess", "shm", "ray", "collective", "reload"] = "auto"
     bucket_mb: float = F(64.0, gt=0)
+    # shm into a CPU engine: each engine rank keeps one shared-memory region holding its loaded-layout
+    # weights for the engine's lifetime, and trainer ranks write straight into it (no bucket files, no copy
+    # on the engine side). Costs the model's loaded-layout bytes per engine rank; a rank whose region would
+    # be larger than this takes bucket files instead. 0 = always bucket files.
+    receiver_buffer_mb: float = F(4096.0, ge=0)
     verify: bool = False  # compare every engine parameter with the trainer's after each sync
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ def demo_config(plan: DemoPlan, out: Path) -> Config:
         f"--model.size={plan.size}", "--trainer.world_size=2", f"--trainer.micro_batch_size={plan.grpo_prompts * plan.grpo_n}",
         "--trainer.grad_clip=1.0", "--rollout.engines=1", f"--rollout.n={plan.grpo_n}",
         f"--rollout.max_tokens={plan.max_tokens}", "--rollout.temperature=1.0",
+        # neither GRPO (one on-policy update: old log-probs come from its own forward) nor the greedy
+        # evaluations need the engine's log-probs, which cost about a quarter of generation on CPU
+        "--rollout.calculate_log_probs=false",
         "--data.synthetic=arithmetic", f"--data.synthetic_train_size={plan.train_prompts}",
         f"--data.synthetic_test_size={plan.test_prompts}", f"--data.batch_size={plan.grpo_prompts}",
         "--reward.functions=[\"rl_tpu.rewards.arithmetic:compute_score\"]", "--reward.workers=1",
@@ -95,38 +99,33 @@ class Evaluator:
         self.rollout.shutdown()
 
 
-def _sft_phase(cfg: Config, model: str, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
+def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
                wall_budget: float | None, early_stop: bool, log) -> dict[str, Any]:
-    """SFT steps over `demos` (cycling); evaluates every `sft_eval_every` steps; keeps the best export.
-    Stops on patience (early_stop) or when `wall_budget` seconds of training have been spent."""
+    """SFT steps of `session` over `demos` (cycling); evaluates every `sft_eval_every` steps; keeps the
+    best export. Stops on patience (early_stop) or when `wall_budget` seconds of training have been spent."""
     from rl_tpu.data import PromptLoader
-    from rl_tpu.sft import SFTSession
 
-    session = SFTSession(cfg, model)
     loader = PromptLoader(demos, min(plan.sft_batch, len(demos)), shuffle=True, seed=1)
     best_acc, best_step, since_best, spent, step = -1.0, 0, 0, 0.0, 0
     curve = []
-    try:
-        while step < plan.sft_max_steps or wall_budget is not None:
-            metrics = session.step(next(loader))
-            step += 1
-            spent += metrics["time/train"]
-            done = wall_budget is not None and spent >= wall_budget
-            if step % plan.sft_eval_every == 0 or done or step == plan.sft_max_steps:
-                session.export(out / "candidate")
-                acc = ev.accuracy(out / "candidate")
-                curve.append({"step": step, "train_seconds": spent, "accuracy": acc, "loss": metrics["loss/sft"]})
-                log(f"  sft step {step:4d}  loss {metrics['loss/sft']:.3f}  held-out accuracy {acc:.3f}")
-                if acc > best_acc:
-                    best_acc, best_step, since_best = acc, step, 0
-                    shutil.rmtree(out / "best", ignore_errors=True)
-                    (out / "candidate").rename(out / "best")
-                else:
-                    since_best += 1
-                if done or (early_stop and since_best >= plan.sft_patience) or (wall_budget is None and step >= plan.sft_max_steps):
-                    break
-    finally:
-        session.shutdown()
+    while step < plan.sft_max_steps or wall_budget is not None:
+        metrics = session.step(next(loader))
+        step += 1
+        spent += metrics["time/train"]
+        done = wall_budget is not None and spent >= wall_budget
+        if step % plan.sft_eval_every == 0 or done or step == plan.sft_max_steps:
+            session.export(out / "candidate")
+            acc = ev.accuracy(out / "candidate")
+            curve.append({"step": step, "train_seconds": spent, "accuracy": acc, "loss": metrics["loss/sft"]})
+            log(f"  sft step {step:4d}  loss {metrics['loss/sft']:.3f}  held-out accuracy {acc:.3f}")
+            if acc > best_acc:
+                best_acc, best_step, since_best = acc, step, 0
+                shutil.rmtree(out / "best", ignore_errors=True)
+                (out / "candidate").rename(out / "best")
+            else:
+                since_best += 1
+            if done or (early_stop and since_best >= plan.sft_patience) or (wall_budget is None and step >= plan.sft_max_steps):
+                break
     return {"best_accuracy": best_acc, "best_step": best_step, "steps": step, "train_seconds": spent,
             "curve": curve, "model": str(out / "best")}
 
@@ -134,8 +133,9 @@ def _sft_phase(cfg: Config, model: str, demos, plan: DemoPlan, ev: Evaluator, ou
 def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None,
              verbose: bool = False) -> dict:
     from rl_tpu.data import make_synthetic
-    from rl_tpu.loop import start_ray, train
+    from rl_tpu.loop import start_ray, start_side_by_side, train
     from rl_tpu.metrics import read_metrics
+    from rl_tpu.sft import SFTSession
     from rl_tpu.tiny_model import make_tiny_model
 
     plan = plan or (DemoPlan.quick() if quick else DemoPlan())
@@ -153,17 +153,21 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
     train_set, test_set = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
     demos = train_set[:plan.demonstrations]
     log(f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations, {len(test_set)} held-out prompts")
-    base = str(make_tiny_model(out / "model", "qwen3", plan.size, seed=0))
-    start_ray(cfg)
-    ev = Evaluator(cfg, base, test_set)
+    with ThreadPoolExecutor(max_workers=1) as ex:  # the model is built while Ray starts
+        built = ex.submit(make_tiny_model, out / "model", "qwen3", plan.size, 0)
+        start_ray(cfg)
+        base = str(built.result())
+    sft_cfg = with_overrides(cfg, [f"--trainer.lr={plan.sft_lr}", f"--trainer.micro_batch_size={plan.sft_batch}",
+                                   f"--trainer.warmup_steps={plan.sft_warmup}"])
+    # One evaluation engine and one SFT trainer for the whole demo, started side by side; the control
+    # reuses the SFT trainer (`restart_from` the SFT checkpoint: fresh optimizer, as a new trainer would).
+    ev, session = start_side_by_side(lambda: Evaluator(cfg, base, test_set), lambda: SFTSession(sft_cfg, base))
     try:
         acc_base = ev.accuracy()
         log(f"untrained held-out accuracy {acc_base:.3f}")
 
         log("SFT on the demonstrations until held-out accuracy stops improving")
-        sft_cfg = with_overrides(cfg, [f"--trainer.lr={plan.sft_lr}", f"--trainer.micro_batch_size={plan.sft_batch}",
-                                       f"--trainer.warmup_steps={plan.sft_warmup}"])
-        sft = _sft_phase(sft_cfg, base, demos, plan, ev, out / "sft", wall_budget=None, early_stop=True, log=log)
+        sft = _sft_phase(session, demos, plan, ev, out / "sft", wall_budget=None, early_stop=True, log=log)
         acc_sft = sft["best_accuracy"]
         log(f"SFT best held-out accuracy {acc_sft:.3f} at step {sft['best_step']}")
 
@@ -178,11 +182,13 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         log(f"GRPO: {len(rows)} steps in {grpo_seconds:.0f} s, held-out accuracy {acc_rl:.3f}")
 
         log(f"control: more SFT on the same demonstrations for the same {grpo_seconds:.0f} s")
-        control = _sft_phase(sft_cfg, sft["model"], demos, plan, ev, out / "control", wall_budget=grpo_seconds,
+        session.restart_from(sft["model"])
+        control = _sft_phase(session, demos, plan, ev, out / "control", wall_budget=grpo_seconds,
                              early_stop=False, log=log)
         acc_control = control["curve"][-1]["accuracy"] if control["curve"] else acc_sft
     finally:
         ev.close()
+        session.shutdown()
 
     tokens_per_s = sum(r["throughput/tokens_per_s"] for r in rows) / max(len(rows), 1)
     report = {

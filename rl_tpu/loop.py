@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,15 @@ def ensure_model(cfg: Config, run_dir: Path) -> str:
 
         make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed)
     return str(out)
+
+
+def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
+    """The model folder (`ensure_model`) and its tokenizer, with every prompt checked against
+    `data.max_prompt_length`."""
+    model_path = ensure_model(cfg, run_dir)
+    tok = load_tokenizer(model_path, chat_template=True)
+    check_prompt_lengths(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
+    return model_path, tok
 
 
 def start_ray(cfg: Config, plan=None) -> None:
@@ -125,7 +135,7 @@ class WeightSyncer:
             to_hf = functools.partial(titan.titan_to_hf, titan.build_model_spec(model_path))
             self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout.workers,
                                         transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
-                                        engine_model_dir=model_path)
+                                        receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
 
     def __call__(self, version: int) -> dict[str, float]:
         """Every engine gets the trainer's weights as `version`."""
@@ -317,10 +327,12 @@ def train(cfg: Config) -> dict[str, Any]:
     # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
     # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
-    model_path = ensure_model(cfg, run_dir)
-    tok = load_tokenizer(model_path, chat_template=True)
     train_set, test_set = build_datasets(cfg.data)
-    check_prompt_lengths(tok, train_set + test_set, cfg.data.max_prompt_length, cfg.data.truncation)
+    # A model folder of the user's is checked now; the tiny default, when it still has to be built
+    # (about 10 s), is built while Ray starts (the checks that need its tokenizer follow).
+    build_model = not cfg.model.path and not (run_dir / "model" / "model.safetensors").is_file()
+    if not build_model:
+        model_path, tok = _model_and_tokenizer(cfg, run_dir, train_set + test_set)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     # The reward functions load in the pool's workers (about a second), which reports a missing file
@@ -337,7 +349,13 @@ def train(cfg: Config) -> dict[str, Any]:
     step = version = 0
     startup_s: float | None = None
     try:
-        start_ray(cfg, plan)
+        if build_model:
+            with ThreadPoolExecutor(max_workers=1) as ex:
+                built = ex.submit(_model_and_tokenizer, cfg, run_dir, train_set + test_set)
+                start_ray(cfg, plan)
+                model_path, tok = built.result()
+        else:
+            start_ray(cfg, plan)
         groups = PlacementGroups(plan)
         trainer, rollout = start_roles(cfg, model_path, groups)
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
@@ -430,27 +448,30 @@ def train(cfg: Config) -> dict[str, Any]:
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
     """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
-    TorchTitan builds, vLLM engine start-up). If one fails, the one that started is shut down and the
-    first error is raised."""
+    TorchTitan builds, vLLM engine start-up)."""
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        futures = [ex.submit(TrainerGroup, cfg, model_path, placement=groups),
-                   ex.submit(RolloutGroup, cfg, model_path, placement=groups)]
-    started, errors = [], []
+    return start_side_by_side(lambda: TrainerGroup(cfg, model_path, placement=groups),
+                              lambda: RolloutGroup(cfg, model_path, placement=groups))
+
+
+def start_side_by_side(*makers: Callable[[], Any]) -> tuple:
+    """Call each maker in its own thread. If one fails, those that started are closed (`close()` or
+    `shutdown()`) and the first error is raised."""
+    with ThreadPoolExecutor(max_workers=len(makers)) as ex:
+        futures = [ex.submit(m) for m in makers]
+    made, errors = [], []
     for f in futures:
         try:
-            started.append(f.result())
-        except BaseException as e:  # noqa: BLE001 - re-raised below once the others are stopped
-            started.append(None)
+            made.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below once the others are closed
             errors.append(e)
     if errors:
-        for role in started:
-            if role is not None:
-                role.shutdown()
+        for obj in made:
+            (getattr(obj, "close", None) or obj.shutdown)()
         raise errors[0]
-    return tuple(started)
+    return tuple(made)
 
 
 def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list) -> Path:

@@ -47,6 +47,11 @@ class SFTSession:
         return {"loss/sft": metrics.get("loss/policy", float("nan")), "time/train": time.perf_counter() - t,
                 "actor/grad_norm": metrics.get("actor/grad_norm", float("nan"))}
 
+    def restart_from(self, model_path: str) -> None:
+        """Continue from `model_path`'s weights with a fresh optimizer and schedule, as a new session
+        on that folder would (same trainer processes: no start-up)."""
+        self.trainer.restart_from(model_path)
+
     def export(self, out_dir: str | Path) -> str:
         return self.trainer.export_hf(str(out_dir))
 

@@ -98,6 +98,12 @@ class WeightReceiver:
     def rl_ws_setup(self, tables: dict) -> int:
         return self._rl_ws().setup(tables)
 
+    def rl_ws_region(self, max_bytes: int, direct: bool | None) -> dict:
+        return self._rl_ws().make_region(max_bytes, direct)
+
+    def rl_ws_close(self) -> None:
+        self._rl_ws().close()
+
     def rl_ws_begin(self, version: int, keep: bool, direct: bool | None) -> int:
         return self._rl_ws().begin(version, keep, direct)
 

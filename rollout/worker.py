@@ -139,6 +139,11 @@ class RolloutWorker:
         if llm is not None:
             from rl_tpu.weight_sync import vllm_compat
 
+            if getattr(self, "_receiver", None) is not None:  # free the receiver regions now (else at process exit)
+                try:
+                    llm.collective_rpc("rl_ws_close")
+                except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
+                    logger.warning("weight sync: closing the engine's receiver regions failed: %s", e)
             vllm_compat.shutdown_engine(llm)
             del llm
 
@@ -243,8 +248,9 @@ class RolloutWorker:
     def ws_node(self) -> str:
         return self._ws().ws_node()
 
-    def ws_setup(self, tables: dict, rounds: list, senders: list) -> None:
-        self._ws().ws_setup(tables, rounds, senders)
+    def ws_setup(self, tables: dict, rounds: list, senders: list, region_bytes: int = 0,
+                 direct: bool | None = None) -> dict:
+        return self._ws().ws_setup(tables, rounds, senders, region_bytes, direct)
 
     def ws_sync(self, version: int, keep: bool = False, direct: bool | None = None) -> list[dict]:
         acks = self._ws().ws_sync(version, keep, direct)

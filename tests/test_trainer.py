@@ -357,6 +357,32 @@ def test_train_step_two_ranks_equals_one_rank(group1, group2, cfg):
     assert _masked_max_diff(v2, v1, b.response_mask) <= TOL
 
 
+def test_restart_from_equals_a_fresh_start(group1, cfg, tiny_qwen3, tiny_llama):
+    """`restart_from` = a new group on that folder: its weights exactly, optimizer, schedule and step
+    fresh. Two restarts from the same folder followed by the same step end bit-identical, which fails if
+    any Adam moment, scheduler position or step count survives the restart."""
+    from safetensors.torch import load_file
+
+    src = load_file(f"{tiny_qwen3}/model.safetensors")
+    b = _batch(seed=3)
+    runs = []
+    for _ in range(2):
+        group1.restart_from(tiny_qwen3)
+        w = group1.hf_state_dict()
+        assert all(torch.equal(w[k], src[k]) for k in src)
+        b2 = b.replace(old_log_probs=group1.compute_log_probs(b), values=torch.zeros_like(b.advantages))
+        m = group1.train_step(b2, cfg.algorithm)
+        runs.append((m, group1.hf_state_dict()))
+    (m_a, w_a), (m_b, w_b) = runs
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    assert max((w_a[k] - src[k]).abs().max().item() for k in src) > 1e-4  # the step moved the weights
+    for k in ("loss/policy", "actor/grad_norm", "actor/lr", "actor/step"):
+        assert m_a[k] == m_b[k], (k, m_a[k], m_b[k])
+    assert m_a["actor/step"] == 2.0 and m_a["actor/lr"] == pytest.approx(1e-3 * (1 / 2 + 1.0) / 2)
+    with pytest.raises(Exception, match="not the same architecture"):
+        group1.restart_from(tiny_llama)
+
+
 def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_qwen3, tmp_path):
     from rl_tpu.trainer import TrainerError, TrainerGroup
 

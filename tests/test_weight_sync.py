@@ -7,7 +7,11 @@ What is checked (fp32, exact where the issue asks for exact):
 - vLLM's log-probs of sampled completions equal the trainer's within 1e-5, and greedy generation equals
   Hugging Face transformers running the trainer's exported weights;
 - a trainer whose parameters do not match the engine (missing / mis-shaped) raises one error listing
-  them all, and the engine still serves the previous weights.
+  them all, and the engine still serves the previous weights;
+- shm into a receiver region (the default for CPU engines): bit exact in fp32 and into a bf16 engine over
+  consecutive syncs of changed weights, vocab padding reads 0, the engine computes with its own copies
+  (garbage written into the region after a sync changes nothing), above `receiver_buffer_mb` shm falls
+  back to bucket files, and a restarted engine gets a fresh region.
 """
 
 from __future__ import annotations
@@ -205,6 +209,123 @@ def _parity(trained, rollout, prompts=PROMPTS) -> float:
                for i, c in enumerate(comps))
 
 
+@pytest.fixture(scope="module")
+def padded_qwen3(tmp_path_factory, tiny_qwen3) -> str:
+    """The tiny Qwen3 cut to a vocabulary of 500: vLLM pads its embedding and LM head to 512 rows that no
+    weight fills and that must read 0."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("padded_qwen3") / "model"
+    shutil.copytree(tiny_qwen3, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["vocab_size"] = 500
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    sd = load_file(str(Path(tiny_qwen3) / "model.safetensors"))
+    sd = {n: (t[:500].contiguous() if n in ("model.embed_tokens.weight", "lm_head.weight") else t) for n, t in sd.items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _shard_senders(titan: dict, world: int = 2):
+    """`world` sender ranks as Ray actors, each holding its Shard(0) rows of the TorchTitan tensors (what a
+    `TrainerWorker` holds as DTensor shards), with `set` to overwrite them in place like an optimizer step
+    and `scribble` to fill every receiver region it maps with garbage."""
+    from rl_tpu.weight_sync import ParamSpec
+    from rl_tpu.weight_sync.sync import Sender
+
+    class Shards(Sender):  # defined here: Ray pickles it by value
+        def __init__(self, shards):
+            self.held = shards
+            super().__init__(lambda: self.held)
+
+        def set(self, shards) -> None:
+            for n, t in shards.items():
+                self.held[n].copy_(t)
+
+        def scribble(self) -> int:
+            from rl_tpu.weight_sync.transports import Region
+
+            for reg in Region._attached.values():
+                reg.bytes.fill_(255)  # NaN in fp32 and bf16
+            return len(Region._attached)
+
+    def rows(t, r):
+        n = math.ceil(t.shape[0] / world)
+        return t[r * n:(r + 1) * n].contiguous()
+
+    specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype="float32", mesh_shape=(world,), mesh_dim_names=("fsdp",),
+                       placements=("S(0)",)) for n, t in titan.items()]
+    actors = [ray.remote(num_cpus=0)(Shards).remote({n: rows(t, r) for n, t in titan.items()}) for r in range(world)]
+    return specs, actors, lambda new: ray.get([a.set.remote({n: rows(t, r) for n, t in new.items()})
+                                               for r, a in enumerate(actors)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_session, padded_qwen3, dtype):
+    import os
+
+    from safetensors.torch import load_file
+
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.weight_sync import WeightSync
+    from rl_tpu.weight_sync.names import titan_to_hf_for
+
+    to_hf = titan_to_hf_for(padded_qwen3)
+    hf0 = load_file(os.path.join(padded_qwen3, "model.safetensors"))
+    adapter = to_hf.__self__
+    adapter._validate_hf_rope_config = lambda *a, **k: None  # rope config is irrelevant to names (as bench/sync.py)
+    titan0 = adapter.from_hf(dict(hf0))
+    specs, senders, set_weights = _shard_senders(titan0)
+    g = RolloutGroup(_cfg(f"--rollout.dtype={dtype}"), padded_qwen3, num_workers=1, num_cpus_per_worker=0)
+    try:
+        ws = WeightSync(specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25,
+                        engine_model_dir=padded_qwen3)
+        plan = ws.build()
+        region = ws.regions[0]["0"]
+        assert "path" in region and {d for _, _, d in region["params"]} == {dtype}
+        assert all(r["receiver_region"] and r["transport"] == "shm" for r in ws.routes())
+        assert len(plan.buckets) > 4  # several rounds, all written ahead into the region
+        g_ = torch.Generator().manual_seed(7)
+        for step in range(3):  # consecutive syncs of changed weights
+            titan = {n: t + 1e-2 * (step + 1) * torch.randn(t.shape, generator=g_) for n, t in titan0.items()}
+            set_weights(titan)
+            stats = ws.sync(step + 1, keep_for_verify=True)
+            assert [a["version"] for a in stats.acks] == [step + 1]
+            assert not os.path.exists(region["path"])  # unlinked at the first sync: nothing left to leak
+            # the reference keeps vocab rows 500..511 at 0, so 0.0 also says the padding stayed 0
+            diffs = ws.verify(sorted(to_hf(titan).items()))
+            assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+        (embed,) = ray.get(g.workers[0].engine_weights.remote(["model.embed_tokens.weight"]))
+        assert embed["model.embed_tokens.weight"].shape[0] == 512
+        assert not embed["model.embed_tokens.weight"][500:].any()
+
+        # the engine computes with its own kernel tensors: garbage in the region after a sync changes nothing
+        before = _greedy(g, PROMPTS)
+        assert all(n == 1 for n in ray.get([s.scribble.remote() for s in senders]))
+        assert _greedy(g, PROMPTS) == before
+
+        # above the cap, shm takes bucket files (the region is closed) and is still exact
+        cap_mb = region["nbytes"] / 2**20 / 2
+        ws2 = WeightSync(specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25,
+                         engine_model_dir=padded_qwen3, receiver_buffer_mb=cap_mb)
+        ws2.build()
+        assert "over the cap" in ws2.regions[0]["0"]["why"]
+        assert not any(r["receiver_region"] for r in ws2.routes())
+        ws2.sync(9, keep_for_verify=True)
+        diffs = ws2.verify(sorted(to_hf(titan).items()))
+        assert max(diffs.values()) == 0.0
+        assert _greedy(g, PROMPTS) == before  # the same weights, through bucket files
+        ws2.close()
+    finally:
+        g.shutdown()
+        for s in senders:
+            ray.kill(s)
+
+
 def _check_synthetic_layouts(ws, model_path: str) -> None:
     import importlib.util
     import json
@@ -264,6 +385,7 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
     try:
         ws = _weight_sync(trained, g, tiny_qwen3)
         ws.build()
+        old_region = ws.regions[1]["0"]["path"]
         ray.kill(g.workers[1])
         with pytest.raises(ReceiverLost, match=r"engine\(s\) \[1\] died") as lost:
             for _ in range(300):  # ray.kill is asynchronous: wait until a sync really meets the dead engine
@@ -276,6 +398,7 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
         g.restart_worker(1, "killed by the test")
         (stats,) = synced
         assert [a["version"] for a in stats.acks] == [3] and stats.bytes == ws.plan.nbytes // 2
+        assert ws.regions[1]["0"]["path"] != old_region and all(r["receiver_region"] for r in ws.routes())
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))
         assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
         per_engine = [ray.get(w.generate.remote(PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0,
@@ -300,6 +423,7 @@ def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny
         plan = ws.build()
         tp = 2 if "tensor_parallel_size=2" in overrides[0] else 1
         assert sorted(plan.receivers) == [(0, r) for r in range(tp)]
+        assert len(ws.routes()) == 2 * tp and all(r["receiver_region"] for r in ws.routes())  # regions in each rank
         per_rank = [sum(n.values()) for n in plan.dst_numel]
         if tp == 2:  # about half of the model each (norms are replicated, a few KB)
             assert all(n < 0.55 * sum(per_rank) for n in per_rank)

@@ -146,6 +146,11 @@ class TrainerGroup:
         """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step."""
         return self._call("load_checkpoint", str(path))[0]
 
+    def restart_from(self, model_path: str) -> None:
+        """Every rank takes `model_path`'s weights with a fresh optimizer (`TrainerWorker.restart_from`)."""
+        self._call("restart_from", str(model_path))
+        self.model_path = str(model_path)
+
     def export_hf(self, out_dir: str) -> str:
         return self._call("export_hf", str(out_dir))[0]
 

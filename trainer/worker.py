@@ -382,6 +382,23 @@ class TrainerWorker:
         random.setstate(extra["py_rng"])
         return self.step
 
+    def restart_from(self, model_path: str) -> int:
+        """Become what `TrainerWorker(cfg, model_path, ...)` would be, without a new process: the policy
+        (and reference) take the HF weights of `model_path`, the optimizer and scheduler start fresh, the
+        step count is 0. The folder must hold the same architecture and shapes (a checkpoint of this
+        model); a critic keeps its weights. Saves the start-up (imports, process group, build)."""
+        spec = tmodel.build_model_spec(model_path)
+        if spec.config != self.spec.config:
+            raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}")
+        titan_sd = tmodel.hf_to_titan(spec, tmodel.load_hf_state_dict(model_path))
+        for m in (self.model, self.ref):
+            if m is not None:
+                parallel.load_full_state_dict(m, titan_sd)
+        self.optimizer, self.scheduler = self._optimizer(self.model, self.tc.lr)
+        self.model_path, self.step = str(model_path), 0
+        dist.barrier()
+        return self.step
+
     def export_hf(self, out_dir: str) -> str | None:
         full = parallel.full_state_dict(self.model)
         if self.rank == 0:
@@ -432,6 +449,9 @@ class TrainerWorker:
 
     def ws_setup(self, names: list[str], buckets: dict) -> int:
         return self._ws().ws_setup(names, buckets)
+
+    def ws_regions(self, regions: dict, dst: dict) -> int:
+        return self._ws().ws_regions(regions, dst)
 
     def ws_pack(self, bucket: int, transport: str, version: int, slot=None):
         return self._ws().ws_pack(bucket, transport, version, slot)

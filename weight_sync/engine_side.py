@@ -12,6 +12,13 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   repack) and copies the result into the original kernel tensors. `finish` puts back layers that
   received nothing. What the engine ends up with is exactly what vLLM's full-tensor reload would have
   produced from the same values; verify mode checks that on the loaded layout.
+  With a receiver region (`make_region()`, asked for by the driver when the engine has shm routes): the
+  rank keeps one /dev/shm file holding every plan parameter's loaded-layout tensor at a fixed offset,
+  zero-filled once (padding reads 0). Senders write their pieces straight into it (route `shm_region`:
+  `receive` only counts elements), pieces from other transports are copied into it, and a completed
+  layer is materialised with views into the region (`vllm_compat.materialize_into`) before vLLM's
+  processing; no allocation and no copy per sync on this side. Costs the loaded layout's bytes for the
+  engine's lifetime, hence the driver's cap (`sync.receiver_buffer_mb`).
 - CUDA / TPU, unquantized (`direct`): the loaded layout is the kernel layout, so pieces are copied into
   the live `param.data` with no processing step and no extra memory. Written, untested on hardware here.
 
@@ -32,10 +39,11 @@ import torch
 from . import vllm_compat
 from .engine_layout import derive_layout, reference_layout
 from .rows import rows_cols
-from .transports import get_transport, join_group, leave_group
+from .transports import Region, get_transport, join_group, leave_group
 from .wire import unpack
 
 PIECE_FIELDS = 5  # dst, dst_row, dst_col, nrows, ncols
+REGION_ALIGN = 4096  # byte alignment of each parameter in a receiver region (page: SIMD loads, huge pages)
 
 
 def apply_bucket(buf, pieces: np.ndarray, names: list[str], dst_of, done=None) -> int:
@@ -64,6 +72,7 @@ class _Session:
     keep: bool  # verify mode: keep the assembled loaded-layout tensors
     remaining: dict[str, int]  # elements still to arrive per engine parameter
     layer_left: dict[int, int]  # id(module) -> elements still to arrive
+    region: bool = False  # pieces land in the receiver region; completed layers are materialised over it
     received_bytes: int = 0
     process_s: float = 0.0  # time inside vLLM's post-load processing (CPU: oneDNN repacking)
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -81,6 +90,8 @@ class EngineSide:
         self.session: _Session | None = None
         self.kept: dict[str, torch.Tensor] = {}
         self.version = -1
+        self.region: Region | None = None
+        self.region_params: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # name -> offset, shape, dtype
 
     def derive(self, hf_specs: list) -> dict:
         return derive_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
@@ -88,6 +99,7 @@ class EngineSide:
     def setup(self, tables: dict) -> int:
         """Keep this rank's part of the plan: `tables[str(tp_rank)]` = {names, shapes, numel, buckets}
         where buckets maps str(bucket id) -> int64 bytes of `[k, 5]` pieces."""
+        self.close()  # a region belongs to one plan
         t = tables[str(vllm_compat.tp_rank())]
         self.names = list(t["names"])
         self.shapes = {n: tuple(s) for n, s in t["shapes"].items()}
@@ -103,19 +115,62 @@ class EngineSide:
             self.params_of.setdefault(id(layer), []).append(name)
         return len(self.buckets)
 
+    def _direct(self, direct: bool | None) -> bool:
+        return next(vllm_compat.model(self.worker).parameters()).device.type != "cpu" if direct is None else direct
+
+    def make_region(self, max_bytes: int, direct: bool | None) -> dict:
+        """Create this rank's receiver region: one /dev/shm file with every plan parameter's loaded-layout
+        tensor (its own dtype, `REGION_ALIGN`-aligned, zero-filled). Returns {rank, path, nbytes, params:
+        [[offset, shape, dtype], ...] in `names` order} (plain values), or {rank, why} where this rank
+        takes bucket files instead (direct install, over `max_bytes`, a layout vLLM did not record)."""
+        rank = vllm_compat.tp_rank()
+        self.close()
+        if self._direct(direct):
+            return {"rank": rank, "why": "direct install (parameters are not on the CPU layerwise path)"}
+        params, off = {}, 0
+        for name in self.names:
+            layer, pname = self.layers[name]
+            meta = vllm_compat.loaded_meta(layer, pname)
+            if meta is None or tuple(meta.shape) != self.shapes[name] or not meta.is_contiguous():
+                return {"rank": rank, "why": f"{name}: vLLM recorded no contiguous loaded layout of its shape"}
+            params[name] = (off, self.shapes[name], meta.dtype)
+            off += -(-math.prod(self.shapes[name]) * meta.element_size() // REGION_ALIGN) * REGION_ALIGN
+        if off > max_bytes:
+            return {"rank": rank, "why": f"region of {off / 2**20:.1f} MB is over the cap of {max_bytes / 2**20:.1f} MB"}
+        self.region, self.region_params = Region.create(off), params
+        return {"rank": rank, "path": self.region.path, "nbytes": off,
+                "params": [[o, list(shape), str(dt).removeprefix("torch.")] for o, shape, dt in
+                           (params[n] for n in self.names)]}
+
+    def close(self) -> None:
+        """Drop the receiver region (its file is unlinked; the memory goes with the last mapping)."""
+        if self.region is not None:
+            self.region.close()
+        self.region, self.region_params = None, {}
+
+    def _region_view(self, name: str) -> torch.Tensor:
+        off, shape, dtype = self.region_params[name]
+        return self.region.view(off, shape, dtype)
+
     def begin(self, version: int, keep: bool, direct: bool | None) -> int:
         model = vllm_compat.model(self.worker)
-        if direct is None:
-            direct = next(model.parameters()).device.type != "cpu"
+        direct = self._direct(direct)
+        if self.region is not None and direct:
+            raise RuntimeError("weight sync: this rank's receiver region serves the CPU layerwise install, "
+                               "not a direct one (build the plan with the same `direct`)")
+        if self.region is not None:
+            self.region.unlink()  # every sender mapped it during setup: no name is left to leak
         layer_left = {lid: sum(self.numel[n] for n in names) for lid, names in self.params_of.items()}
         self.session = _Session(version=version, direct=direct, keep=keep, remaining=dict(self.numel),
-                                layer_left=layer_left)
+                                layer_left=layer_left, region=self.region is not None)
         if not direct:
             vllm_compat.begin_reload(model)
         return vllm_compat.tp_rank()
 
     def _dst(self, s: _Session, name: str) -> torch.Tensor:
         """The 2-D view of engine parameter `name` that pieces are copied into (loaded layout)."""
+        if s.region:
+            return self._region_view(name).view(rows_cols(self.shapes[name]))
         layer, pname = self.layers[name]
         t = getattr(layer, pname)
         if not s.direct and t.is_meta:
@@ -141,12 +196,22 @@ class EngineSide:
 
         n_bytes = 0
         for bid, handle, transport in handles.get(str(vllm_compat.tp_rank()), []):
+            if transport == "shm_region":  # the sender wrote the pieces in place: count them
+                if not s.region:
+                    raise RuntimeError("weight sync: a shm_region bucket for a rank without a receiver region")
+                for pid, _, _, nr, nc in self.buckets[int(bid)].tolist():
+                    n_bytes += nr * nc * self.region_params[self.names[pid]][2].itemsize
+                    done(self.names[pid], nr * nc)
+                continue
             buf = handle if isinstance(handle, (bytes, bytearray)) else get_transport(transport).open(handle)
             n_bytes += apply_bucket(buf, self.buckets[int(bid)], self.names, lambda n: self._dst(s, n), done)
         s.received_bytes += n_bytes
         return n_bytes
 
     def _complete(self, s: _Session, layer) -> None:
+        if s.region:
+            vllm_compat.materialize_into(layer, {self.layers[n][1]: self._region_view(n)
+                                                 for n in self.params_of[id(layer)]})
         if s.keep:
             for n in self.params_of[id(layer)]:
                 s.kept[n] = getattr(layer, self.layers[n][1]).data.detach().clone()

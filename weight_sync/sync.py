@@ -7,13 +7,20 @@ Roles and where code runs:
 - sender = a trainer rank. `Sender` (held by `TrainerWorker`, called as `ws_*` actor methods) packs a
   bucket from the rank's local DTensor shards into the transport and returns a small handle.
 - receiver = one vLLM engine. `Receiver` (held by `RolloutWorker`) pulls its buckets from the senders
-  in install order, at most two rounds ahead, and hands each round to its engine's TP ranks through the
+  in install order, at most two rounds ahead (every round at once on routes into a receiver region: no
+  buffer is reused, so senders write ahead), and hands each round to its engine's TP ranks through the
   `WeightReceiver` worker extension (`rl_ws_*` methods called by name; `engine_side.EngineSide` inside).
   Engines install in parallel with each other.
 
 Sync protocol for policy version v, per receiver: `rl_ws_begin` -> for each round (at most one bucket
 per TP rank): senders pack, engine ranks copy their pieces and process every layer that became
 complete -> `rl_ws_finish` (the rest of vLLM's post-processing; records v) -> `reset_prefix_cache()`.
+
+Receiver regions (shm routes into a CPU engine, `receiver_buffers=True`, under `receiver_buffer_mb` per
+engine rank): at setup each engine rank creates one /dev/shm file holding its loaded-layout parameters
+and the driver hands every sender the region table and, per bucket, where its pieces go; `ws_pack` then
+copies pieces straight into the engine's parameters (casting to the engine dtype) and returns
+(receiver index, bucket). Above the cap, or with `receiver_buffers=False`, shm routes carry bucket files.
 
 Nothing is half-installed on bad input: name and shape checks run at plan time, before any bytes move.
 """
@@ -30,10 +37,10 @@ import numpy as np
 import torch
 
 from .engine_layout import EngineLayout
-from .plan import Plan, build_plan, check_names
-from .rows import as_2d
+from .plan import DCOL, DROW, DST, NC, NR, Plan, build_plan, check_names
+from .rows import as_2d, rows_cols
 from .specs import ParamSpec
-from .transports import InProcess, SharedMemory, get_transport, join_group, leave_group
+from .transports import InProcess, Region, SharedMemory, get_transport, join_group, leave_group
 from .wire import begin_pack, packed_size
 
 
@@ -87,6 +94,22 @@ def _get_each(xs: list) -> list:
     return out
 
 
+def route(transport: str, region: bool) -> str:
+    """The route a (sender, engine rank) pair takes: `shm` into an engine rank that offers a receiver
+    region becomes `shm_region`. Driver and receiver apply this one rule."""
+    return "shm_region" if transport == "shm" and region else transport
+
+
+def _ready(refs: list) -> bool:
+    """Whether every call in `refs` has finished (local calls always have)."""
+    refs = [r for r in refs if type(r).__name__ == "ObjectRef"]
+    if not refs:
+        return True
+    import ray
+
+    return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+
 def _get(x):
     if type(x).__name__ == "ObjectRef":
         import ray
@@ -111,14 +134,63 @@ class Sender:
         self.shards = shards
         self.names: list[str] = []
         self.buckets: dict[int, np.ndarray] = {}
+        self.regions: dict[int, dict] = {}  # plan receiver index -> its engine rank's region table
+        self.dst: dict[int, tuple[int, np.ndarray]] = {}  # bucket -> (receiver index, destination pieces)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (receiver, dst param) -> 2-D region view
 
     def ws_setup(self, names: list[str], buckets: dict[int, np.ndarray]) -> int:
         self.names, self.buckets = list(names), buckets
+        self.ws_regions({i: None for i in self.regions}, {})
         return len(buckets)
+
+    def ws_regions(self, regions: dict[int, dict | None], dst: dict[int, tuple[int, np.ndarray]]) -> int:
+        """Receiver regions this rank writes into. `regions[i]`: plan receiver i's region table ({path,
+        nbytes, params: [[offset, shape, dtype], ...] by the receiver's param index}) or None (none any
+        more); `dst[bucket]`: (i, the pieces' destinations `[k, 5]` (dst, dst_row, dst_col, nrows, ncols)
+        in the order of the bucket's source pieces), replacing those of every receiver named in
+        `regions`. Each region is mapped now, so its engine may unlink the file's name at its first sync."""
+        for i, info in regions.items():
+            self.regions.pop(int(i), None)
+            if info:
+                self.regions[int(i)] = info
+        self.dst = {b: v for b, v in self.dst.items() if v[0] not in regions}
+        self.dst.update({int(b): (int(i), np.asarray(p)) for b, (i, p) in dst.items()})
+        self._views = {}
+        for info in self.regions.values():
+            Region.attach(info["path"], int(info["nbytes"]))
+        Region.detach_except({info["path"] for info in self.regions.values()})
+        return len(self.dst)
+
+    def _region_view(self, i: int, d: int) -> torch.Tensor:
+        v = self._views.get((i, d))
+        if v is None:
+            info = self.regions[i]
+            off, shape, dtype = info["params"][d]
+            reg = Region.attach(info["path"], int(info["nbytes"]))
+            v = self._views[(i, d)] = reg.view(int(off), shape, getattr(torch, dtype)).view(rows_cols(tuple(shape)))
+        return v
+
+    def _write_region(self, bucket: int) -> tuple[int, int]:
+        """Copy `bucket`'s pieces straight into the receiver's region (engine dtype); return the handle."""
+        if bucket not in self.dst:
+            raise RuntimeError(f"weight sync: bucket {bucket} is routed into a receiver region this rank was not "
+                               "given (WeightSync.build / replace_receiver hands them out)")
+        i, dst = self.dst[bucket]
+        shards, views = self.shards(), {}
+        with torch.no_grad():
+            for (src, r, c, nr, nc), (d, dr, dc, _, _) in zip(self.buckets[bucket].tolist(), dst.tolist()):
+                v = views.get(src)
+                if v is None:
+                    v = views[src] = as_2d(shards[self.names[src]])
+                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(v[r:r + nr, c:c + nc])
+        return (i, bucket)
 
     def ws_pack(self, bucket: int, transport: str, version: int, slot: Any = None) -> Any:
         """Pack `bucket` into the transport's reusable `slot` and return its handle. The receiver that
-        asked keeps at most two rounds in flight, so the bucket that last used this slot is consumed."""
+        asked keeps at most two rounds in flight, so the bucket that last used this slot is consumed.
+        Route `shm_region`: the pieces go straight into the receiver's region (no slot)."""
+        if transport == "shm_region":
+            return self._write_region(bucket)
         pieces = self.buckets[bucket]
         shards = self.shards()
         views = {}
@@ -150,7 +222,9 @@ class Sender:
         return join_group(host, port, world, rank, senders, str(device))
 
     def ws_close(self) -> None:
-        """Free this process's pooled transport slots (shm files would outlive a killed actor)."""
+        """Free this process's pooled transport slots (shm files would outlive a killed actor) and unmap
+        the receiver regions."""
+        self.ws_regions({i: None for i in self.regions}, {})
         SharedMemory._cleanup()
         InProcess._pool.clear()
         leave_group()
@@ -195,11 +269,20 @@ class Receiver:
     def ws_node(self) -> str:
         return _node_id()
 
-    def ws_setup(self, tables: dict, rounds: list, senders: list) -> None:
+    def ws_setup(self, tables: dict, rounds: list, senders: list, region_bytes: int = 0,
+                 direct: bool | None = None) -> dict:
         """`tables[str(tp)]`: that rank's bucket tables; `rounds`: install order, each a dict
-        tp -> (bucket id, sender rank, slot key, transport) with at most one bucket per TP rank."""
+        tp -> (bucket id, sender rank, slot key, transport) with at most one bucket per TP rank.
+        `region_bytes` > 0 and a shm route: each rank is asked for a receiver region of at most that many
+        bytes; returns {str(tp): region table, or {rank, why} where the rank takes bucket files}."""
         self._rpc("rl_ws_setup", tables)
-        self.rounds, self.senders = rounds, senders
+        offered = {}
+        if region_bytes > 0 and any(x[3] == "shm" for rnd in rounds for x in rnd.values()):
+            offered = {str(d["rank"]): d for d in self._rpc("rl_ws_region", int(region_bytes), direct)}
+        self.rounds = [{tp: (b, snd, slot, route(tr, "path" in offered.get(str(tp), {})))
+                        for tp, (b, snd, slot, tr) in rnd.items()} for rnd in rounds]
+        self.senders = senders
+        return offered
 
     def _plain(self, handle: Any, transport: str) -> Any:
         """A handle the engine ranks can open: object-store and in-process buffers become bytes when the
@@ -217,18 +300,35 @@ class Receiver:
     def ws_sync(self, version: int, keep: bool = False, direct: bool | None = None) -> list[dict]:
         self._rpc("rl_ws_begin", version, keep, direct)
 
-        def issue(rnd):
+        def issue(k: int, region: bool) -> dict:
             return {tp: (bid, tr, _invoke(self.senders[snd], "ws_pack", bid, tr, version, slot))
-                    for tp, (bid, snd, slot, tr) in rnd.items()}
+                    for tp, (bid, snd, slot, tr) in self.rounds[k].items() if (tr == "shm_region") == region}
 
-        pending = [issue(r) for r in self.rounds[:2]]
-        for i in range(len(self.rounds)):
-            got = {tp: (bid, tr, _get(ref)) for tp, (bid, tr, ref) in pending.pop(0).items()}
-            self._rpc("rl_ws_receive", {str(tp): [[bid, self._plain(h, tr), tr]] for tp, (bid, tr, h) in got.items()})
-            for _, tr, h in got.values():
+        n = len(self.rounds)
+        pending = [issue(k, True) for k in range(n)]  # region routes reuse no buffer: every round now
+        for k in range(min(2, n)):  # the others keep two rounds in flight (pooled slots are reused)
+            pending[k].update(issue(k, False))
+        i = 0
+        while i < n:
+            # round i, and every later round already packed, go to the engine in one call (in order)
+            j = i + 1  # a round past i + 1 whose other routes are not issued yet must wait for them
+            while (j < n and (j <= i + 1 or all(x[3] == "shm_region" for x in self.rounds[j].values()))
+                   and _ready([ref for _, _, ref in pending[j].values()])):
+                j += 1
+            handles: dict[str, list] = {}
+            done = []
+            for k in range(i, j):
+                for tp, (bid, tr, ref) in pending[k].items():
+                    h = _get(ref)
+                    handles.setdefault(str(tp), []).append([bid, self._plain(h, tr), tr])
+                    done.append((tr, h))
+                pending[k] = None
+            self._rpc("rl_ws_receive", handles)
+            for tr, h in done:
                 get_transport(tr).release(h)
-            if i + 2 < len(self.rounds):
-                pending.append(issue(self.rounds[i + 2]))
+            for k in range(max(i + 2, j), min(j + 2, n)):
+                pending[k].update(issue(k, False))
+            i = j
         acks = self._rpc("rl_ws_finish")
         self.engine.reset_prefix_cache()
         self.version = version
@@ -303,9 +403,12 @@ class WeightSync:
 
     def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list, *,
                  transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
-                 direct: bool | None = None):
+                 direct: bool | None = None, receiver_buffers: bool = True, receiver_buffer_mb: float = 4096.0):
         self.specs, self.to_hf, self.senders, self.receivers = specs, to_hf, senders, receivers
         self.transport, self.bucket_bytes = transport, int(bucket_mb * 2**20)
+        # shm routes into a CPU engine rank write straight into its receiver region, up to this size
+        self.region_bytes = int(receiver_buffer_mb * 2**20) if receiver_buffers else 0
+        self.regions: list[dict] = []  # per engine: {str(tp): what each rank answered (region table or why not)}
         self.engine_model_dir, self.direct = engine_model_dir, direct
         if transport != "auto":
             get_transport(transport)  # fail early on an unknown or unimplemented transport
@@ -338,12 +441,30 @@ class WeightSync:
         setups = []
         for e, rcv in enumerate(self.receivers):
             tables, rounds = receiver_tables(plan, e, self.route_transport[e])
-            setups.append(_invoke(rcv, "ws_setup", tables, rounds, self.senders))
-        _get(setups)
+            setups.append(_invoke(rcv, "ws_setup", tables, rounds, self.senders, self.region_bytes, self.direct))
+        self.regions = [r or {} for r in _get(setups)]
+        self._give_regions(range(len(self.receivers)))
         if self.transport == "collective":
             self._form_group()
         self.plan_seconds = time.perf_counter() - t0
         return plan
+
+    def _give_regions(self, engines) -> None:
+        """Hand every sender the region tables of `engines`' ranks it writes into and, per bucket, where
+        its pieces go (the plan's destination columns, in the bucket's piece order)."""
+        plan, engines = self.plan, set(engines)
+        regions = [{} for _ in self.senders]
+        for i, (e, tp) in enumerate(plan.receivers):
+            if e in engines:
+                info = self.regions[e].get(str(tp), {})
+                for r in range(len(self.senders)):
+                    regions[r][i] = info if route(self.route_transport[e][r], "path" in info) == "shm_region" else None
+        dst = [{} for _ in self.senders]
+        cut = plan._bucket_slices()
+        for b, (i, snd, _) in enumerate(plan.buckets.tolist()):
+            if regions[snd].get(i):
+                dst[snd][b] = (i, plan.pieces[cut[b]:cut[b + 1]][:, [DST, DROW, DCOL, NR, NC]])
+        _get([_invoke(s, "ws_regions", regions[r], dst[r]) for r, s in enumerate(self.senders)])
 
     def _choose_routes(self) -> list[dict[int, str]]:
         """Per engine, sender rank -> transport. `auto`: shared memory between actors on the same Ray node,
@@ -414,15 +535,22 @@ class WeightSync:
             node = _get(_invoke(receiver, "ws_node"))
             self.route_transport[engine] = {r: "shm" if n == node else "ray" for r, n in enumerate(self._sender_nodes)}
         tables, rounds = receiver_tables(self.plan, engine, self.route_transport[engine])
-        _get(_invoke(receiver, "ws_setup", tables, rounds, self.senders))
+        self.regions[engine] = _get(_invoke(receiver, "ws_setup", tables, rounds, self.senders, self.region_bytes,
+                                            self.direct)) or {}
+        self._give_regions([engine])
 
     def routes(self) -> list[dict]:
         """One entry per (sender rank, receiver) pair the plan moves bytes over, with its transport."""
         if self.plan is None:
             return []
         pairs = sorted({(int(r), int(s)) for r, s, _ in self.plan.buckets.tolist()})
-        return [{"sender": s, "receiver": list(self.plan.receivers[r]),
-                 "transport": self.route_transport[self.plan.receivers[r][0]][s]} for r, s in pairs]
+        out = []
+        for r, s in pairs:
+            e, tp = self.plan.receivers[r]
+            tr = self.route_transport[e][s]
+            out.append({"sender": s, "receiver": [e, tp], "transport": tr,
+                        "receiver_region": route(tr, "path" in self.regions[e].get(str(tp), {})) == "shm_region"})
+        return out
 
     def close(self) -> None:
         """Free the senders' pooled shared-memory slots (call before killing trainer actors)."""

@@ -5,6 +5,11 @@ One interface, four kinds:
 - `shm`: same host; the sender writes the bucket into a file under /dev/shm and the receiver maps it
   read-only (zero copy), then the driver unlinks it. Works across Python environments: any reader that
   can mmap a file and parse safetensors can consume it.
+- `shm` into a receiver-owned region (internal route name `shm_region`, chosen per route by `WeightSync`
+  when the engine rank offers one): the engine rank keeps one /dev/shm file holding all its loaded-layout
+  parameters (`Region`); senders map it writable and copy their pieces straight into place, casting to
+  the engine dtype, so no bucket file exists and the engine copies nothing. The handle is
+  (receiver index, bucket); the bytes are already in place when it is returned.
 - `ray`: cross host; the sender `ray.put`s a numpy view of the bucket and the receiver gets a read-only,
   zero-copy view from the object store.
 - `collective`: torch.distributed point-to-point over one extra process group spanning the trainer
@@ -24,6 +29,7 @@ import atexit
 import mmap
 import os
 import uuid
+import weakref
 from typing import Any
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -124,12 +130,8 @@ class SharedMemory(Transport):
 
     def release(self, handle):
         path, _ = handle
-        if "_pool_" in os.path.basename(path):
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        if "_pool_" not in os.path.basename(path):
+            _unlink_quietly(path)
 
     @classmethod
     def _cleanup(cls) -> None:
@@ -140,6 +142,86 @@ class SharedMemory(Transport):
             except (OSError, BufferError):
                 pass
         cls._pool.clear()
+
+
+class SharedRegion(Transport):
+    """Route `shm_region`: the bytes are written by the sender straight into the receiver's `Region`, so
+    a handle carries no buffer (opening and releasing it is nothing)."""
+
+    name = "shm_region"
+
+    def open(self, handle):
+        return None
+
+
+class Region:
+    """One /dev/shm file mapped read-write and shared (`MAP_SHARED`): a receiver-owned region holding an
+    engine rank's loaded-layout parameters. The engine rank creates it (zero-filled: padding reads 0),
+    senders `attach` it by path. `unlink` removes the name once every sender has mapped it, so nothing
+    stays under /dev/shm if a process dies; the memory goes with the last mapping."""
+
+    _attached: dict = {}  # path -> Region, per process (senders: one mapping per receiver region)
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        import torch
+
+        self.path, self.nbytes, self.linked = path, nbytes, True
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, max(nbytes, 1))  # tmpfs: reads as zeros until written
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault every page in now
+            self.mm = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8, count=max(nbytes, 1))
+
+    @classmethod
+    def create(cls, nbytes: int) -> "Region":
+        r = cls(os.path.join(_SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True)
+        weakref.finalize(r, _unlink_quietly, r.path)  # at exit or when dropped, whichever comes first
+        return r
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> "Region":
+        r = cls._attached.get(path)
+        if r is None or r.nbytes != nbytes:
+            r = cls._attached[path] = cls(path, nbytes, False)
+        return r
+
+    @classmethod
+    def detach_except(cls, keep: set) -> None:
+        """Drop this process's mappings of regions not in `keep` (their memory goes with the last one)."""
+        for path in [p for p in cls._attached if p not in keep]:
+            cls._attached.pop(path).close()
+
+    def view(self, offset: int, shape, dtype):
+        """A tensor of `shape` and `dtype` over the region at byte `offset` (no copy)."""
+        import math
+
+        n = math.prod(shape) * dtype.itemsize
+        return self.bytes[offset:offset + n].view(dtype).view(tuple(shape))
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            _unlink_quietly(self.path)
+
+    def close(self) -> None:
+        """Unlink and drop our references; the mapping closes when no tensor views it any more."""
+        self.unlink()
+        self.bytes = None
+        try:
+            self.mm.close()
+        except BufferError:  # views are still alive; the mapping goes when they are collected
+            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class RayObjectStore(Transport):
@@ -257,7 +339,8 @@ TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcess, "shm": SharedM
 
 
 def get_transport(name: str) -> Transport:
+    """A transport by `sync.transport` name, or by the internal route name `shm_region`."""
     try:
-        return TRANSPORTS[name]()
+        return (SharedRegion if name == "shm_region" else TRANSPORTS[name])()
     except KeyError:
         raise ValueError(f"unknown sync.transport {name!r}; choose one of {sorted(TRANSPORTS)}") from None

@@ -90,6 +90,31 @@ def materialize(layer: Any) -> None:
         layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
 
 
+def loaded_meta(layer: Any, name: str) -> Any:
+    """The meta tensor vLLM recorded for `layer.name` in the loaded layout (what a reload materialises:
+    shape, dtype, strides, parameter class), or None where vLLM recorded none."""
+    params, buffers = _get(_LAYERWISE, "get_layerwise_info")(layer).restore_metadata
+    return params.get(name, buffers.get(name))
+
+
+def materialize_into(layer: Any, tensors: dict[str, Any]) -> None:
+    """Materialise a meta-restored layer with `tensors[name]` as the storage of those loaded-layout
+    tensors (views into memory we own, e.g. a receiver region) and vLLM's own allocation for the rest.
+    As vLLM's `materialize_meta_tensor`, each tensor takes the meta tensor's class and attributes
+    (parameter class, weight loaders); shapes and dtypes must match."""
+    for name, t in tensors.items():
+        meta = getattr(layer, name)
+        if not meta.is_meta:
+            raise RuntimeError(f"weight sync: {type(layer).__name__}.{name} is already materialised")
+        if tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype or not t.is_contiguous():
+            raise RuntimeError(f"weight sync: region tensor for {type(layer).__name__}.{name} is "
+                               f"{tuple(t.shape)} {t.dtype}, vLLM expects {tuple(meta.shape)} {meta.dtype}")
+        t.__class__ = meta.__class__
+        t.__dict__ = meta.__dict__.copy()
+        setattr(layer, name, t)
+    materialize(layer)
+
+
 def process_layer(layer: Any) -> None:
     """vLLM's per-layer post-load processing (quant method / CPU repack) and copy into kernel tensors."""
     _get(_LAYERWISE, "_layerwise_process")(layer, _get(_LAYERWISE, "get_layerwise_info")(layer))

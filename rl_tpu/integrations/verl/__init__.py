@@ -14,15 +14,18 @@ verl logs a failing plugin import only at debug level, so `loaded()` lets a user
 
 from rl_tpu.integrations.verl import platform  # noqa: F401  (registers on import)
 from rl_tpu.integrations.verl import engine  # noqa: F401
+from rl_tpu.integrations.verl import checkpoint  # noqa: F401
 from rl_tpu.integrations.verl import patches
 
 patches.apply()  # CPU-only workarounds (patches.py names each verl line); nothing on an accelerator host
 
 ENGINE_BACKEND = engine.BACKEND
+CHECKPOINT_BACKEND = checkpoint.BACKEND
 
 
 def loaded() -> dict[str, bool]:
     """Which of our classes verl's registries hold (all True once `import verl` loaded this plugin)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.plugin.platform.platform_manager import PlatformRegistry
     from verl.workers.engine import EngineRegistry
 
@@ -30,5 +33,6 @@ def loaded() -> dict[str, bool]:
     return {
         "platform": PlatformRegistry.get("cpu") is platform.PlatformCPU,
         "engine": all(engines.get(d) is engine.RlTpuEngine for d in engine.DEVICES),
+        "checkpoint": CheckpointEngineRegistry._registry.get(CHECKPOINT_BACKEND) is checkpoint.RlTpuCheckpointEngine,
         "cpu_patches": bool(patches._APPLIED) or platform._accelerator_present(),
     }

@@ -229,13 +229,16 @@ class RlTpuEngine(BaseEngine):
     # ------------------------------------------------------------------ weights out
 
     def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
-        """Full tensors under Hugging Face names (collective: every rank gathers). For shard-to-shard
-        sync use the `rl_tpu` checkpoint backend, which never gathers."""
+        """Full tensors under Hugging Face names. Lazy: the gather (collective, every rank must iterate)
+        starts at the first `next()`. verl calls this before every `send_weights` (engine_workers.py:764);
+        the `rl_tpu` checkpoint backend never iterates it, so it never gathers."""
+        return self._hf_params(), None
+
+    def _hf_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         from rl_tpu.trainer import model as tmodel
         from rl_tpu.trainer import parallel
 
-        hf = tmodel.titan_to_hf(self.worker.spec, parallel.full_state_dict(self.worker.model))
-        return (item for item in hf.items()), None
+        yield from tmodel.titan_to_hf(self.worker.spec, parallel.full_state_dict(self.worker.model)).items()
 
     def get_per_tensor_param_shard(self, **kwargs):
         raise NotImplementedError("rl_tpu engine: per-shard export (verl's delta_sharded backends) is not "

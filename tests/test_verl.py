@@ -51,7 +51,7 @@ print(json.dumps({
     assert got["plugin_module"]
     ours = "rl_tpu.integrations.verl.engine.RlTpuEngine"
     assert got["engines"] == {"cpu": ours, "cuda": ours, "tpu": ours}
-    # (the checkpoint backend lands in the next commit)
+    assert got["checkpoint"] == "rl_tpu.integrations.verl.checkpoint"  # backend `rl_tpu`, beside verl's own
     assert got["platform"] == "rl_tpu.integrations.verl.platform"
     assert got["device"] == "cpu"  # not verl's CUDA fallback on this CPU-only host
     assert got["reward"] == [1.0, 0.0]
@@ -156,6 +156,38 @@ class _VerlRank:
             out = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                    for n, p in engine.module.named_parameters()}
         return out
+
+    # verl's actor side of a checkpoint-engine sync (engine_workers.py), on this rank
+    def init_checkpoint_engine(self, bucket_mb: int) -> str:
+        """`ActorRolloutRefWorker.init_model` step 4 (engine_workers.py:679-688), then what our plugin's hook
+        on init_model does (`attach_to_actor`: hand the backend the actor's engine)."""
+        import torch.distributed as dist
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+
+        from rl_tpu.integrations.verl.checkpoint import attach_to_actor
+
+        self.checkpoint_engine = CheckpointEngineRegistry.new("rl_tpu", is_master=(dist.get_rank() == 0),
+                                                              bucket_size=bucket_mb << 20)
+        self.actor = self.worker  # the attribute ActorRolloutRefWorker keeps its TrainingWorker in
+        attach_to_actor(self)
+        return type(self.checkpoint_engine).__module__
+
+    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)  # engine_workers.py:839
+
+    def update_weights(self, global_steps=None, mode: str = "auto"):
+        """engine_workers.py:755-766 for a backend other than naive; also records whether the per-tensor
+        generator was ever started (started = full tensors were gathered)."""
+        import asyncio
+        import inspect
+
+        per_tensor_param, _ = self.worker.engine.get_per_tensor_param()
+        metrics = asyncio.run(self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps))
+        self.generator_state = inspect.getgeneratorstate(per_tensor_param)
+        return metrics or {}
+
+    def last_generator_state(self) -> str:
+        return self.generator_state
 
     def hf_params(self) -> dict[str, torch.Tensor]:
         gen, peft = self.worker.engine.get_per_tensor_param()
@@ -297,3 +329,159 @@ def test_engine_config_mapping_and_clear_errors():
 
     with pytest.raises(NotImplementedError, match="optim eps 1e-06"):
         trainer_config(EngineConfig(strategy="rl_tpu"), TorchtitanOptimizerConfig(lr=1e-3, eps=1e-6), "cpu", 2)
+
+
+# ------------------------------------------------------------------------------- checkpoint backend
+
+
+class _VllmServer:
+    """The replica's server actor as verl's `ServerAdapter` reaches it (`ray.get_actor("vllm_server_0_0")`):
+    the three methods a weight update calls, with the semantics of verl's `vLLMHttpServer`
+    (vllm_async_server.py:249 collective_rpc returning nothing, :864 clear_kv_cache, :924 set_global_steps),
+    over a real vLLM-CPU engine in this process started with our worker extension. Not verl's HTTP front
+    end, which needs a whole rollout replica; everything on the weight path below it is real."""
+
+    def __init__(self, model_path: str):
+        import os
+
+        import ray
+
+        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                          VERL_REPLICA_RANK="0", VERL_RAY_JOB_ID=ray.get_runtime_context().get_job_id())
+        import verl  # noqa: F401
+        from vllm import LLM
+
+        from rl_tpu.integrations.verl.checkpoint import WORKER_EXTENSION
+
+        self.llm = LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=128, block_size=32,
+                       worker_extension_cls=WORKER_EXTENSION, seed=0)
+        self.global_steps = None
+
+    async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
+        import asyncio
+
+        await asyncio.to_thread(self.llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs or {})
+
+    async def clear_kv_cache(self):
+        self.llm.reset_prefix_cache()
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    # for the test's checks only
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.llm.collective_rpc("rl_named_weights")[0]
+
+    def reload_reference(self, hf: dict[str, torch.Tensor]) -> None:
+        """vLLM's own full-tensor reload (the reference path, DESIGN.md) of the trainer's full weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sorted(hf.items()))})
+        self.llm.reset_prefix_cache()
+
+    def steps(self):
+        return self.global_steps
+
+    def verify(self, hf: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Our verify mode: max |diff| per engine parameter between what the sync installed (loaded layout)
+        and what vLLM's own loaders make of `hf`."""
+        return self.llm.collective_rpc("rl_ws_verify", args=(sorted(hf.items()),))[0]
+
+    def greedy(self) -> list[tuple[list[int], list[float]]]:
+        """Greedy tokens and their log-probs: what the processed kernels (CPU-repacked linears) compute."""
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 101], [7, 7, 250, 3, 9, 12])]
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, logprobs=0), use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+
+
+class _Replica:
+    """What `CheckpointEngineManager` needs of a `RolloutReplica` (base.py:434-473): its rollout workers
+    and the pause/resume calls around a sync (no requests are in flight here)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def resume_generation(self):
+        pass
+
+
+class _ActorGroup:
+    """verl's actor RayWorkerGroup as `CheckpointEngineManager` calls it: DP_COMPUTE of
+    `execute_checkpoint_engine` (one list element per rank) and ONE_TO_ALL of `update_weights`."""
+
+    def __init__(self, ranks):
+        self.ranks, self.world_size = ranks, len(ranks)
+
+    def execute_checkpoint_engine(self, method: list, **kwargs):
+        return [a.execute_checkpoint_engine.remote(m, **{k: v[i] for k, v in kwargs.items()})
+                for i, (a, m) in enumerate(zip(self.ranks, method))]
+
+    def update_weights(self, global_steps=None, mode: str = "auto"):
+        return [a.update_weights.remote(global_steps=global_steps, mode=mode) for a in self.ranks]
+
+
+def test_rl_tpu_checkpoint_backend_syncs_shards_into_vllm_through_verls_interface(verl_ranks, ray_session, tiny_qwen3):
+    """verl's CheckpointEngineManager drives backend `rl_tpu`: 2 trainer ranks (verl's TrainingWorker on our
+    engine, gloo, fp32) send their own shards by plan; verl's CheckpointEngineWorker + ServerAdapter feed a
+    vLLM-CPU engine through our worker extension. The engine's weights then equal those vLLM's own loaders
+    make of the trainer's full weights, bit for bit; the full-tensor generator is never started."""
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineWorker
+    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+
+    from rl_tpu.trainer.group import _free_port
+
+    assert ray.get([a.init_checkpoint_engine.remote(1) for a in verl_ranks]) == \
+        ["rl_tpu.integrations.verl.checkpoint"] * 2
+    server = ray.remote(num_cpus=0)(_VllmServer).options(name="vllm_server_0_0").remote(tiny_qwen3)
+    ce_cfg = CheckpointEngineConfig(backend="rl_tpu", update_weights_bucket_megabytes=1,
+                                    engine_kwargs={"rl_tpu": {"verify": True}})
+    rollout_cfg = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, checkpoint_engine=ce_cfg,
+                                load_format="auto")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    ce_worker = ray.remote(num_cpus=0)(CheckpointEngineWorker).options(runtime_env={"env_vars": env}).remote(
+        rollout_config=rollout_cfg, model_config=HFModelConfig(path=tiny_qwen3, load_tokenizer=False), replica_rank=0)
+    try:
+        before, before_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
+        # one PPO update so the trainer's weights differ from the checkpoint the engine started from
+        P, R, adv, old = _sequences(1)
+        ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))])
+        manager = CheckpointEngineManager(config=ce_cfg, actor_wg=_ActorGroup(verl_ranks), replicas=[_Replica([ce_worker])])
+        for step in (1, 2):
+            if step == 2:  # a second update: the plan built at step 1 is reused (no new setup)
+                ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))])
+            metrics = manager.update_weights(global_steps=step)
+            assert metrics["rl_tpu/send_bytes"] > 0
+            assert ray.get([a.last_generator_state.remote() for a in verl_ranks]) == ["GEN_CREATED"] * 2  # no gather
+            assert ray.get(server.steps.remote()) == step
+            synced, synced_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
+            hf = ray.get([a.hf_params.remote() for a in verl_ranks])[0]  # the test's reference: full tensors
+            diffs = ray.get(server.verify.remote(hf))  # loaded layout of every engine param vs vLLM's loaders
+            assert all(d == 0.0 for d in diffs.values()), diffs
+            assert {n for n in synced if n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "down_proj.weight"))} \
+                <= set(diffs)  # the fused and row-sharded linears are among the verified
+            ray.get(server.reload_reference.remote(hf))
+            reference, reference_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
+            assert sorted(synced) == sorted(reference) and len(synced) > 0
+            for name, t in reference.items():  # the stored parameters (CPU linears keep theirs in a packed handle)
+                assert synced[name].dtype == torch.float32
+                assert torch.equal(synced[name], t), name
+            assert synced_out == reference_out  # processed kernels: same greedy tokens and log-probs, exactly
+            assert synced_out != before_out  # the sync changed what the engine computes
+            before_out = reference_out
+            assert any(not torch.equal(before[n], reference[n]) for n in reference)
+            before = reference
+    finally:
+        ray.kill(ce_worker)
+        ray.kill(server)

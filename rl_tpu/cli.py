@@ -1,7 +1,7 @@
 """`rl-tpu` command line. Each subcommand imports what it needs only when it runs, so `--help` and
 config errors answer in well under a second.
 
-Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo.
+Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo, doctor.
 A mistake in the user's input (`rl_tpu.errors.UserError`: config, data file, reward spec, model folder,
 a damaged `--resume` checkpoint) exits with status 2 and one line naming the culprit; `--verbose` adds
 the traceback. Anything else is our bug and keeps its traceback.
@@ -110,6 +110,16 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.devices.doctor import doctor, format_lines, to_json
+
+    if extra:
+        raise ConfigError(f"doctor: unrecognised argument(s) {extra}")
+    verdicts = doctor(args.env)
+    print(to_json(verdicts) if args.json else "\n".join(format_lines(verdicts)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
     s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("doctor", help="which device rows and role environments are usable here, and why not")
+    s.add_argument("--json", action="store_true", help='one JSON object: name -> {"usable": bool, "reason": str}')
+    s.add_argument("--env", action="append", default=[],
+                   help="a role environment (folder or interpreter) to examine besides ./.venv-* (repeatable)")
+    s.set_defaults(fn=cmd_doctor)
     return p
 
 

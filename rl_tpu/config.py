@@ -76,6 +76,9 @@ class TrainerConfig:
     test_freq: int = F(0, ge=0)  # steps between held-out evaluations (greedy); 0: none
     seed: int = 0
     num_threads: int = F(1, ge=1)  # CPU threads per trainer rank (torch threads; the actor's Ray num_cpus)
+    # interpreter of the trainer's own environment, e.g. ".venv-xla/bin/python" (scripts/setup.sh --role-env
+    # xla); empty: the controller's. Same Python minor and Ray version required (rl_tpu.devices.roles)
+    python: str = ""
 
 
 @dataclass(kw_only=True)
@@ -101,6 +104,7 @@ class RolloutConfig:
     # skips it (verl's key; about a quarter of generation time for a small model on CPU)
     calculate_log_probs: bool = True
     max_restarts: int = F(3, ge=0)  # engines that die or hang are restarted and re-synced, this many times per run
+    python: str = ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
 
 
 @dataclass(kw_only=True)

@@ -57,6 +57,25 @@ class TrainBatch:
         """Rows `rows` (index tensor, list or slice) of every field."""
         return TrainBatch(**{k: v[rows] for k, v in self.tensor_fields().items()})
 
+    def pad_to(self, L: int, T: int, pad_id: int) -> "TrainBatch":
+        """The same rows right-padded to `L` tokens and `T` response positions (static shapes): new
+        tokens are `pad_id` with attention 0, new per-token entries 0 (masked out of every loss)."""
+        import torch.nn.functional as F
+
+        if L < self.input_ids.shape[1] or T < self.response_len:
+            raise ValueError(f"pad_to({L}, {T}) is smaller than the batch ({self.input_ids.shape[1]}, {self.response_len})")
+        out = {}
+        for k, v in self.tensor_fields().items():
+            if k == "input_ids":
+                out[k] = F.pad(v, (0, L - v.shape[1]), value=pad_id)
+            elif k == "attention_mask":
+                out[k] = F.pad(v, (0, L - v.shape[1]))
+            elif k == "prompt_lens":
+                out[k] = v
+            else:  # [B, T] per-token fields
+                out[k] = F.pad(v, (0, T - v.shape[1]))
+        return TrainBatch(**out)
+
     def replace(self, **fields) -> "TrainBatch":
         return TrainBatch(**{**self.__dict__, **fields})
 

@@ -106,7 +106,10 @@ class RolloutGroup:
         since a new engine must also be given the current weights)."""
         # ping gets its own concurrency group so it answers while a generation runs
         actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
-        return actor_cls.options(max_restarts=0, **self._options[i]).remote(
+        from rl_tpu.devices.roles import role_options
+
+        env = role_options(self.cfg.rollout.python, "rollout.python")  # the engines' own environment, if any
+        return actor_cls.options(max_restarts=0, **self._options[i], **env).remote(
             self.cfg, self.model_path, i, threads=self._threads[i])
 
     # -- helpers --------------------------------------------------------------------------------------

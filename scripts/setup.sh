@@ -1,8 +1,37 @@
 #!/usr/bin/env bash
 # Create or update .venv with the pinned CPU stack (uv.lock). Idempotent: a second run with nothing
 # changed takes about a second. Extra arguments are passed to `uv sync` (e.g. --extra verl).
+#
+# Role environments (DESIGN.md, "Environments per role"): `scripts/setup.sh --role-env xla` creates or
+# updates .venv-xla from locks/xla.txt (a compiled, hashed requirements file: uv.lock holds one torch per
+# extra but one set of base pins, and the xla role needs torch 2.9 with an older TorchTitan than the
+# base pin), then installs this project into it without dependencies. `--relock-role-env xla` recompiles
+# locks/xla.txt from locks/xla.in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
+    role="${2:?usage: scripts/setup.sh --role-env NAME (a locks/NAME.txt)}"
+    if [ "$1" = "--relock-role-env" ]; then
+        # the controller's platform: x86_64 Linux, Python 3.11 (the local torch 2.13.0+cpu wheel is cp311)
+        uv pip compile --quiet "locks/$role.in" --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+            --generate-hashes -o "locks/$role.txt"
+        echo "setup: wrote locks/$role.txt"
+        exit 0
+    fi
+    if [ ! -f "locks/$role.txt" ]; then
+        echo "setup: no lock for role env '$role' (locks/$role.txt); have: $(ls locks/*.txt | xargs -n1 basename)" >&2
+        exit 1
+    fi
+    # one Ray cluster = one Python minor in every environment: the role env uses the controller's 3.11
+    [ -x ".venv-$role/bin/python" ] || uv venv --quiet --python 3.11 ".venv-$role"
+    # sync, not install: the env holds exactly the lock's set (with hashes checked), nothing left over
+    uv pip sync --quiet --python ".venv-$role/bin/python" --require-hashes "locks/$role.txt"
+    # the actors started in this env import rl_tpu; its dependencies are the lock's, not pyproject's
+    uv pip install --quiet --python ".venv-$role/bin/python" --no-deps --editable .
+    echo "setup: .venv-$role ready ($(.venv-"$role"/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+    exit 0
+fi
 
 TORCH_WHEEL=torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 LOCKED_WHEEL_DIR=/opt/wheels   # where uv.lock records the CPU torch wheel

@@ -74,7 +74,10 @@ class TrainerGroup:
             rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
             if len(set(rank_nodes)) > 1:
                 addr = placement.node_ips[rank_nodes[0]]
-        self.actors = [cls.options(**options[r]).remote(cfg, self.model_path, r, self.world_size, addr, port)
+        from rl_tpu.devices.roles import role_options
+
+        env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
+        self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
                        for r in range(self.world_size)]
         self.info = self._call("ready")
 

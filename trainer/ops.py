@@ -110,6 +110,17 @@ def split_rows(B: int, world_size: int, rank: int, micro_batch_size: int) -> lis
     return list(rows.split(micro_batch_size))
 
 
+def static_buckets(max_len: int, smallest: int = 16) -> list[int]:
+    """Default length buckets of a static-shape device (`Device.static_shapes`) when
+    `trainer.seq_len_buckets` is empty: powers of two from `smallest`, then `max_len` itself. At most
+    log2(max_len / smallest) + 1 shapes per dimension, so at most that many compilations."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return out + [max_len]
+
+
 def bucket_length(L: int, buckets: list[int]) -> int:
     """Smallest bucket >= L (static shapes for XLA/TPU); L itself when no buckets are configured."""
     if not buckets:

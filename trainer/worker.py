@@ -74,8 +74,7 @@ class TrainerWorker:
         self.cfg, self.tc, self.rank, self.world_size = cfg, tc, rank, world_size
         self.model_path = str(model_path)
         self.device = get_device(tc.device)
-        self.device.require()
-        self.device.apply_env()
+        self.device.init()  # imports the device runtime and registers its distributed backend
         torch.set_num_threads(tc.num_threads)
         parallel.init_process_group(self.device, rank, world_size, master_addr, master_port)
         self.device.seed(tc.seed)
@@ -84,6 +83,9 @@ class TrainerWorker:
         self.spec = tmodel.build_model_spec(model_path)
         self.pad_id = int(self.spec.hf_config.get("pad_token_id") or 0)
         self.max_len = int(self.spec.hf_config.get("max_position_embeddings", 4096))
+        # static shapes (XLA/TPU compile one program per shape): sequence AND response lengths are padded
+        # to these buckets, micro-batches to full size; the configured list wins over the device default
+        self.buckets = list(tc.seq_len_buckets) or (ops.static_buckets(self.max_len) if self.device.static_shapes else [])
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
 
@@ -148,7 +150,7 @@ class TrainerWorker:
     def _inputs(self, mb: TrainBatch) -> torch.Tensor:
         ids = mb.input_ids.to(self.local)
         L = ids.shape[1]
-        Lb = ops.bucket_length(L, self.tc.seq_len_buckets)
+        Lb = ops.bucket_length(L, self.buckets)
         if Lb > self.max_len:
             raise ValueError(f"batch sequence length {Lb} exceeds the model's max_position_embeddings {self.max_len}")
         if Lb > L:  # right padding keeps every real position's causal context unchanged
@@ -178,18 +180,26 @@ class TrainerWorker:
         out = []
         for local in ops.split_rows(len(rows), self.world_size, self.rank, micro):
             idx = ext[local]
-            if self.tc.seq_len_buckets and len(idx) < micro:  # static shapes: full micro-batches
+            if self.buckets and len(idx) < micro:  # static shapes: full micro-batches
                 idx = torch.cat([idx, torch.full((micro - len(idx),), B)])
             out.append(idx)
         return out
 
+    def _padded(self, batch: TrainBatch) -> TrainBatch:
+        """`batch` plus the pad row, its sequence and response lengths padded to their buckets (static shapes)."""
+        if self.buckets:
+            L = ops.bucket_length(batch.input_ids.shape[1], self.buckets)
+            batch = batch.pad_to(L, ops.bucket_length(batch.response_len, self.buckets), self.pad_id)
+        return _with_pad_row(batch)
+
     @torch.no_grad()
     def _infer(self, batch: TrainBatch, fn) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-        padded = _with_pad_row(batch)
+        padded = self._padded(batch)
+        T = batch.response_len  # results leave without the response bucket's padding
         out = []
         for idx in self._micro_batches(padded, torch.arange(batch.num_seqs), self.tc.micro_batch_size):
             res = fn(padded.select(idx))
-            out.append((idx, tuple(r.detach().float().cpu() for r in res)))
+            out.append((idx, tuple(r.detach()[:, :T].float().cpu() for r in res)))
         for m in (self.model, self.ref, self.critic):
             if m is not None:
                 parallel.reshard(m)  # keep every parameter a DTensor shard between calls
@@ -285,32 +295,37 @@ class TrainerWorker:
             parallel.reshard(self.ref)
         return out, metrics
 
-    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, float], dict[str, float], float]:
-        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up)."""
-        padded = _with_pad_row(batch)
+    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up).
+
+        Metrics stay device tensors (float64 sums, as exact as the former Python-float sums): nothing
+        here waits for the device, so on XLA/TPU the micro-batches trace without a host sync."""
+        padded = self._padded(batch)
         mask = batch.response_mask[rows]
-        g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
-        sums: dict[str, float] = {}
-        weighted: dict[str, float] = {}
+        g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())  # host tensors: no device sync
+        sums: dict[str, torch.Tensor] = {}
+        weighted: dict[str, torch.Tensor] = {}
         weight = 0.0
         for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
             mb = padded.select(idx)
             loss, metrics = loss_fn(mb, g_tok, g_seq)
             loss.backward()
-            w = float(mb.response_mask.sum())
+            w = float(mb.response_mask.sum())  # host tensor
             weight += w
             for k, v in metrics.items():
+                v = torch.as_tensor(v, device=self.local).to(torch.float64)
                 if k.startswith("loss/"):
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] = sums[k] + v if k in sums else v
                 else:
-                    weighted[k] = weighted.get(k, 0.0) + w * float(v)
+                    weighted[k] = weighted[k] + w * v if k in weighted else w * v
         return sums, weighted, weight
 
-    def _reduce(self, sums: dict[str, float], weighted: dict[str, float], weight: float) -> dict[str, float]:
-        """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means."""
+    def _reduce(self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float) -> dict[str, float]:
+        """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means.
+        The step's only read of the metrics from the device (float64: untested on TPU, which lacks it)."""
         keys = sorted(sums) + sorted(weighted)
-        vec = torch.tensor([sums.get(k, weighted.get(k)) for k in keys] + [weight], dtype=torch.float64)
-        vec = vec.to(self.local)
+        w = torch.tensor(weight, dtype=torch.float64, device=self.local)
+        vec = torch.stack([sums[k] if k in sums else weighted[k] for k in keys] + [w])
         dist.all_reduce(vec)
         vec = vec.cpu().tolist()
         total_w = max(vec[-1], 1e-12)

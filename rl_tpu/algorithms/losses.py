@@ -12,7 +12,9 @@ Invariants:
   which is only additive across micro-batches when they share T: pass `cfg.loss_scale_factor` (> 0) when
   micro-batches are padded to different lengths.
 - Metrics: `loss/*` values are this micro-batch's share (sum them over micro-batches and ranks);
-  `actor/*` and `mismatch/*` values are micro-batch-local means (average them).
+  `actor/*` and `mismatch/*` values are micro-batch-local means (average them). They are detached 0-dim
+  tensors on the loss's device, not floats: reading one (`float(v)`) waits for the device, which on
+  XLA/TPU ends the traced graph, so the trainer reads them all at once per optimizer step.
 - Importance weights (truncated IS between the inference engine and the trainer) are detached and
   multiply only the per-token policy loss, never the KL or entropy terms.
 - Only torch is imported: this module must run where Ray, vLLM and TorchTitan are absent.
@@ -105,7 +107,7 @@ def agg_loss(
 
 def rollout_is_weights(
     old_log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, mode: str, threshold: float
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance weights pi_old / pi_rollout for the inference/trainer mismatch, `[B, T]`.
 
     token: w_t = min(exp(old_t - rollout_t), threshold). sequence: w = min(prod_t exp(old_t - rollout_t),
@@ -121,20 +123,20 @@ def rollout_is_weights(
         fmask = mask.to(old_log_prob.dtype)
         log_w = (old_log_prob - rollout_log_prob) * fmask
         metrics = {
-            "mismatch/kl": masked_mean(-log_w, fmask).item(),
-            "mismatch/k3_kl": masked_mean(kl_penalty(rollout_log_prob, old_log_prob, "k3"), fmask).item(),
+            "mismatch/kl": masked_mean(-log_w, fmask).detach(),
+            "mismatch/k3_kl": masked_mean(kl_penalty(rollout_log_prob, old_log_prob, "k3"), fmask).detach(),
         }
         if mode == "token":
             raw = torch.exp(torch.clamp(log_w, min=-20.0, max=20.0))
             weights = torch.clamp(raw, max=threshold)
-            metrics["mismatch/is_mean"] = masked_mean(raw, fmask).item()
-            metrics["mismatch/is_clipfrac"] = masked_mean((raw > threshold).to(fmask.dtype), fmask).item()
+            metrics["mismatch/is_mean"] = masked_mean(raw, fmask).detach()
+            metrics["mismatch/is_clipfrac"] = masked_mean((raw > threshold).to(fmask.dtype), fmask).detach()
             weights = torch.where(fmask > 0, weights, torch.ones_like(weights))
         else:
             seq_raw = torch.exp(torch.clamp(log_w.sum(dim=-1), min=-20.0, max=20.0))  # [B]
             seq_valid = (fmask.sum(dim=-1) > 0).to(fmask.dtype)
-            metrics["mismatch/is_mean"] = masked_mean(seq_raw, seq_valid).item()
-            metrics["mismatch/is_clipfrac"] = masked_mean((seq_raw > threshold).to(fmask.dtype), seq_valid).item()
+            metrics["mismatch/is_mean"] = masked_mean(seq_raw, seq_valid).detach()
+            metrics["mismatch/is_clipfrac"] = masked_mean((seq_raw > threshold).to(fmask.dtype), seq_valid).detach()
             weights = torch.clamp(seq_raw, max=threshold).unsqueeze(-1).expand_as(log_w).clone()
             weights = torch.where(fmask > 0, weights, torch.ones_like(weights))
     return weights, metrics
@@ -148,7 +150,7 @@ def ppo_clip_loss(
     clip_low: float,
     clip_high: float,
     clip_c: float,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token PPO-clip surrogate `[B, T]` with asymmetric clip (clip-higher) and dual-clip.
 
     r = exp(log_prob - old); l = max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0, l = min(l, -A c).
@@ -165,15 +167,15 @@ def ppo_clip_loss(
     loss = torch.where(negative, torch.minimum(clip_loss, dual), clip_loss)
     with torch.no_grad():
         metrics = {
-            "actor/clipfrac": masked_mean((clipped > unclipped).float(), mask).item(),
-            "actor/clipfrac_lower": masked_mean(((clip_loss > dual) & negative).float(), mask).item(),
+            "actor/clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+            "actor/clipfrac_lower": masked_mean(((clip_loss > dual) & negative).float(), mask).detach(),
         }
     return loss, metrics
 
 
 def gspo_loss(
     log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token GSPO surrogate `[B, T]` (arXiv 2507.18071): a sequence-level ratio.
 
     s_i = exp(mean_t (log_prob - old)) is the geometric mean of the token ratios of sequence i; the token
@@ -187,7 +189,7 @@ def gspo_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     with torch.no_grad():
-        metrics = {"actor/clipfrac": masked_mean((clipped > unclipped).float(), mask).item()}
+        metrics = {"actor/clipfrac": masked_mean((clipped > unclipped).float(), mask).detach()}
     return torch.maximum(unclipped, clipped), metrics
 
 
@@ -208,7 +210,7 @@ def _sft(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
 
 
 # name -> (cfg, log_prob, old_log_prob, advantages, mask) -> (per-token loss [B, T], metrics)
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "vanilla": _vanilla, "gspo": _gspo, "sft": _sft,
 }
 
@@ -225,7 +227,7 @@ def compute_policy_loss(
     rollout_log_prob: Tensor | None = None,
     global_tokens: float | None = None,
     global_seqs: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The actor loss of one micro-batch: policy surrogate [x IS weight] + KL loss - entropy bonus.
 
     All tensors are `[B, T]`. `log_prob` (and `entropy`) carry the graph; the others are treated as
@@ -252,7 +254,7 @@ def compute_policy_loss(
     old_log_prob, advantages = old_log_prob.detach(), advantages.detach()
     pg_mat, metrics = POLICY_LOSSES[cfg.policy_loss](cfg, log_prob, old_log_prob, advantages, response_mask)
     with torch.no_grad():
-        metrics["actor/ppo_kl"] = masked_mean(old_log_prob - log_prob, response_mask).item()
+        metrics["actor/ppo_kl"] = masked_mean(old_log_prob - log_prob, response_mask).detach()
     if cfg.rollout_is != "none":
         if rollout_log_prob is None:
             raise ValueError(f"algorithm.rollout_is={cfg.rollout_is!r} needs rollout_log_prob")
@@ -264,27 +266,27 @@ def compute_policy_loss(
     elif rollout_log_prob is not None:  # measure the inference/trainer gap even when not correcting it
         with torch.no_grad():
             fmask = response_mask.to(old_log_prob.dtype)
-            metrics["mismatch/kl"] = masked_mean((rollout_log_prob.detach() - old_log_prob) * fmask, fmask).item()
+            metrics["mismatch/kl"] = masked_mean((rollout_log_prob.detach() - old_log_prob) * fmask, fmask).detach()
             metrics["mismatch/k3_kl"] = masked_mean(
-                kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask).item()
+                kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask).detach()
     loss = agg(pg_mat)
-    metrics["loss/policy"] = loss.item()
+    metrics["loss/policy"] = loss.detach()
     if cfg.use_kl_loss:
         if ref_log_prob is None:
             raise ValueError("algorithm.use_kl_loss=true needs ref_log_prob (enable trainer.reference)")
         kl = agg(kl_penalty(log_prob, ref_log_prob.detach(), cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl
-        metrics["loss/kl"] = kl.item()
+        metrics["loss/kl"] = kl.detach()
     if entropy is not None:
         with torch.no_grad():
-            metrics["actor/entropy"] = masked_mean(entropy, response_mask).item()
+            metrics["actor/entropy"] = masked_mean(entropy, response_mask).detach()
     if cfg.entropy_coeff > 0:
         if entropy is None:
             raise ValueError(f"algorithm.entropy_coeff={cfg.entropy_coeff} needs the token entropy")
         ent = agg(entropy)
         loss = loss - cfg.entropy_coeff * ent
-        metrics["loss/entropy"] = ent.item()
-    metrics["loss/total"] = loss.item()
+        metrics["loss/entropy"] = ent.detach()
+    metrics["loss/total"] = loss.detach()
     return loss, metrics
 
 
@@ -296,7 +298,7 @@ def compute_value_loss(
     cliprange_value: float,
     *,
     global_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss, token-mean: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
 
     `values` `[B, T]` carries the graph; `old_values` and `returns` are constants. Metrics: loss/value
@@ -310,9 +312,9 @@ def compute_value_loss(
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), response_mask, "token-mean", global_tokens=global_tokens)
     with torch.no_grad():
         metrics = {
-            "loss/value": loss.item(),
-            "critic/vf_clipfrac": masked_mean((l2 > l1).float(), response_mask).item(),
-            "critic/vpred_mean": masked_mean(values, response_mask).item(),
+            "loss/value": loss.detach(),
+            "critic/vf_clipfrac": masked_mean((l2 > l1).float(), response_mask).detach(),
+            "critic/vpred_mean": masked_mean(values, response_mask).detach(),
         }
     return loss, metrics
 

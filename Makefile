@@ -11,8 +11,10 @@ setup:
 demo: setup
 	.venv/bin/rl-tpu demo
 
-# Every test, the real-stack ones included: about 36 minutes on 2 cores (2026-11-30).
-test: setup
+# Every test, the real-stack ones included: about 36 minutes on 2 cores (2026-11-30). The `verl` extra is
+# installed for tests/test_verl.py (rl-tpu as a verl plugin, docs/verl.md).
+test:
+	@bash scripts/setup.sh --extra verl
 	.venv/bin/pytest $(PYTEST_ARGS)
 
 test-all: test

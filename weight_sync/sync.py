@@ -374,6 +374,13 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def engine_layouts(derived: list[list[dict]]) -> list[tuple[tuple[int, int], EngineLayout]]:
+    """((engine, tp rank), layout) for every rank of every engine, from each engine's `ws_derive` answer
+    (one wire layout per TP rank), engines in order: what `build_plan` takes."""
+    return [((e, lay.tp_rank), lay) for e, per_rank in enumerate(derived)
+            for lay in map(EngineLayout.from_wire, per_rank)]
+
+
 def receiver_tables(plan: Plan, engine: int, transport: str | dict = "shm") -> tuple[dict, list]:
     """Engine `engine`'s bucket tables per TP rank and its install rounds (plain values, any process).
     `transport`: one name, or a dict sender rank -> name for this engine's routes."""
@@ -429,12 +436,7 @@ class WeightSync:
         self._hf_order = hf_order = sorted(trainer_hf.items())
         row_map = hf_row_map(self.specs, self.to_hf)
         derived = _get([_invoke(r, "ws_derive", hf_order) for r in self.receivers])
-        layouts = []
-        for e, per_rank in enumerate(derived):
-            for d in per_rank:
-                lay = EngineLayout.from_wire(d)
-                layouts.append(((e, lay.tp_rank), lay))
-        self.layouts = layouts  # ((engine, tp rank), EngineLayout): what each engine's loaders do
+        self.layouts = layouts = engine_layouts(derived)  # what each engine's loaders do
         self.plan = plan = build_plan(self.specs, row_map, hf_order, layouts, self.bucket_bytes)
         _get([_invoke(s, "ws_setup", plan.titan_names, plan.for_sender(r)) for r, s in enumerate(self.senders)])
         self.route_transport = self._choose_routes()

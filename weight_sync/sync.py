@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -176,14 +177,19 @@ class Sender:
             raise RuntimeError(f"weight sync: bucket {bucket} is routed into a receiver region this rank was not "
                                "given (WeightSync.build / replace_receiver hands them out)")
         i, dst = self.dst[bucket]
-        shards, views = self.shards(), {}
         with torch.no_grad():
-            for (src, r, c, nr, nc), (d, dr, dc, _, _) in zip(self.buckets[bucket].tolist(), dst.tolist()):
-                v = views.get(src)
-                if v is None:
-                    v = views[src] = as_2d(shards[self.names[src]])
-                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(v[r:r + nr, c:c + nc])
+            for piece, (d, dr, dc, nr, nc) in zip(self._pieces(bucket, self.shards()), dst.tolist()):
+                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(piece)
         return (i, bucket)
+
+    def _pieces(self, bucket: int, shards: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+        """`bucket`'s source pieces in order, as 2-D views of this rank's shards (no copies)."""
+        views: dict[int, torch.Tensor] = {}
+        for src, r, c, nr, nc in self.buckets[bucket].tolist():
+            v = views.get(src)
+            if v is None:
+                v = views[src] = as_2d(shards[self.names[src]])
+            yield v[r:r + nr, c:c + nc]
 
     def ws_pack(self, bucket: int, transport: str, version: int, slot: Any = None) -> Any:
         """Pack `bucket` into the transport's reusable `slot` and return its handle. The receiver that
@@ -193,7 +199,6 @@ class Sender:
             return self._write_region(bucket)
         pieces = self.buckets[bucket]
         shards = self.shards()
-        views = {}
         total = int((pieces[:, 3] * pieces[:, 4]).sum())
         dtype = next(iter(shards.values())).dtype
         meta = {"version": str(version), "bucket": str(bucket)}
@@ -202,12 +207,9 @@ class Sender:
         data = begin_pack(buf, "data", dtype, total, meta)
         off = 0
         with torch.no_grad():
-            for src, r, c, nr, nc in pieces.tolist():
-                v = views.get(src)
-                if v is None:
-                    v = views[src] = as_2d(shards[self.names[src]])
-                n = nr * nc
-                data[off:off + n].view(nr, nc).copy_(v[r:r + nr, c:c + nc])
+            for piece in self._pieces(bucket, shards):
+                n = piece.numel()
+                data[off:off + n].view(piece.shape).copy_(piece)
                 off += n
         del data
         if isinstance(buf, memoryview):

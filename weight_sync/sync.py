@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -176,14 +177,19 @@ class Sender:
             raise RuntimeError(f"weight sync: bucket {bucket} is routed into a receiver region this rank was not "
                                "given (WeightSync.build / replace_receiver hands them out)")
         i, dst = self.dst[bucket]
-        shards, views = self.shards(), {}
         with torch.no_grad():
-            for (src, r, c, nr, nc), (d, dr, dc, _, _) in zip(self.buckets[bucket].tolist(), dst.tolist()):
-                v = views.get(src)
-                if v is None:
-                    v = views[src] = as_2d(shards[self.names[src]])
-                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(v[r:r + nr, c:c + nc])
+            for piece, (d, dr, dc, nr, nc) in zip(self._pieces(bucket, self.shards()), dst.tolist()):
+                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(piece)
         return (i, bucket)
+
+    def _pieces(self, bucket: int, shards: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+        """`bucket`'s source pieces in order, as 2-D views of this rank's shards (no copies)."""
+        views: dict[int, torch.Tensor] = {}
+        for src, r, c, nr, nc in self.buckets[bucket].tolist():
+            v = views.get(src)
+            if v is None:
+                v = views[src] = as_2d(shards[self.names[src]])
+            yield v[r:r + nr, c:c + nc]
 
     def ws_pack(self, bucket: int, transport: str, version: int, slot: Any = None) -> Any:
         """Pack `bucket` into the transport's reusable `slot` and return its handle. The receiver that
@@ -193,7 +199,6 @@ class Sender:
             return self._write_region(bucket)
         pieces = self.buckets[bucket]
         shards = self.shards()
-        views = {}
         total = int((pieces[:, 3] * pieces[:, 4]).sum())
         dtype = next(iter(shards.values())).dtype
         meta = {"version": str(version), "bucket": str(bucket)}
@@ -202,12 +207,9 @@ class Sender:
         data = begin_pack(buf, "data", dtype, total, meta)
         off = 0
         with torch.no_grad():
-            for src, r, c, nr, nc in pieces.tolist():
-                v = views.get(src)
-                if v is None:
-                    v = views[src] = as_2d(shards[self.names[src]])
-                n = nr * nc
-                data[off:off + n].view(nr, nc).copy_(v[r:r + nr, c:c + nc])
+            for piece in self._pieces(bucket, shards):
+                n = piece.numel()
+                data[off:off + n].view(piece.shape).copy_(piece)
                 off += n
         del data
         if isinstance(buf, memoryview):
@@ -374,6 +376,13 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def engine_layouts(derived: list[list[dict]]) -> list[tuple[tuple[int, int], EngineLayout]]:
+    """((engine, tp rank), layout) for every rank of every engine, from each engine's `ws_derive` answer
+    (one wire layout per TP rank), engines in order: what `build_plan` takes."""
+    return [((e, lay.tp_rank), lay) for e, per_rank in enumerate(derived)
+            for lay in map(EngineLayout.from_wire, per_rank)]
+
+
 def receiver_tables(plan: Plan, engine: int, transport: str | dict = "shm") -> tuple[dict, list]:
     """Engine `engine`'s bucket tables per TP rank and its install rounds (plain values, any process).
     `transport`: one name, or a dict sender rank -> name for this engine's routes."""
@@ -429,12 +438,7 @@ class WeightSync:
         self._hf_order = hf_order = sorted(trainer_hf.items())
         row_map = hf_row_map(self.specs, self.to_hf)
         derived = _get([_invoke(r, "ws_derive", hf_order) for r in self.receivers])
-        layouts = []
-        for e, per_rank in enumerate(derived):
-            for d in per_rank:
-                lay = EngineLayout.from_wire(d)
-                layouts.append(((e, lay.tp_rank), lay))
-        self.layouts = layouts  # ((engine, tp rank), EngineLayout): what each engine's loaders do
+        self.layouts = layouts = engine_layouts(derived)  # what each engine's loaders do
         self.plan = plan = build_plan(self.specs, row_map, hf_order, layouts, self.bucket_bytes)
         _get([_invoke(s, "ws_setup", plan.titan_names, plan.for_sender(r)) for r, s in enumerate(self.senders)])
         self.route_transport = self._choose_routes()

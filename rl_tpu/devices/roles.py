@@ -35,8 +35,11 @@ def check_role_python(python: str, field: str) -> str:
                           f"--role-env NAME` creates .venv-NAME/bin/python)")
     try:
         out = subprocess.run([str(path), "-c", _ASK], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"config error: `{field}` = {python!r} does not run: no answer in 60 s") from None
+    try:
         major, minor, ray, rl_tpu = out.stdout.split()
-    except (subprocess.TimeoutExpired, ValueError):
+    except ValueError:
         raise ConfigError(f"config error: `{field}` = {python!r} does not run: "
                           f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}") from None
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"

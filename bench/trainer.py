@@ -8,6 +8,12 @@ after the other, not concurrently. Tokens/s counts every real (non-pad) token of
 
 Usage: .venv/bin/python bench/trainer.py [--size small] [--world-size 1] [--threads 1] [--steps 4]
 The last output line is a JSON object; "ratio" = trainer tokens/s / transformers tokens/s.
+
+`--variant NAME="--trainer.key=value ..."` (repeatable) builds one TrainerGroup per variant, all alive
+at once, and runs their steps in turn (step 1 of A, of B, step 2 of A, ...), so this box's drift in speed
+hits every variant alike; each variant's ratio is against the same transformers figure, e.g.
+    bench/trainer.py --world-size 2 --batch 64 --micro-batch-size 16 --skip-hf \
+        --variant default= --variant never="--trainer.fsdp_reshard_after_forward=never"
 """
 
 from __future__ import annotations
@@ -75,7 +81,11 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--variant", action="append", default=[], metavar='NAME="--trainer.k=v ..."',
+                    help="a TrainerGroup with these config overrides (repeatable; default: one plain group)")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline (ratios are then omitted)")
     args = ap.parse_args()
+    variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) or {"trainer": ""}
 
     import ray
 
@@ -87,8 +97,9 @@ def main() -> None:
 
     get_device("cpu").apply_env()
     total_threads = args.world_size * args.threads
-    cfg = load_config(None, [f"--trainer.micro_batch_size={args.micro_batch_size}", f"--trainer.num_threads={args.threads}",
-                             "--trainer.lr=1e-5", "--trainer.logprob_chunk_size=2048"])
+    base = [f"--trainer.micro_batch_size={args.micro_batch_size}", f"--trainer.num_threads={args.threads}",
+            "--trainer.lr=1e-5", "--trainer.logprob_chunk_size=2048", f"--trainer.world_size={args.world_size}"]
+    cfgs = {name: load_config(None, base + extra.split()) for name, extra in variants.items()}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(make_tiny_model(f"{tmp}/model", arch=args.arch, size=args.size))
         from transformers import AutoConfig
@@ -96,35 +107,52 @@ def main() -> None:
         batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len)
         tokens = float(batch.attention_mask.sum())
 
-        hf_s = hf_train(path, batch, cfg, args.steps, args.warmup, total_threads)
-        print(f"transformers: {hf_s:.3f} s/step, {tokens / hf_s:,.0f} tok/s ({total_threads} threads)")
+        hf_s = None
+        if not args.skip_hf:
+            hf_s = hf_train(path, batch, next(iter(cfgs.values())), args.steps, args.warmup, total_threads)
+            print(f"transformers: {hf_s:.3f} s/step, {tokens / hf_s:,.0f} tok/s ({total_threads} threads)")
 
-        init_ray(attempts=3, num_cpus=max(total_threads, 2), include_dashboard=False, log_to_driver=False)
-        group = TrainerGroup(cfg, path, world_size=args.world_size)
+        init_ray(attempts=3, num_cpus=max(total_threads * len(cfgs), 2), include_dashboard=False, log_to_driver=False)
+        groups = {name: TrainerGroup(cfg, path, world_size=args.world_size) for name, cfg in cfgs.items()}
+        walls = {name: [] for name in groups}
+        inner = {name: [] for name in groups}
         try:
-            walls, inner = [], []
             for step in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
-                m = group.train_step(batch, cfg.algorithm)
-                if step >= args.warmup:
-                    walls.append(time.perf_counter() - t0)
-                    inner.append(m["perf/train_s"])
+                for name, group in groups.items():
+                    t0 = time.perf_counter()
+                    m = group.train_step(batch, cfgs[name].algorithm)
+                    if step >= args.warmup:
+                        walls[name].append(time.perf_counter() - t0)
+                        inner[name].append(m["perf/train_s"])
         finally:
-            group.shutdown()
+            for group in groups.values():
+                group.shutdown()
             ray.shutdown()
-    tt_s = sum(walls) / len(walls)
-    inner_s = sum(inner) / len(inner)
-    print(f"TrainerGroup: {tt_s:.3f} s/step ({inner_s:.3f} s inside the actors), {tokens / tt_s:,.0f} tok/s "
-          f"({args.world_size} rank(s) x {args.threads} thread(s))")
-    ratio = (tokens / tt_s) / (tokens / hf_s)
-    print(f"ratio trainer/transformers tokens/s: {ratio:.3f}")
-    print(json.dumps({
+    rows = {}
+    for name in groups:
+        tt_s, inner_s = sum(walls[name]) / len(walls[name]), sum(inner[name]) / len(inner[name])
+        line = (f"{name}: {tt_s:.3f} s/step ({inner_s:.3f} s inside the actors; steps "
+                f"{' '.join(f'{w:.2f}' for w in walls[name])}), {tokens / tt_s:,.0f} tok/s "
+                f"({args.world_size} rank(s) x {args.threads} thread(s))")
+        rows[name] = {"s_per_step": round(tt_s, 3), "trainer_tok_s": round(tokens / tt_s, 1),
+                      "trainer_inner_tok_s": round(tokens / inner_s, 1)}
+        if hf_s is not None:
+            rows[name]["ratio"] = round(hf_s / tt_s, 3)
+            line += f", ratio trainer/transformers tokens/s {hf_s / tt_s:.3f}"
+        print(line)
+    first = next(iter(rows))
+    for name in list(rows)[1:]:
+        print(f"{name} / {first} s/step: {rows[name]['s_per_step'] / rows[first]['s_per_step']:.3f}")
+    out = {
         "bench": "trainer", "arch": args.arch, "size": args.size, "world_size": args.world_size,
         "threads_total": total_threads, "batch": args.batch, "seq_len": args.prompt_len + args.response_len,
-        "tokens_per_step": tokens, "trainer_tok_s": round(tokens / tt_s, 1),
-        "trainer_inner_tok_s": round(tokens / inner_s, 1), "hf_tok_s": round(tokens / hf_s, 1),
-        "ratio": round(ratio, 3),
-    }))
+        "tokens_per_step": tokens, "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
+    }
+    if len(rows) == 1:
+        out.update(rows[first])
+    else:
+        out["variants"] = rows
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,12 @@ class TrainerConfig:
     logprob_chunk_size: int = F(2048, ge=1)  # vocabulary chunk for log-softmax
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # FSDP2 compute dtype; auto: model.dtype
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # FSDP2 (world_size > 1) within one optimizer step. "sharded": TorchTitan's default (each layer gathered
+    # in forward and again in backward, gradients reduce-scattered after every micro-batch; least memory).
+    # "replicated": parameters gathered once per step and kept with full gradients until the rank's last
+    # micro-batch, then one reduce-scatter (fewest collectives, DDP memory during the step; optimizer state
+    # stays sharded). "auto": replicated up to 500M parameters (docs/decisions.md)
+    fsdp_step: Literal["auto", "sharded", "replicated"] = "auto"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")

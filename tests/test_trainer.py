@@ -83,7 +83,8 @@ def ray_session():
 
     from rl_tpu.cluster import init_ray
 
-    started = init_ray(attempts=5, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # 6 logical CPUs: group2 (2 ranks), group1 (1) and the 2-rank group test_replicated_step_equals_sharded_step adds
+    started = init_ray(attempts=5, num_cpus=6, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
@@ -407,6 +408,35 @@ def test_train_step_two_ranks_equals_one_rank(group1, group2, cfg):
     assert m2["actor/lr"] == pytest.approx(1e-3 * (1 / 2 + 1.0) / 2)  # warmup step 1/2, then 1.0
     v2, v1 = group2.compute_values(b), group1.compute_values(b)
     assert _masked_max_diff(v2, v1, b.response_mask) <= TOL
+
+
+def test_replicated_step_equals_sharded_step(ray_session, group2, cfg, tiny_qwen3):
+    """`trainer.fsdp_step`: the tiny model's "auto" is replicated (one gather and one reduce-scatter per
+    step); TorchTitan's per-micro-batch FSDP2 gives the same gradients and the same update (fp32)."""
+    from rl_tpu.trainer import TrainerGroup
+
+    sharded_cfg = load_config(None, OVERRIDES + ["--trainer.fsdp_step=sharded"])
+    sharded = TrainerGroup(sharded_cfg, tiny_qwen3, world_size=2)
+    try:
+        assert [i["fsdp_step"] for i in group2.info] == ["replicated"] * 2
+        assert [i["fsdp_step"] for i in sharded.info] == ["sharded"] * 2
+        group2.restart_from(tiny_qwen3)  # earlier tests trained it: both groups from the same fresh weights
+        b = _batch(seed=5)  # 5 rows, 2 ranks, micro-batches of 2: two micro-batches on each rank
+        b = b.replace(old_log_probs=group2.compute_log_probs(b) - 0.1 * b.response_mask)
+        want = group2.policy_grads(b, cfg.algorithm)
+        got = sharded.policy_grads(b, cfg.algorithm)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+        assert max(v.abs().max().item() for v in want.values()) > 1e-4
+        # one optimizer step (policy and critic) from the same fresh weights and optimizer state
+        start = group2.hf_state_dict()
+        b = b.replace(values=torch.zeros_like(b.advantages))
+        group2.train_step(b, cfg.algorithm)
+        sharded.train_step(b, cfg.algorithm)
+        w_rep, w_sh = group2.hf_state_dict(), sharded.hf_state_dict()
+        assert max((w_rep[k] - w_sh[k]).abs().max().item() for k in w_rep) <= TOL
+        assert max((w_rep[k] - start[k]).abs().max().item() for k in w_rep) > 1e-4
+    finally:
+        sharded.shutdown()
 
 
 def test_restart_from_equals_a_fresh_start(group1, cfg, tiny_qwen3, tiny_llama):

@@ -8,6 +8,9 @@ Invariants:
 - Gradients are SUMMED across ranks (`set_force_sum_reduction_for_comms(True)`: gloo has no
   PREMUL_SUM, so FSDP's default average is unavailable). Losses must therefore be normalised by
   global (all-rank) token/sequence counts, which is what makes N ranks equal 1 rank.
+- `trainer.fsdp_step = "replicated"` (the "auto" choice up to 500M parameters) builds with
+  `reshard_after_forward="never"`, and the worker skips gradient sync and post-backward resharding until a
+  rank's last micro-batch: one all-gather and one reduce-scatter per unit per optimizer step.
 - Devices whose row has `fsdp2 = False` (xla: torch_xla 2.9's DeviceMesh carries no process groups,
   so `fully_shard` raises "DeviceMesh process groups not initialized!") train on ONE rank with plain,
   unsharded parameters: `make_parallel_dims` returns None and `build_parallel_model` skips the
@@ -58,7 +61,7 @@ def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
 
 
 def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduce_dtype: str,
-                         extra_modules: dict | None = None, drop_lm_head: bool = False) -> torch.nn.Module:
+                         reshard_after_forward: str = "default", extra_modules: dict | None = None, drop_lm_head: bool = False) -> torch.nn.Module:
     """Build `spec.config` on meta, parallelize with TorchTitan's fn, materialise on the local device.
 
     `extra_modules` (name -> TorchTitan Module) are attached to the root before FSDP, so they are
@@ -76,7 +79,7 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
             raise ValueError(f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
                              "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')")
     else:
-        model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype)
+        model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype, reshard_after_forward)
     local = device.local_device()
     model.to_empty(device=local)
     with torch.no_grad():
@@ -84,7 +87,7 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
     return model
 
 
-def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
+def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str, reshard_after_forward: str) -> torch.nn.Module:
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torch.distributed.fsdp import FSDPModule
 
@@ -96,7 +99,7 @@ def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str) -> tor
         parallel_dims=pdims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
-                                      tensor_parallel_degree=pdims.tp, fsdp_reshard_after_forward="default"),
+                                      tensor_parallel_degree=pdims.tp, fsdp_reshard_after_forward=reshard_after_forward),
         compile_config=CompileConfig(enable=False),
         ac_config=None,
         dump_folder="",
@@ -105,6 +108,19 @@ def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str) -> tor
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+# "auto" replicates within a step up to this size: full fp32 parameters + gradients on each rank, 4 GB
+REPLICATED_STEP_MAX_PARAMS = 500_000_000
+
+
+def replicated_step(mode: str, num_params: int) -> bool:
+    """Whether FSDP2 keeps parameters gathered and gradients local for a whole optimizer step
+    (`trainer.fsdp_step`). On CPU the gloo collectives do not overlap compute, so each one saved counts:
+    on a 13M model, 2 ranks, 2 micro-batches, replicated is 22 % faster per step (bench/RESULTS.md)."""
+    if mode not in ("auto", "sharded", "replicated"):
+        raise ValueError(f"trainer.fsdp_step = {mode!r}: expected 'auto', 'sharded' or 'replicated'")
+    return mode == "replicated" or (mode == "auto" and num_params <= REPLICATED_STEP_MAX_PARAMS)
 
 
 def reshard(model: torch.nn.Module) -> None:

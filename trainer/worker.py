@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rl_tpu.config import AlgorithmConfig, Config, resolved_dtype
@@ -93,6 +94,7 @@ class TrainerWorker:
         self.buckets = list(tc.seq_len_buckets) or (ops.static_buckets(self.max_len) if self.device.static_shapes else [])
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
+        self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
 
         self.model = self._build(self.spec, titan_sd)
         self.optimizer, self.scheduler = self._optimizer(self.model, tc.lr)
@@ -116,7 +118,8 @@ class TrainerWorker:
     def _parallel_model(self, spec) -> torch.nn.Module:
         return parallel.build_parallel_model(spec, self.pdims, self.device,
                                              param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
-                                             reduce_dtype=self.tc.reduce_dtype)
+                                             reduce_dtype=self.tc.reduce_dtype,
+                                             reshard_after_forward="never" if self.replicated_step else "default")
 
     def _build(self, spec, titan_sd) -> torch.nn.Module:
         m = self._parallel_model(spec)
@@ -154,7 +157,8 @@ class TrainerWorker:
 
     def ready(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "arch": self.spec.arch,
-                "params": sum(p.numel() for p in self.model.parameters())}
+                "params": sum(p.numel() for p in self.model.parameters()),
+                "fsdp_step": "replicated" if self.replicated_step else "sharded"}
 
     # ------------------------------------------------------------------ forward helpers
 
@@ -299,7 +303,7 @@ class TrainerWorker:
         gradient behind."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._reduce(*self._accumulate(batch, torch.arange(batch.num_seqs), self._actor_loss(algo)))
+        metrics = self._reduce(*self._accumulate(batch, torch.arange(batch.num_seqs), self.model, self._actor_loss(algo)))
         out = {}
         for n, p in self.model.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -309,7 +313,7 @@ class TrainerWorker:
             parallel.reshard(self.ref)
         return out, metrics
 
-    def _accumulate(self, batch, rows, loss_fn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    def _accumulate(self, batch, rows, model, loss_fn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
         """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up).
 
         Metrics stay device tensors (float64 sums, as exact as the former Python-float sums): nothing
@@ -320,18 +324,29 @@ class TrainerWorker:
         sums: dict[str, torch.Tensor] = {}
         weighted: dict[str, torch.Tensor] = {}
         weight = 0.0
-        for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
-            mb = padded.select(idx)
-            loss, metrics = loss_fn(mb, g_tok, g_seq)
-            loss.backward()
-            w = float(mb.response_mask.sum())  # host tensor
-            weight += w
-            for k, v in metrics.items():
-                v = torch.as_tensor(v, device=self.local).to(torch.float64)
-                if k.startswith("loss/"):
-                    sums[k] = sums[k] + v if k in sums else v
-                else:
-                    weighted[k] = weighted[k] + w * v if k in weighted else w * v
+        micro = self._micro_batches(padded, rows, self.tc.micro_batch_size)
+        defer = self.replicated_step and isinstance(model, FSDPModule) and len(micro) > 1
+        try:
+            for i, idx in enumerate(micro):
+                if defer:  # gradients stay full and local until the last micro-batch, then one reduce-scatter
+                    last = i == len(micro) - 1
+                    model.set_requires_gradient_sync(last)
+                    model.set_reshard_after_backward(last)
+                mb = padded.select(idx)
+                loss, metrics = loss_fn(mb, g_tok, g_seq)
+                loss.backward()
+                w = float(mb.response_mask.sum())  # host tensor
+                weight += w
+                for k, v in metrics.items():
+                    v = torch.as_tensor(v, device=self.local).to(torch.float64)
+                    if k.startswith("loss/"):
+                        sums[k] = sums[k] + v if k in sums else v
+                    else:
+                        weighted[k] = weighted[k] + w * v if k in weighted else w * v
+        finally:
+            if defer:  # a failed micro-batch must not leave the next call without gradient sync
+                model.set_requires_gradient_sync(True)
+                model.set_reshard_after_backward(True)
         return sums, weighted, weight
 
     def _reduce(self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float) -> dict[str, float]:
@@ -356,7 +371,7 @@ class TrainerWorker:
         """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
         from torchtitan.distributed import utils as dist_utils
 
-        sums, weighted, weight = self._accumulate(batch, rows, loss_fn)
+        sums, weighted, weight = self._accumulate(batch, rows, model, loss_fn)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         foreach = None if self.device.lazy_tensors else True  # torch has no foreach kernels for xla tensors

@@ -79,13 +79,20 @@ def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
     return model_path, tok
 
 
-def start_ray(cfg: Config, plan=None) -> None:
+def _model_spec(model_path: str):
+    from rl_tpu.trainer import model as titan
+
+    return titan.build_model_spec(model_path)
+
+
+def start_ray(cfg: Config, plan=None) -> bool:
     """Join `cluster.address`, or start a local Ray advertising `cluster.num_cpus` CPUs (0: all cores,
-    and at least what the placement bundles reserve: sync mode runs the roles in turn)."""
+    and at least what the placement bundles reserve: sync mode runs the roles in turn). True if this
+    call started or joined it (False: this process was already connected)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     from rl_tpu.devices import get_device
     from rl_tpu.rollout.engine import rollout_device
 
@@ -105,7 +112,7 @@ def start_ray(cfg: Config, plan=None) -> None:
         need = math.ceil(plan.totals().get("CPU", 0)) if plan is not None else 0
         kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1, need)
     try:
-        init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
+        return init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e
 
@@ -123,7 +130,7 @@ class WeightSyncer:
     changes the trainer's weights and its version, so that label is never one update behind (async mode
     restarts an engine from the generation thread while the trainer trains)."""
 
-    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path):
+    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path, spec=None):
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
         self.lock = threading.Lock()
         self.trainer_version = 0  # the version of the weights the trainer holds now
@@ -135,7 +142,7 @@ class WeightSyncer:
             from rl_tpu.trainer import model as titan
             from rl_tpu.weight_sync import WeightSync
 
-            to_hf = functools.partial(titan.titan_to_hf, titan.build_model_spec(model_path))
+            to_hf = functools.partial(titan.titan_to_hf, spec or titan.build_model_spec(model_path))
             self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout.workers,
                                         transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
                                         receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
@@ -337,11 +344,11 @@ def train(cfg: Config) -> dict[str, Any]:
     # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
     train_set, test_set = build_datasets(cfg.data)
-    # A model folder of the user's is checked now; the tiny default, when it still has to be built
-    # (about 10 s), is built while Ray starts (the checks that need its tokenizer follow).
-    build_model = not cfg.model.path and not (run_dir / "model" / "model.safetensors").is_file()
-    if not build_model:
-        model_path, tok = _model_and_tokenizer(cfg, run_dir, train_set + test_set)
+    # A model folder of the user's is checked now (its files); the tokenizer (about 10 s on 2 cores, most
+    # of it importing transformers) and the prompt lengths it checks, or the tiny default when it still has
+    # to be built, come while Ray starts: a failure there stops Ray again and is reported.
+    if cfg.model.path:
+        check_model_folder(cfg.model.path, trainer=True)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     # The reward functions load in the pool's workers (about a second), which reports a missing file
@@ -358,16 +365,23 @@ def train(cfg: Config) -> dict[str, Any]:
     step = version = 0
     startup_s: float | None = None
     try:
-        if build_model:
-            with ThreadPoolExecutor(max_workers=1) as ex:
-                built = ex.submit(_model_and_tokenizer, cfg, run_dir, train_set + test_set)
-                start_ray(cfg, plan)
-                model_path, tok = built.result()
-        else:
-            start_ray(cfg, plan)
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            built = ex.submit(_model_and_tokenizer, cfg, run_dir, train_set + test_set)
+            started = start_ray(cfg, plan)
+        try:
+            model_path, tok = built.result()
+        except BaseException:
+            if started:  # a user's mistake leaves no Ray behind (the CLI may run in-process, as in tests)
+                import ray
+
+                ray.shutdown()
+            raise
         groups = PlacementGroups(plan)
-        trainer, rollout = start_roles(cfg, model_path, groups)
-        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            # the driver's TorchTitan model spec (importing TorchTitan: 5-12 s here) while the roles start
+            spec = ex.submit(_model_spec, model_path) if cfg.sync.transport != "reload" else None
+            trainer, rollout = start_roles(cfg, model_path, groups)
+        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp, spec=spec and spec.result())
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
 
         def engine_restarted(engine: int) -> None:

@@ -1,9 +1,10 @@
 """A user's mistake reaches the console as one line naming the culprit, with exit status 2 and no
 traceback: bad data files, reward specs and model folders, for `rl-tpu train`, `sft` and `generate`.
 
-Every case here fails before Ray or an engine starts (that is part of what is tested: a typo must not
-cost a minute of start-up), so the CLI runs in this process (`cli.main`) except for one subprocess run
-that checks the real exit status and stderr of the installed entry point.
+Every case here fails before the trainer or an engine starts (that is part of what is tested: a typo
+must not cost a minute of start-up; checks that need the tokenizer run while Ray starts, which is then
+stopped again), so the CLI runs in this process (`cli.main`) except for one subprocess run that checks the
+real exit status and stderr of the installed entry point.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def test_over_long_prompt_is_named_before_the_run_starts(command, files, tiny_qw
     rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f'--data.train_files=["{files / "good.jsonl"}"]',
                     "--data.max_prompt_length=5")
     _assert_one_line(rc, err, "good.jsonl:1", "max_prompt_length=5")
+    import ray
+
+    assert not ray.is_initialized()  # `train` checks prompts while Ray starts, and stops it again
 
 
 def test_empty_test_file_is_named(files, tiny_qwen3, capsys):

@@ -13,7 +13,7 @@ The last output line is a JSON object; "ratio" = trainer tokens/s / transformers
 at once, and runs their steps in turn (step 1 of A, of B, step 2 of A, ...), so this box's drift in speed
 hits every variant alike; each variant's ratio is against the same transformers figure, e.g.
     bench/trainer.py --world-size 2 --batch 64 --micro-batch-size 16 --skip-hf \
-        --variant default= --variant never="--trainer.fsdp_reshard_after_forward=never"
+        --variant sharded="--trainer.fsdp_step=sharded" --variant replicated="--trainer.fsdp_step=replicated"
 """
 
 from __future__ import annotations

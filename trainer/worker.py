@@ -158,7 +158,8 @@ class TrainerWorker:
     def ready(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "arch": self.spec.arch,
                 "params": sum(p.numel() for p in self.model.parameters()),
-                "fsdp_step": "replicated" if self.replicated_step else "sharded"}
+                # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
+                "fsdp_step": "unsharded" if self.pdims is None else "replicated" if self.replicated_step else "sharded"}
 
     # ------------------------------------------------------------------ forward helpers
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rl_tpu.config import load_config
+from rl_tpu.config import load_config, with_overrides
 from rl_tpu.types import TrainBatch
 
 OVERRIDES = [
@@ -287,6 +287,48 @@ def test_group_starts_again_on_a_new_port_when_its_port_is_taken(ray_session, cf
             g.shutdown()
     finally:
         taken.close()
+
+
+def test_group_that_cannot_get_its_cpus_fails_fast_with_the_numbers(ray_session, cfg, tiny_qwen3, monkeypatch):
+    """Ranks Ray cannot all schedule used to block the scheduled ones in the rendezvous for 600 s; now the
+    group fails before starting anything, naming the CPUs it needs, has and what to change."""
+    import ray
+
+    import rl_tpu.trainer.group as group_mod
+    from rl_tpu.errors import UserError
+
+    total = ray.cluster_resources()["CPU"]
+    too_many = with_overrides(cfg, [f"--trainer.num_threads={int(total)}"])
+    t = time.monotonic()
+    with pytest.raises(group_mod.TrainerResourceError, match=rf"need {2 * int(total)} Ray CPUs.*has {int(total)} in all") as e:
+        group_mod.TrainerGroup(too_many, tiny_qwen3, world_size=2)
+    assert isinstance(e.value, UserError) and "cluster.num_cpus" in str(e.value)
+    assert time.monotonic() - t < 5
+
+    # enough CPUs in the cluster, but a live actor holds all but one of them (once the groups of the tests
+    # before have released theirs: actors are killed asynchronously)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    class CPUHolder:  # defined here: Ray workers cannot import a test module, a local class travels by value
+        def ping(self) -> bool:
+            return True
+
+    holder = ray.remote(num_cpus=total - 1)(CPUHolder).remote()
+    ray.get(holder.ping.remote())
+    monkeypatch.setattr(group_mod, "CPU_WAIT_S", 1.0)
+    try:
+        with pytest.raises(group_mod.TrainerResourceError, match=r"need 2 Ray CPUs.*only 1 have been free for 1 s"):
+            group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
+    finally:
+        ray.kill(holder)
+    # once the holder is gone its CPUs come free within the wait and the group starts
+    monkeypatch.setattr(group_mod, "CPU_WAIT_S", 30.0)
+    g = group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
+    try:
+        assert len(g.info) == 2
+    finally:
+        g.shutdown()
 
 
 def test_log_probs_two_ranks_equal_one_rank_and_transformers(group1, group2, tiny_qwen3):

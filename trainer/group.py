@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ import torch
 
 from rl_tpu.config import AlgorithmConfig, Config
 from rl_tpu.devices import get_device
+from rl_tpu.errors import UserError
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
 
@@ -39,7 +41,34 @@ class TrainerError(RuntimeError):
         super().__init__(f"trainer rank {rank} {what} in {method}(): {cause}")
 
 
+class TrainerResourceError(UserError, RuntimeError):
+    """The ranks cannot all get their CPUs from Ray; the message gives the numbers and what to change."""
+
+
 _PORT_ATTEMPTS = 3
+CPU_WAIT_S = 30.0  # how long CPUs held by actors that are shutting down get to come free
+
+
+def _wait_for_cpus(world_size: int, threads: float, wait_s: float) -> None:
+    """Every rank must be scheduled for the rendezvous to complete: a rank left waiting for a CPU keeps
+    the others blocked until torch.distributed's 600 s timeout ("1/2 clients joined"). Fail at once when
+    the cluster is too small, and after `wait_s` when other actors keep the CPUs."""
+    import ray
+
+    need = world_size * threads
+    what = (f"TrainerGroup: {world_size} ranks x trainer.num_threads={threads:g} need {need:g} Ray CPUs")
+    fixes = ("lower trainer.world_size or trainer.num_threads, or give Ray more CPUs "
+             "(cluster.num_cpus; it may exceed the cores, ranks then share them)")
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if total < need:
+        raise TrainerResourceError(f"{what}, but the Ray cluster has {total:g} in all: {fixes}")
+    deadline = time.monotonic() + wait_s
+    while (free := ray.available_resources().get("CPU", 0.0)) < need:
+        if time.monotonic() >= deadline:
+            raise TrainerResourceError(
+                f"{what}; the Ray cluster has {total:g}, but only {free:g} have been free for {wait_s:g} s "
+                f"(the others are held by live actors: engines, other trainer groups; shut those down) or {fixes}")
+        time.sleep(0.2)
 
 
 def _free_port() -> int:
@@ -80,6 +109,8 @@ class TrainerGroup:
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
+        if placement is None:  # (a placement's bundles hold their CPUs already)
+            _wait_for_cpus(self.world_size, cfg.trainer.num_threads, CPU_WAIT_S)
         for attempt in range(_PORT_ATTEMPTS):
             self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
                            for r in range(self.world_size)]

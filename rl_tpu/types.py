@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: this module stays cheap to import
+    import torch
 
 
 @dataclass(kw_only=True)

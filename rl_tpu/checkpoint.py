@@ -11,8 +11,10 @@ Invariants:
   resume ignores and the next save removes.
 - A checkpoint is used only if it matches its manifest: every listed file present, with the listed size
   and checksum (files the manifest does not list are ignored). That catches what the rename cannot: a
-  file truncated or damaged afterwards (a machine that went down before its writes reached the disk, as
-  saves do not fsync; a bad copy between machines; bit rot). `resume = "auto"` walks checkpoints newest
+  file truncated or damaged afterwards (a bad copy between machines; bit rot; a disk that lies about
+  fsync). Every file and the folder are fsynced before the rename and the root after it, so a machine
+  that goes down cannot leave a `step_*` whose contents never reached the disk, and pruning to the newest
+  `keep_last` never trades an older good checkpoint for one that is only in the page cache. `resume = "auto"` walks checkpoints newest
   to oldest, warns about each one that does not match (naming the file and what is wrong) and takes
   the first that does; none valid: a warning and a fresh start. An explicit `resume = PATH` that does
   not match raises CheckpointError. A folder without a manifest (written before manifests existed) is
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -81,12 +84,29 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
     write_trainer(tmp / "trainer")
     (tmp / STATE).write_text(json.dumps(state | {"step": step}, indent=1))
     write_manifest(tmp)
+    _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    _fsync(root)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under `folder` to the disk, then the folders themselves (their entries)."""
+    inside = sorted(folder.rglob("*"))
+    for p in [*(p for p in inside if p.is_file()), *(p for p in inside if p.is_dir()), folder]:
+        _fsync(p)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a folder opens read-only too; its fsync flushes its entries
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(folder: Path) -> Path:

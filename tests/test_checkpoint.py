@@ -61,6 +61,25 @@ def _flip_a_byte(f: Path) -> str:
     return f"zlib.crc32 {zlib.crc32(bytes(data)):08x}, manifest says {zlib.crc32(bytes(range(256)) * 40):08x}"
 
 
+def test_every_file_reaches_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """A `step_*` folder must not exist while its contents are only in the page cache: every file and
+    folder of the save is fsynced before the rename publishes it, the checkpoints root after it."""
+    import os
+
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd)))
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), real_rename(a, b)))
+    (folder,) = _save(tmp_path, 3)
+    renamed = events.index(("rename", str(folder)))
+    synced_before = {Path(p).relative_to(str(folder) + ".tmp").as_posix() for kind, p in events[:renamed]
+                     if kind == "fsync" and p != str(folder) + ".tmp"}
+    written = {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+    assert written and written <= synced_before, written - synced_before
+    assert ("fsync", str(folder) + ".tmp") in events[:renamed]
+    assert ("fsync", str(folder.parent)) in events[renamed:]
+
+
 @pytest.mark.parametrize("damage", [_truncate, _delete, _flip_a_byte])
 def test_auto_resume_skips_a_damaged_checkpoint_and_says_what_is_wrong(damage, tmp_path, warnings):
     older, newest = _save(tmp_path, 2, 4)

@@ -128,8 +128,11 @@ class RunResult:
 
 
 def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 timeout: float | None = None, interval: float = 1.0, cwd: str | Path | None = None) -> RunResult:
-    """Run `cmd` with stdout+stderr to `log_path`, measuring the peak memory of its process tree.
+                 timeout: float | None = None, interval: float | None = 1.0, cwd: str | Path | None = None) -> RunResult:
+    """Run `cmd` with stdout+stderr to `log_path`, measuring the peak memory of its process tree every
+    `interval` seconds; `interval=None`: no memory sampling (it is not free: walking /proc and reading
+    every process's smaps_rollup costs ~0.1 core with Ray's dozen processes, and locks each one's memory
+    map while it reads; `memory` is then all zeros).
 
     On timeout the whole tree is killed (each process we find under the child, by pid)."""
     log_path = Path(log_path)
@@ -137,7 +140,7 @@ def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        monitor = TreeMemoryMonitor(proc.pid, interval)
+        monitor = TreeMemoryMonitor(proc.pid, interval) if interval is not None else None
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -150,7 +153,7 @@ def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str
                     pass
             proc.wait()
         finally:
-            memory = monitor.stop()
+            memory = monitor.stop() if monitor is not None else MemoryPeak()
     seconds = time.perf_counter() - t0
     tail = log_path.read_text(errors="replace").splitlines()[-40:]
     return RunResult(list(cmd), proc.returncode, seconds, memory, log_path, timed_out, tail)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = {"ours": [load_average()]}
     run_dir = a.workdir / "ours"
     res = run_measured([sys.executable, "-m", "rl_tpu.cli", "train", *ours_overrides(a, a.model, "sync", str(run_dir))],
-                       a.workdir / "ours.log", timeout=a.timeout)
+                       a.workdir / "ours.log", timeout=a.timeout, interval=None)  # no memory sampling: it taxes our Ray tree
     loads["ours"].append(load_average())
     ours_rows = read_jsonl(run_dir / "metrics.jsonl")
     if res.returncode != 0 or len(ours_rows) < 2:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                   ("prompts", "n", "max_tokens", "steps", "lr", "threads", "world_size", "micro_batch", "seed",
                    "train_size"))]
-    res = run_measured(argv_raw, a.workdir / "raw.log", env=env, timeout=a.timeout)
+    res = run_measured(argv_raw, a.workdir / "raw.log", env=env, timeout=a.timeout, interval=None)
     loads["raw"].append(load_average())
     log = (a.workdir / "raw.log").read_text(errors="replace").splitlines()
     raw_rows = [json.loads(x[4:]) for x in log if x.startswith("RAW ")]

@@ -160,6 +160,8 @@ def test_run_measured_reports_rc_log_and_peak(tmp_path):
     res = _common.run_measured([sys.executable, "-c", code], tmp_path / "a.log", interval=0.1)
     assert res.returncode == 0 and res.tail[-1] == "hi" and not res.timed_out
     assert res.memory.rss > 32 * 2**20 and res.memory.samples >= 2
+    unsampled = _common.run_measured([sys.executable, "-c", code], tmp_path / "c.log", interval=None)
+    assert unsampled.returncode == 0 and unsampled.tail[-1] == "hi" and unsampled.memory.samples == 0
     slow = _common.run_measured([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "b.log", timeout=1)
     assert slow.timed_out and slow.returncode != 0 and slow.seconds < 30
 

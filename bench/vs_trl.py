@@ -25,7 +25,9 @@ Differences that stay, by design or by necessity:
 
 Each side runs in its own subprocess, so its peak memory is measured alone: the summed RSS and PSS of
 the subprocess's whole process tree (Ray's GCS, raylet and every actor descend from our driver),
-sampled every 1 s (`bench/_common.py` explains RSS vs PSS). Seconds per step is the median over steps
+sampled every `--memory-interval` s (`bench/_common.py` explains RSS vs PSS). Sampling is not free and
+falls unevenly: each sample walks /proc and reads every process's smaps, ~0.1 core at 1 s for our dozen
+Ray processes against TRL's one, so the default is 5 s and 0 turns it off. Seconds per step is the median over steps
 2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (`time/step`, `time/rollout`,
 `response/length_mean`), TRL's side times the interval between optimizer steps and its `generate` calls.
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
@@ -332,7 +334,7 @@ def run_trl(a: argparse.Namespace, model: str, work: Path, vllm: bool = False) -
     if vllm:  # colocate mode expects a (single-rank) torch.distributed launch
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533",
                    VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    res = run_measured(cmd, work / f"{kind}.log", env=env, timeout=a.timeout)
+    res = run_measured(cmd, work / f"{kind}.log", env=env, timeout=a.timeout, interval=a.memory_interval or None)
     out = json.loads(result_path.read_text()) if result_path.is_file() else {}
     step_s = out.get("step_s", [])
     figures: dict[str, Any] = {}
@@ -356,7 +358,7 @@ def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[s
     run_dir = work / f"ours-{mode}"
     cmd = [sys.executable, "-m", "rl_tpu.cli", "train"] + ours_overrides(a, model, mode, str(run_dir))
     for attempt in range(1, a.ray_retries + 2):
-        res = run_measured(cmd, work / f"ours-{mode}.log", timeout=a.timeout)
+        res = run_measured(cmd, work / f"ours-{mode}.log", timeout=a.timeout, interval=a.memory_interval or None)
         rows = read_jsonl(run_dir / "metrics.jsonl")
         if rows or res.timed_out or not any(RAY_STARTUP_FLAKE.search(ln) for ln in res.tail):
             break
@@ -410,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
     p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per side before it is killed")
+    p.add_argument("--memory-interval", type=float, default=5.0,
+                   help="seconds between peak-memory samples of each side's process tree; 0: no sampling")
     p.add_argument("--workdir", type=Path, default=None, help="where model, logs and run folders go (default: a new temp dir)")
     p.add_argument("--worker", choices=["trl", "trl-vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

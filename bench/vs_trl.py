@@ -484,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print("peak RSS / PSS: summed over each side's process tree (ours: driver, Ray GCS/raylet, trainer, vLLM and "
-          "reward actors), sampled every 1 s; RSS counts shared pages once per process, PSS splits them")
+          f"reward actors), sampled every {a.memory_interval:g} s (0: not sampled); RSS counts shared pages once "
+          "per process, PSS splits them")
     print("gen tok/s = generated tokens / generation seconds; tok/s per step = generated tokens / step seconds; "
           "both over steps 2..N")
     cores = os.cpu_count() or 1

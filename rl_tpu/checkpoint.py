@@ -16,9 +16,9 @@ Invariants:
   that goes down cannot leave a `step_*` whose contents never reached the disk, and pruning to the newest
   `keep_last` never trades an older good checkpoint for one that is only in the page cache.
   `resume = "auto"` walks checkpoints newest to oldest, warns about each one that does not match
-  (naming the file and what is wrong) and takes the first that does; none valid: a warning and a fresh start. An explicit `resume = PATH` that does
-  not match raises CheckpointError. A folder without a manifest (written before manifests existed) is
-  used with a warning that it could not be checked.
+  (naming the file and what is wrong) and takes the first that does; none valid: a warning and a fresh
+  start. An explicit `resume = PATH` that does not match raises CheckpointError. A folder without a
+  manifest (written before manifests existed) is used with a warning that it could not be checked.
 What a resume reproduces:
 - `sync` mode: everything but wall-clock timings. The resumed run logs the same metrics and ends with
   the same weights as an uninterrupted run, bit for bit (fp32; tested), because the trainer's state, the

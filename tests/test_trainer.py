@@ -310,6 +310,7 @@ def test_group_that_cannot_get_its_cpus_fails_fast_with_the_numbers(ray_session,
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
         time.sleep(0.2)
+
     class CPUHolder:  # defined here: Ray workers cannot import a test module, a local class travels by value
         def ping(self) -> bool:
             return True

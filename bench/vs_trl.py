@@ -27,8 +27,8 @@ Each side runs in its own subprocess, so its peak memory is measured alone: the 
 the subprocess's whole process tree (Ray's GCS, raylet and every actor descend from our driver),
 sampled every `--memory-interval` s (`bench/_common.py` explains RSS vs PSS). Sampling is not free and
 falls unevenly: each sample walks /proc and reads every process's smaps, ~0.1 core at 1 s for our dozen
-Ray processes against TRL's one, so the default is 5 s and 0 turns it off. Seconds per step is the median over steps
-2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (`time/step`, `time/rollout`,
+Ray processes against TRL's one, so the default is 5 s and 0 turns it off. Seconds per step is the
+median over steps 2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (`time/step`, `time/rollout`,
 `response/length_mean`), TRL's side times the interval between optimizer steps and its `generate` calls.
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
 

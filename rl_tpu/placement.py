@@ -114,14 +114,12 @@ def plan_placement(*, placement: str, accelerator: str | None, world_size: int, 
                              "rollout.tensor_parallel_size and rollout threads >= 1")
     slots: list[Slot] = []
     if placement == "disaggregated":
-        bundles = {
-            "trainer": [_bundle(trainer_threads, accelerator, 1, tres) for _ in range(world_size)],
-            "rollout": [_bundle(rollout_threads * tp, accelerator, tp, rres) for _ in range(engines)],
-        }
-        acc_t = {accelerator: 1.0} if accelerator else {}
+        trainers = plan_trainers(accelerator=accelerator, world_size=world_size, trainer_threads=trainer_threads,
+                                 trainer_resources=tres)
+        bundles = {**trainers.bundles,
+                   "rollout": [_bundle(rollout_threads * tp, accelerator, tp, rres) for _ in range(engines)]}
         acc_r = {accelerator: float(tp)} if accelerator else {}
-        slots += [Slot(role="trainer", index=r, group="trainer", bundle=r, num_cpus=trainer_threads,
-                       accelerator=acc_t, threads=trainer_threads) for r in range(world_size)]
+        slots += trainers.slots
         slots += [Slot(role="rollout", index=e, group="rollout", bundle=e, num_cpus=rollout_threads * tp,
                        accelerator=acc_r, threads=rollout_threads) for e in range(engines)]
         return Plan(placement=placement, bundles=bundles, slots=slots)
@@ -145,6 +143,20 @@ def plan_placement(*, placement: str, accelerator: str | None, world_size: int, 
     slots += [Slot(role="rollout", index=e, group="shared", bundle=e, num_cpus=rollout_threads * tp,
                    accelerator=half, threads=rollout_threads) for e in range(engines)]
     return Plan(placement=placement, bundles=bundles, slots=slots)
+
+
+def plan_trainers(*, accelerator: str | None, world_size: int, trainer_threads: int,
+                  trainer_resources: dict[str, float] | None = None) -> Plan:
+    """The trainer's own placement group: one bundle per rank (a `TrainerGroup` started without the
+    loop's placement reserves this, so Ray starts all its ranks or none)."""
+    if min(world_size, trainer_threads) < 1:
+        raise PlacementError("placement needs trainer.world_size and trainer.num_threads >= 1")
+    acc = {accelerator: 1.0} if accelerator else {}
+    return Plan(placement="disaggregated",
+                bundles={"trainer": [_bundle(trainer_threads, accelerator, 1, trainer_resources or {})
+                                     for _ in range(world_size)]},
+                slots=[Slot(role="trainer", index=r, group="trainer", bundle=r, num_cpus=trainer_threads,
+                            accelerator=acc, threads=trainer_threads) for r in range(world_size)])
 
 
 def plan_from_config(cfg: Any, cores: int) -> Plan:
@@ -194,8 +206,9 @@ def check_fits(plan: Plan, nodes: list[dict[str, float]]) -> None:
     for k, v in plan.totals().items():
         total = sum(n.get(k, 0.0) for n in nodes)
         if total < v:
+            keys = " or ".join(dict.fromkeys(_keys(g, k) for g in plan.bundles))
             raise PlacementError(f"the placement needs {k} = {v:g} in all, the cluster has {total:g}: lower "
-                                 f"{_keys('shared', k)}"
+                                 f"{keys}"
                                  + (" or raise cluster.num_cpus" if k == "CPU" else ""))
 
 
@@ -254,9 +267,14 @@ class PlacementGroups:
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             self.remove()
-            raise PlacementError(f"Ray did not reserve the placement bundles {plan.bundles} within {timeout_s:.0f} s "
-                                 f"(available: {ray.available_resources()}); check cluster.trainer_resources / "
-                                 "cluster.rollout_resources and the thread counts")
+            total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith(("node:", "memory",
+                                                                                             "object_store"))}
+            free = {k: round(ray.available_resources().get(k, 0.0), 3) for k in total}
+            raise PlacementError(
+                f"Ray did not reserve the placement bundles {plan.bundles} within {timeout_s:g} s: the cluster "
+                f"has {total}, free {free}; the rest is held by live actors or placement groups (engines, other "
+                "trainer groups: shut those down), or check cluster.trainer_resources / cluster.rollout_resources "
+                "and the thread counts")
 
     def options(self, slot: Slot) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rl_tpu.config import ConfigError, load_config
-from rl_tpu.placement import PlacementError, check_fits, plan_from_config, plan_placement, rollout_threads
+from rl_tpu.placement import (PlacementError, check_fits, plan_from_config, plan_placement, plan_trainers,
+                              rollout_threads)
 
 
 def _plan(placement="disaggregated", accelerator=None, world_size=2, engines=2, tp=1, **kw):
@@ -80,6 +81,20 @@ def test_check_fits_names_what_to_change():
         check_fits(_plan(rollout_threads=4), nodes)
     with pytest.raises(PlacementError, match=r"needs GPU = 1 but no node has it.*trainer.device"):
         check_fits(_plan(accelerator="GPU"), nodes)
+
+
+def test_a_trainer_group_alone_reserves_one_bundle_per_rank_and_names_only_trainer_keys():
+    p = plan_trainers(accelerator="GPU", world_size=3, trainer_threads=2, trainer_resources={"node_a": 0.01})
+    assert p.bundles == {"trainer": [{"CPU": 2.0, "GPU": 1.0, "node_a": 0.01}] * 3}
+    assert [(s.index, s.bundle, s.accelerator, s.threads) for s in p.role("trainer")] == \
+        [(r, r, {"GPU": 1.0}, 2) for r in range(3)]
+    assert p.role("rollout") == []
+    assert _plan().role("trainer") == plan_trainers(accelerator=None, world_size=2, trainer_threads=1).slots
+    with pytest.raises(PlacementError, match=r"needs CPU = 6 in all, the cluster has 4: lower trainer.num_threads "
+                                             r"or raise cluster.num_cpus$"):
+        check_fits(plan_trainers(accelerator=None, world_size=3, trainer_threads=2), [{"CPU": 4.0}])
+    with pytest.raises(PlacementError, match="trainer.world_size and trainer.num_threads >= 1"):
+        plan_trainers(accelerator=None, world_size=0, trainer_threads=1)
 
 
 def test_resource_tables_in_config():

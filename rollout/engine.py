@@ -41,11 +41,14 @@ class EngineTraits:
     sleep_mode: bool  # LLM(enable_sleep_mode=True) frees device memory
     kv_cache_from_gb: bool  # size the KV cache in bytes (rollout.kv_cache_gb), not a memory fraction
     bind_threads_per_rank: bool  # CPU TP ranks need their own cores (VLLM_CPU_OMP_THREADS_BIND)
+    aot_cache_loads: bool = True  # a compiled engine (enforce_eager=false) can reload vLLM's AOT artifact
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
+    # vllm-cpu 0.32 writes its AOT-compiled model but cannot load it back ("'function' object has no
+    # attribute 'finalize_loading'"), so every start recompiled (~40 s); inductor's own cache works.
     "vllm-cpu": EngineTraits(per_request_seed=False, sleep_mode=False, kv_cache_from_gb=True,
-                             bind_threads_per_rank=True),
+                             bind_threads_per_rank=True, aot_cache_loads=False),
     "vllm": EngineTraits(per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False,
                          bind_threads_per_rank=False),
     "vllm-torchtpu": EngineTraits(per_request_seed=True, sleep_mode=False, kv_cache_from_gb=False,
@@ -85,6 +88,8 @@ def engine_env(rc: RolloutConfig, device: Device) -> dict[str, str]:
     traits = engine_traits(device)
     if traits.kv_cache_from_gb:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(rc.kv_cache_gb)))
+    if not rc.enforce_eager and not traits.aot_cache_loads:
+        env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
     if traits.bind_threads_per_rank and rc.tensor_parallel_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", threads_bind(rc.tensor_parallel_size))

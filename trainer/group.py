@@ -64,6 +64,9 @@ class TrainerGroup:
             raise ValueError(f"TrainerGroup: world_size must be >= 1, got {self.world_size}")
         if not ray.is_initialized():
             ray.init(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
+        from rl_tpu.devices.roles import role_options
+
+        env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
         self._own_placement: PlacementGroups | None = None
         if placement is None:
             placement = self._own_placement = PlacementGroups(
@@ -81,9 +84,6 @@ class TrainerGroup:
         rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
         if len(set(rank_nodes)) > 1:
             addr = placement.node_ips[rank_nodes[0]]
-        from rl_tpu.devices.roles import role_options
-
-        env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
         for attempt in range(_PORT_ATTEMPTS):
             self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
                            for r in range(self.world_size)]

@@ -135,7 +135,7 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
         f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
         "--rollout.top_p=1.0", "--rollout.top_k=-1", f"--rollout.dtype={dtype}", "--rollout.engines=1",
         f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none
-        f"--rollout.enforce_eager={str(getattr(a, 'engine', 'eager') == 'eager').lower()}",
+        f"--rollout.enforce_eager={str(a.engine == 'eager').lower()}",
         "--algorithm.adv_estimator=grpo", "--algorithm.policy_loss=vanilla", "--algorithm.loss_agg_mode=token-mean",
         "--algorithm.use_kl_loss=false", "--algorithm.use_kl_in_reward=false", "--algorithm.entropy_coeff=0.0",
         "--algorithm.dynamic_sampling=false",

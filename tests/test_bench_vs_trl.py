@@ -80,6 +80,7 @@ def test_ours_overrides_load_into_a_valid_config(tmp_path):
     assert (cfg.data.batch_size, cfg.rollout.n, cfg.rollout.max_tokens, cfg.trainer.total_steps) == (4, 2, 32, 3)
     assert cfg.cluster.mode == "async" and cfg.data.shuffle is False and cfg.algorithm.use_kl_loss is False
     assert cfg.reward.functions == [vs_trl.REWARD_FN] and cfg.trainer.num_threads == 1
+    assert cfg.rollout.enforce_eager is False  # --engine compiled, the default
     assert cfg.trainer.lr == a.lr and cfg.rollout.temperature == 1.0
 
 

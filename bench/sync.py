@@ -121,7 +121,14 @@ def holder_cls():
     class Holder(Sender):
         """A sender rank holding its Shard(0) pieces (what `TrainerWorker` does with its DTensor shards)."""
 
-        def __init__(self, shards):
+        def __init__(self, shards, threads: int | None = 1):
+            import torch
+
+            # what a TrainerWorker does with `trainer.num_threads` (default 1). Left alone, these actors
+            # ran 2 OpenMP threads each (OMP_NUM_THREADS=1 in their env notwithstanding): two senders and
+            # the engine oversubscribed a 2-core box, and OpenMP's spin-waits made the sync ~1.5x slower
+            if threads:
+                torch.set_num_threads(threads)
             super().__init__(lambda: shards)
 
         def mem_reset(self) -> int:
@@ -179,7 +186,7 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     Holder = holder_cls()
     actors = [ray.remote(num_cpus=0)(Holder).remote(p) for p in pieces]
-    local = [Holder(p) for p in pieces]
+    local = [Holder(p, threads=None) for p in pieces]
     engine = Receiver(llm)
     results = {}
     rows = [(t2, t2.removesuffix("_files"), t2 != "shm_files") for t in transports

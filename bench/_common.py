@@ -16,6 +16,7 @@ Linux only (reads /proc).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -182,3 +183,31 @@ def json_line(obj: dict[str, Any]) -> str:
 def load_average() -> float:
     """1-minute load average: other work on the machine skews timings; scripts print it beside them."""
     return os.getloadavg()[0]
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, threads_help: str, engine_help: str) -> None:
+    """The GRPO workload flags bench/vs_trl.py and bench/overhead.py share: one place, so the two
+    scripts' defaults (and so their numbers) cannot drift apart."""
+    p.add_argument("--size", choices=["tiny", "small"], default="small",
+                   help="make_tiny_model size (default small, ~13M)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (data.batch_size)")
+    p.add_argument("--n", type=int, default=8, help="completions per prompt (rollout.n = num_generations)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max completion tokens (rollout.max_tokens)")
+    p.add_argument("--steps", type=int, default=6, help="RL steps per side; step 1 is warm-up")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help=threads_help)
+    p.add_argument("--world-size", type=int, default=2, help="our trainer ranks (FSDP2 over gloo)")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward (both sides)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["compiled", "eager"], default="compiled", help=engine_help)
+    p.add_argument("--train-size", type=int, default=2048, help="synthetic arithmetic train set size")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per side before it is killed")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where model, logs and run folders go (default: a new temp dir)")
+
+
+def check_workload_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Reject counts below 1 through the parser (exit 2, naming the flag)."""
+    for name in ("prompts", "n", "max_tokens", "steps", "threads", "world_size", "micro_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

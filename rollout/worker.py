@@ -109,6 +109,11 @@ class RolloutWorker:
         if threads:  # per TP rank, from the placement bundle; before the engine starts (rl_tpu.placement)
             tp = cfg.rollout.tensor_parallel_size
             apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and tp > 1)
+        elif not self._crosses_process():
+            # Ray's OMP_NUM_THREADS (from num_cpus) reaches an in-process engine only if libgomp was not
+            # loaded at exec: a driver that started vLLM's CPU platform puts libgomp in LD_PRELOAD, and
+            # actors it starts afterwards then run the machine's core count (rl_tpu.placement)
+            apply_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False

@@ -163,6 +163,39 @@ def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, loca
         pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values())
 
 
+_STANDALONE = """
+import json, sys
+from rl_tpu.cluster import init_ray
+from rl_tpu.config import load_config
+from rl_tpu.rollout import RolloutGroup
+init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+g = RolloutGroup(load_config(None, []), sys.argv[1], num_workers=1, num_cpus_per_worker=1)
+print("THREADS", json.dumps(g.threads()[0]))
+g.shutdown()
+"""
+
+
+def test_standalone_engine_keeps_rays_thread_count_under_a_vllm_cpu_ld_preload(tiny_qwen3):
+    """A driver that started vLLM's CPU platform has torch's libgomp in LD_PRELOAD; libgomp then reads its
+    thread count when each Ray worker execs, before Ray sets OMP_NUM_THREADS, and an engine would run the
+    machine's core count on its 1 CPU. The worker sets Ray's count itself (rollout.num_threads = 0)."""
+    import torch
+
+    libgomp = sorted(Path(torch.__file__).parent.glob("lib/libgomp*.so*")) + \
+        sorted(Path(torch.__file__).parent.parent.glob("torch.libs/libgomp*.so*"))
+    if not libgomp:
+        pytest.skip("needs torch's bundled libgomp (what vLLM's CPU platform preloads)")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 or more cores (with one, the core count and Ray's count agree)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")}
+    env["LD_PRELOAD"] = str(libgomp[0])
+    r = subprocess.run([sys.executable, "-c", _STANDALONE, tiny_qwen3], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("THREADS "))[8:])
+    assert (info["threads"], info["omp_num_threads"]) == (1, "1")
+
+
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

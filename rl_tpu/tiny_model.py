@@ -5,7 +5,7 @@ generated from this file, with digits split one per token (so arithmetic tasks a
 models) and a Qwen-style chat template. Everything is deterministic for a seed: the corpus is fixed,
 BPE training is deterministic, and the weights come from `torch.manual_seed(seed)`.
 
-Sizes: `tiny` (~0.5 M parameters) for tests, `mini` (~3.4 M) for the demo, `small` (~13 M) for
+Sizes: `tiny` (~0.5 M parameters) for tests and the demo, `mini` (~3.4 M) and `small` (~13 M) for
 benchmarks and a slower demo.
 """
 

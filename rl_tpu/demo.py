@@ -74,17 +74,12 @@ def demo_config(plan: DemoPlan, out: Path) -> Config:
 
 
 class Evaluator:
-    """Held-out greedy accuracy of a HF model folder, with one long-lived vLLM engine."""
+    """Held-out greedy accuracy of a HF model folder on the demo's engines (a `RolloutGroup` it does not own)."""
 
-    def __init__(self, cfg: Config, model_path: str, test_set):
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: Config, rollout, tok, test_set):
         from rl_tpu.rewards import RewardPool
-        from rl_tpu.rollout import RolloutGroup
 
-        self.cfg, self.test_set = cfg, test_set
-        self.tok = AutoTokenizer.from_pretrained(model_path)
-        self.rollout = RolloutGroup(cfg, model_path, num_workers=1)
+        self.cfg, self.rollout, self.tok, self.test_set = cfg, rollout, tok, test_set
         self.pool = RewardPool(cfg.reward)
         self.version = 0
 
@@ -98,7 +93,6 @@ class Evaluator:
 
     def close(self) -> None:
         self.pool.close()
-        self.rollout.shutdown()
 
 
 def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
@@ -135,7 +129,8 @@ def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
 def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None,
              verbose: bool = False) -> dict:
     from rl_tpu.data import make_synthetic
-    from rl_tpu.loop import start_ray, start_side_by_side, train
+    from rl_tpu.loop import start_ray, start_shared_roles, train
+    from rl_tpu.model_folder import load_tokenizer
     from rl_tpu.metrics import read_metrics
     from rl_tpu.sft import SFTSession
     from rl_tpu.tiny_model import make_tiny_model
@@ -161,10 +156,16 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         base = str(built.result())
     sft_cfg = with_overrides(cfg, [f"--trainer.lr={plan.sft_lr}", f"--trainer.micro_batch_size={plan.sft_batch}",
                                    f"--trainer.warmup_steps={plan.sft_warmup}"])
-    # One evaluation engine and one SFT trainer for the whole demo, started side by side; the control
-    # reuses the SFT trainer (`restart_from` the SFT checkpoint: fresh optimizer, as a new trainer would).
-    ev, session = start_side_by_side(lambda: Evaluator(cfg, base, test_set), lambda: SFTSession(sft_cfg, base))
+    # One trainer group and one engine, in the GRPO loop's placement, for the whole demo: SFT, GRPO
+    # (`train(roles=)`), the control and every evaluation run on them, each phase restarting the trainer
+    # from its checkpoint with its own optimizer settings, as a new trainer would start. Nothing starts twice.
+    with ThreadPoolExecutor(max_workers=1) as ex:  # the tokenizer while the actors start
+        tok = ex.submit(load_tokenizer, base, chat_template=True)
+        roles = start_shared_roles(cfg, base)
+    ev = None
     try:
+        ev = Evaluator(cfg, roles.rollout, tok.result(), test_set)
+        session = SFTSession(sft_cfg, base, tok.result(), trainer=roles.trainer)
         acc_base = ev.accuracy()
         log(f"untrained held-out accuracy {acc_base:.3f}")
 
@@ -177,7 +178,7 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         grpo_cfg = with_overrides(cfg, [f"--model.path={sft['model']}", f"--logging.run_dir={out / 'grpo'}",
                          f"--trainer.total_steps={plan.grpo_steps}", f"--trainer.lr={plan.grpo_lr}",
                          f"--trainer.test_freq={plan.grpo_eval_every}"])
-        grpo = train(grpo_cfg)
+        grpo = train(grpo_cfg, roles=roles)
         rows = read_metrics(out / "grpo")
         grpo_seconds = sum(r["time/step"] for r in rows)
         acc_rl = ev.accuracy(grpo["hf"])
@@ -189,8 +190,9 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
                              early_stop=False, log=log)
         acc_control = control["curve"][-1]["accuracy"] if control["curve"] else acc_sft
     finally:
-        ev.close()
-        session.shutdown()
+        if ev is not None:
+            ev.close()
+        roles.shutdown()
 
     tokens_per_s = sum(r["throughput/tokens_per_s"] for r in rows) / max(len(rows), 1)
     report = {

@@ -333,9 +333,14 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
 # the loop
 
 
-def train(cfg: Config) -> dict[str, Any]:
+def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     """Run `trainer.total_steps` RL steps; returns a summary (final metrics, run folder, and `hf`: the
-    trained policy exported to RUN_DIR/hf)."""
+    trained policy exported to RUN_DIR/hf).
+
+    `roles`: a trainer group and engines the caller started for this placement (`start_shared_roles`)
+    and keeps between jobs. The run then starts no actors: the trainer restarts from `model.path` with
+    `cfg.trainer`'s optimizer settings, the engines get its weights before step 1 and sample as fresh
+    ones would (call index 0), and both are left running for the caller."""
     t_start = time.perf_counter()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -351,6 +356,8 @@ def train(cfg: Config) -> dict[str, Any]:
         check_model_folder(cfg.model.path, trainer=True)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
+    if roles is not None:
+        check_roles(cfg, roles, plan)
     # The reward functions load in the pool's workers (about a second), which reports a missing file
     # or function, a syntax or import error. Before, the pool started beside the trainer and engines
     # and its error came after theirs had finished starting.
@@ -376,20 +383,27 @@ def train(cfg: Config) -> dict[str, Any]:
 
                 ray.shutdown()
             raise
-        groups = PlacementGroups(plan)
         with ThreadPoolExecutor(max_workers=1) as ex:
             # the driver's TorchTitan model spec (importing TorchTitan: 5-12 s here) while the roles start
             spec = ex.submit(_model_spec, model_path) if cfg.sync.transport != "reload" else None
-            trainer, rollout = start_roles(cfg, model_path, groups)
+            if roles is None:
+                groups = PlacementGroups(plan)
+                trainer, rollout = start_roles(cfg, model_path, groups)
+            else:
+                trainer, rollout = roles.trainer, roles.rollout
+                trainer.restart_from(model_path, cfg.trainer)
+                rollout.load_state_dict({"calls": 0})
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp, spec=spec and spec.result())
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
+        if roles is not None and resume is None:
+            syncer(version)  # the engines hold whatever the caller last gave them
 
         def engine_restarted(engine: int) -> None:
             syncer.engine_restarted(engine)
-            write_placement_json(run_dir, groups, rollout, syncer.routes())  # the new engine's process
+            write_placement_json(run_dir, groups or roles.groups, rollout, syncer.routes())  # the new engine's process
 
         rollout.on_restart = engine_restarted
-        write_placement_json(run_dir, groups, rollout, syncer.routes())
+        write_placement_json(run_dir, groups or roles.groups, rollout, syncer.routes())
         if resume is not None:
             state = load_state(resume)
             trainer.load_checkpoint(str(resume / "trainer"))
@@ -460,13 +474,59 @@ def train(cfg: Config) -> dict[str, Any]:
         for closer in (bar, logger, pool, syncer):
             if closer is not None:
                 closer.close()
-        for group in (rollout, trainer):
+        if roles is not None:
+            roles.rollout.on_restart = None  # this run's syncer is closed
+        for group in (rollout, trainer) if roles is None else ():
             if group is not None:
                 group.shutdown()
         if groups is not None:
             groups.remove()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
+
+
+@dataclass
+class Roles:
+    """A trainer group and engines started once for several jobs on the same processes (the demo: SFT,
+    GRPO, an SFT control and evaluations); `train(cfg, roles=...)` runs on them without starting any."""
+
+    trainer: Any  # TrainerGroup
+    rollout: Any  # RolloutGroup
+    groups: PlacementGroups  # the loop's placement for the config they were started with
+
+    def shutdown(self) -> None:
+        for group in (self.rollout, self.trainer):
+            group.shutdown()
+        self.groups.remove()
+
+
+def start_shared_roles(cfg: Config, model_path: str) -> Roles:
+    """Reserve the loop's placement for `cfg` and start its trainer group and engines on `model_path`, side
+    by side (Ray must be running: `start_ray`). The caller ends them with `Roles.shutdown()`."""
+    groups = PlacementGroups(plan_from_config(cfg, os.cpu_count() or 1))
+    try:
+        return Roles(*start_roles(cfg, model_path, groups), groups)
+    except BaseException:
+        groups.remove()
+        raise
+
+
+def check_roles(cfg: Config, roles: Roles, plan) -> None:
+    """ValueError naming what `cfg` asks of the placement, the engines or the trainer's processes that
+    `roles` (started for another config) cannot give."""
+    from rl_tpu.trainer.worker import restart_conflicts
+
+    if roles.groups.plan != plan:
+        raise ValueError("train: the roles were started for another placement (trainer.world_size / num_threads, "
+                         "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this config")
+    started = roles.rollout.cfg
+    differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if to_dict(started.rollout)[k] != v]
+    differ += [f"trainer.{k}" for k in restart_conflicts(roles.trainer.cfg.trainer, cfg.trainer)]
+    if cfg.model.dtype != started.model.dtype or cfg.model.dtype != roles.trainer.cfg.model.dtype:
+        differ.append("model.dtype")
+    if differ:
+        raise ValueError(f"train: {', '.join(differ)} differ from what the roles were started with (fixed when "
+                         "their processes start: the engines' sampling, the trainer's shape): start them with this config")
 
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):

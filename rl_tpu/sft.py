@@ -31,15 +31,22 @@ def sft_batch(tok, examples: list[Example], cfg: Config) -> TrainBatch:
 
 
 class SFTSession:
-    """A trainer group fine-tuning on demonstrations, one optimizer step per `step()` call."""
+    """A trainer group fine-tuning on demonstrations, one optimizer step per `step()` call. Given a started
+    `trainer` group (of the same shape), the session restarts it from `model_path` with `cfg.trainer`'s
+    optimizer settings instead of starting one; `shutdown()` then leaves it to its owner."""
 
-    def __init__(self, cfg: Config, model_path: str, tok: Any = None):
+    def __init__(self, cfg: Config, model_path: str, tok: Any = None, trainer: Any = None):
         from rl_tpu.trainer import TrainerGroup
 
         self.cfg = cfg
         self.tok = tok if tok is not None else load_tokenizer(model_path, chat_template=True)
         self.algo = AlgorithmConfig(policy_loss="sft", loss_agg_mode="token-mean")
-        self.trainer = TrainerGroup(cfg, model_path)
+        self._owns_trainer = trainer is None
+        if trainer is None:
+            self.trainer = TrainerGroup(cfg, model_path)
+        else:
+            self.trainer = trainer
+            trainer.restart_from(model_path, cfg.trainer)
 
     def step(self, examples: list[Example]) -> dict[str, float]:
         t = time.perf_counter()
@@ -50,13 +57,14 @@ class SFTSession:
     def restart_from(self, model_path: str) -> None:
         """Continue from `model_path`'s weights with a fresh optimizer and schedule, as a new session
         on that folder would (same trainer processes: no start-up)."""
-        self.trainer.restart_from(model_path)
+        self.trainer.restart_from(model_path, self.cfg.trainer)
 
     def export(self, out_dir: str | Path) -> str:
         return self.trainer.export_hf(str(out_dir))
 
     def shutdown(self) -> None:
-        self.trainer.shutdown()
+        if self._owns_trainer:
+            self.trainer.shutdown()
 
 
 def run_sft(cfg: Config) -> dict[str, Any]:

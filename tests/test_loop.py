@@ -134,6 +134,37 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     assert hf_a == hf_b
 
 
+def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files):
+    """`train(cfg, roles=...)` on a trainer and an engine that already ran another job (other lr, other
+    step count: trained weights, Adam moments, a used call counter, other engine weights) logs exactly what
+    a run starting its own actors logs, ends with the same weights, and leaves the roles running. A
+    config the roles cannot serve is refused before anything runs, naming the key."""
+    from rl_tpu.loop import start_shared_roles, train
+
+    fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]"
+    out = train(_run_cfg(tmp_path, "fresh", "--trainer.total_steps=3", fn))
+    model = f"--model.path={out['model_path']}"
+    other = _run_cfg(tmp_path, "other", "--trainer.total_steps=2", "--trainer.lr=3e-2", model, fn)
+    roles = start_shared_roles(other, out["model_path"])
+    try:
+        train(other, roles=roles)
+        train(_run_cfg(tmp_path, "again", "--trainer.total_steps=3", model, fn), roles=roles)
+        a, b = _metrics(tmp_path / "fresh"), _metrics(tmp_path / "again")
+        assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+        assert _metrics(tmp_path / "other")[0]["actor/lr"] == 3e-2 and b[0]["actor/lr"] == 1e-2
+        for ra, rb in zip(a, b):
+            diff = {k: (ra[k], rb.get(k)) for k in sorted(set(ra) - WALL_CLOCK_METRICS) if ra[k] != rb.get(k)}
+            assert not diff, (ra["step"], diff)
+        hf_a = (tmp_path / "fresh" / "hf" / "model.safetensors").read_bytes()
+        assert hf_a == (tmp_path / "again" / "hf" / "model.safetensors").read_bytes()
+        assert len(roles.rollout.ping()) == 1 and roles.rollout.on_restart is None
+        with pytest.raises(ValueError, match=r"rollout\.max_tokens differ"):
+            train(_run_cfg(tmp_path, "bad", "--rollout.max_tokens=8", model, fn), roles=roles)
+        with pytest.raises(ValueError, match=r"another placement"):
+            train(_run_cfg(tmp_path, "bad", "--trainer.world_size=1", model, fn), roles=roles)
+    finally:
+        roles.shutdown()
+
 def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, reward_files):
     """What an async resume promises (rl_tpu.checkpoint): the step count, policy versions and the data
     order continue as in an uninterrupted run; the completions do not (the first step after the resume

@@ -520,6 +520,28 @@ def test_restart_from_equals_a_fresh_start(group1, cfg, tiny_qwen3, tiny_llama):
         group1.restart_from(tiny_llama)
 
 
+def test_restart_from_takes_new_optimizer_settings_and_refuses_process_fields(group1, cfg, tiny_qwen3):
+    """A restart with another `trainer` config applies its optimizer settings (the first step's lr is
+    the new lr, a new group would agree) and refuses, before touching the ranks, fields fixed at start."""
+    import dataclasses
+
+    from rl_tpu.trainer.worker import restart_conflicts
+
+    b = _batch(seed=4)
+    tc = dataclasses.replace(cfg.trainer, lr=7e-3, warmup_steps=0, lr_schedule="constant", micro_batch_size=3)
+    group1.restart_from(tiny_qwen3, tc)
+    b2 = b.replace(old_log_probs=group1.compute_log_probs(b), values=torch.zeros_like(b.advantages))
+    m = group1.train_step(b2, cfg.algorithm)
+    assert m["actor/lr"] == pytest.approx(7e-3) and m["actor/step"] == tc.ppo_epochs * tc.ppo_mini_batches
+    assert group1.cfg.trainer == tc
+    bad = dataclasses.replace(tc, reference=not tc.reference, logprob_chunk_size=tc.logprob_chunk_size + 1)
+    assert restart_conflicts(tc, bad) == ["logprob_chunk_size", "reference"]
+    with pytest.raises(ValueError, match=r"trainer\.logprob_chunk_size, trainer\.reference differ"):
+        group1.restart_from(tiny_qwen3, bad)
+    group1.restart_from(tiny_qwen3, cfg.trainer)  # the group is still usable, back on the fixture's config
+    assert group1.cfg.trainer == cfg.trainer
+
+
 def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_qwen3, tmp_path):
     from rl_tpu.trainer import TrainerError, TrainerGroup
 

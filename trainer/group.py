@@ -17,12 +17,13 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from pathlib import Path
 
 import torch
 
-from rl_tpu.config import AlgorithmConfig, Config
+from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device
 from rl_tpu.placement import PlacementGroups, plan_trainers
 from rl_tpu.types import TrainBatch
@@ -167,10 +168,21 @@ class TrainerGroup:
         """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step."""
         return self._call("load_checkpoint", str(path))[0]
 
-    def restart_from(self, model_path: str) -> None:
-        """Every rank takes `model_path`'s weights with a fresh optimizer (`TrainerWorker.restart_from`)."""
-        self._call("restart_from", str(model_path))
+    def restart_from(self, model_path: str, trainer_cfg: TrainerConfig | None = None) -> None:
+        """Every rank takes `model_path`'s weights with a fresh optimizer (`TrainerWorker.restart_from`),
+        set up from `trainer_cfg` when given (its optimizer, schedule and batching; the fields that shape
+        the processes must equal the group's: ValueError naming them otherwise, checked here first)."""
+        if trainer_cfg is not None:
+            from rl_tpu.trainer.worker import restart_conflicts
+
+            fixed = restart_conflicts(self.cfg.trainer, trainer_cfg)
+            if fixed:
+                raise ValueError(f"TrainerGroup.restart_from: {', '.join('trainer.' + f for f in fixed)} differ from "
+                                 "the group's; they are fixed when its ranks start (start a new TrainerGroup)")
+        self._call("restart_from", str(model_path), trainer_cfg)
         self.model_path = str(model_path)
+        if trainer_cfg is not None:
+            self.cfg = dataclasses.replace(self.cfg, trainer=trainer_cfg)
 
     def export_hf(self, out_dir: str) -> str:
         return self._call("export_hf", str(out_dir))[0]

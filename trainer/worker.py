@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from rl_tpu.config import AlgorithmConfig, Config, resolved_dtype
+from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig, resolved_dtype
 from rl_tpu.devices import get_device
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer import ops, parallel
@@ -72,6 +72,18 @@ def _with_pad_row(batch: TrainBatch) -> TrainBatch:
         extra = v[:1].clone() if k in ("input_ids", "attention_mask", "prompt_lens") else torch.zeros_like(v[:1])
         fields[k] = torch.cat([v, extra])
     return TrainBatch(**fields)
+
+
+# what `restart_from` may change: the optimizer, its schedule and the step's batching; the rest shapes the
+# processes, the model build or the sharding and is fixed at start
+RESTARTABLE = frozenset({"total_steps", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule", "min_lr_ratio",
+                         "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "test_freq", "seed"})
+
+
+def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
+    """The fields of `new` outside RESTARTABLE that differ from `old` (a restart cannot apply them)."""
+    return [f.name for f in dataclasses.fields(old)
+            if f.name not in RESTARTABLE and getattr(old, f.name) != getattr(new, f.name)]
 
 
 class TrainerWorker:
@@ -452,14 +464,22 @@ class TrainerWorker:
         random.setstate(extra["py_rng"])
         return self.step
 
-    def restart_from(self, model_path: str) -> int:
+    def restart_from(self, model_path: str, tc: TrainerConfig | None = None) -> int:
         """Become what `TrainerWorker(cfg, model_path, ...)` would be, without a new process: the policy
-        (and reference) take the HF weights of `model_path`, the optimizer and scheduler start fresh, the
-        step count is 0. The folder must hold the same architecture and shapes (a checkpoint of this
+        (and reference) take the HF weights of `model_path`, the optimizer and scheduler start fresh (from
+        `tc`'s optimizer settings when given: lr, schedule, steps, micro-batch...), the seed is set again,
+        the step count is 0. The folder must hold the same architecture and shapes (a checkpoint of this
         model); a critic keeps its weights. Saves the start-up (imports, process group, build)."""
+        if tc is not None:
+            fixed = restart_conflicts(self.tc, tc)
+            if fixed:
+                raise ValueError(f"restart_from: {', '.join('trainer.' + f for f in fixed)} differ from this "
+                                 "trainer's; they are fixed when its processes start (start a new TrainerGroup)")
+            self.tc = tc
         spec = tmodel.build_model_spec(model_path)
         if spec.config != self.spec.config:
             raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}")
+        self.device.seed(self.tc.seed)
         titan_sd = tmodel.hf_to_titan(spec, tmodel.load_hf_state_dict(model_path))
         for m in (self.model, self.ref):
             if m is not None:

@@ -32,8 +32,9 @@ class DemoPlan:
     # measured on 2026-12-02 (docs/demo.md): the 0.5 M-parameter model learns 2-digit addition from
     # demonstrations ~3x faster per second than the 3.4 M one; from 300 of them SFT at lr 6e-3 memorises
     # (loss ~0.03) and stalls near 0.6-0.7 held out, where GRPO on fresh prompts still climbs (0.675 ->
-    # 0.845 in 250 steps); 500 demonstrations let SFT alone solve the task, 400 on the 3.4 M model stall
-    # near 0.3, where GRPO barely moves
+    # 0.845 in 250 steps, 0.83-0.90 over 300-400); 500 demonstrations let SFT alone solve the task, 400 on
+    # the 3.4 M model stall near 0.3, where GRPO barely moves. 350 GRPO steps: the time one set of actors
+    # saves (no second start-up) spent on GRPO and, as long, on the control
     size: str = "tiny"
     demonstrations: int = 300
     train_prompts: int = 4000
@@ -44,7 +45,7 @@ class DemoPlan:
     sft_eval_every: int = 100  # SFT steps between held-out evaluations
     sft_patience: int = 2  # evaluations without improvement before SFT stops
     sft_max_steps: int = 1000
-    grpo_steps: int = 250
+    grpo_steps: int = 350
     grpo_prompts: int = 16
     grpo_n: int = 8
     grpo_lr: float = 6e-4

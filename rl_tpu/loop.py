@@ -518,7 +518,8 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
 
     if roles.groups.plan != plan:
         raise ValueError("train: the roles were started for another placement (trainer.world_size / num_threads, "
-                         "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this config")
+                         "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this "
+                         "config")
     started = roles.rollout.cfg
     differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if to_dict(started.rollout)[k] != v]
     differ += [f"trainer.{k}" for k in restart_conflicts(roles.trainer.cfg.trainer, cfg.trainer)]
@@ -526,7 +527,8 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
         differ.append("model.dtype")
     if differ:
         raise ValueError(f"train: {', '.join(differ)} differ from what the roles were started with (fixed when "
-                         "their processes start: the engines' sampling, the trainer's shape): start them with this config")
+                         "their processes start: the engines' sampling, the trainer's shape): start them with this "
+                         "config")
 
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):

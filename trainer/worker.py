@@ -470,15 +470,14 @@ class TrainerWorker:
         `tc`'s optimizer settings when given: lr, schedule, steps, micro-batch...), the seed is set again,
         the step count is 0. The folder must hold the same architecture and shapes (a checkpoint of this
         model); a critic keeps its weights. Saves the start-up (imports, process group, build)."""
-        if tc is not None:
-            fixed = restart_conflicts(self.tc, tc)
-            if fixed:
-                raise ValueError(f"restart_from: {', '.join('trainer.' + f for f in fixed)} differ from this "
-                                 "trainer's; they are fixed when its processes start (start a new TrainerGroup)")
-            self.tc = tc
+        fixed = restart_conflicts(self.tc, tc) if tc is not None else []
+        if fixed:
+            raise ValueError(f"restart_from: {', '.join('trainer.' + f for f in fixed)} differ from this "
+                             "trainer's; they are fixed when its processes start (start a new TrainerGroup)")
         spec = tmodel.build_model_spec(model_path)
         if spec.config != self.spec.config:
             raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}")
+        self.tc = tc if tc is not None else self.tc
         self.device.seed(self.tc.seed)
         titan_sd = tmodel.hf_to_titan(spec, tmodel.load_hf_state_dict(model_path))
         for m in (self.model, self.ref):

@@ -364,7 +364,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     pool = RewardPool(cfg.reward)
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    trainer = rollout = syncer = logger = bar = groups = None
+    own = trainer = rollout = syncer = logger = bar = None  # own: the roles this run starts (and ends)
     pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
     pending: Future | None = None
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
@@ -387,12 +387,12 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             # the driver's TorchTitan model spec (importing TorchTitan: 5-12 s here) while the roles start
             spec = ex.submit(_model_spec, model_path) if cfg.sync.transport != "reload" else None
             if roles is None:
-                groups = PlacementGroups(plan)
-                trainer, rollout = start_roles(cfg, model_path, groups)
+                own = start_shared_roles(cfg, model_path)
             else:
-                trainer, rollout = roles.trainer, roles.rollout
-                trainer.restart_from(model_path, cfg.trainer)
-                rollout.load_state_dict({"calls": 0})
+                roles.trainer.restart_from(model_path, cfg.trainer)
+                roles.rollout.load_state_dict({"calls": 0})
+            active = own or roles
+            trainer, rollout = active.trainer, active.rollout
         syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp, spec=spec and spec.result())
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         if roles is not None and resume is None:
@@ -400,10 +400,10 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
 
         def engine_restarted(engine: int) -> None:
             syncer.engine_restarted(engine)
-            write_placement_json(run_dir, groups or roles.groups, rollout, syncer.routes())  # the new engine's process
+            write_placement_json(run_dir, active.groups, rollout, syncer.routes())  # the new engine's process
 
         rollout.on_restart = engine_restarted
-        write_placement_json(run_dir, groups or roles.groups, rollout, syncer.routes())
+        write_placement_json(run_dir, active.groups, rollout, syncer.routes())
         if resume is not None:
             state = load_state(resume)
             trainer.load_checkpoint(str(resume / "trainer"))
@@ -474,13 +474,10 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
         for closer in (bar, logger, pool, syncer):
             if closer is not None:
                 closer.close()
-        if roles is not None:
-            roles.rollout.on_restart = None  # this run's syncer is closed
-        for group in (rollout, trainer) if roles is None else ():
-            if group is not None:
-                group.shutdown()
-        if groups is not None:
-            groups.remove()
+        if own is not None:
+            own.shutdown()
+        elif roles is not None:
+            roles.rollout.on_restart = None  # this run's syncer is closed; the caller keeps the roles
         shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
 
@@ -521,7 +518,8 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
                          "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this "
                          "config")
     started = roles.rollout.cfg
-    differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if to_dict(started.rollout)[k] != v]
+    have = to_dict(started.rollout)
+    differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if have[k] != v]
     differ += [f"trainer.{k}" for k in restart_conflicts(roles.trainer.cfg.trainer, cfg.trainer)]
     if cfg.model.dtype != started.model.dtype or cfg.model.dtype != roles.trainer.cfg.model.dtype:
         differ.append("model.dtype")

@@ -173,12 +173,9 @@ class TrainerGroup:
         set up from `trainer_cfg` when given (its optimizer, schedule and batching; the fields that shape
         the processes must equal the group's: ValueError naming them otherwise, checked here first)."""
         if trainer_cfg is not None:
-            from rl_tpu.trainer.worker import restart_conflicts
+            from rl_tpu.trainer.worker import check_restartable
 
-            fixed = restart_conflicts(self.cfg.trainer, trainer_cfg)
-            if fixed:
-                raise ValueError(f"TrainerGroup.restart_from: {', '.join('trainer.' + f for f in fixed)} differ from "
-                                 "the group's; they are fixed when its ranks start (start a new TrainerGroup)")
+            check_restartable(self.cfg.trainer, trainer_cfg, "TrainerGroup.restart_from")
         self._call("restart_from", str(model_path), trainer_cfg)
         self.model_path = str(model_path)
         if trainer_cfg is not None:

@@ -86,6 +86,14 @@ def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
             if f.name not in RESTARTABLE and getattr(old, f.name) != getattr(new, f.name)]
 
 
+def check_restartable(old: TrainerConfig, new: TrainerConfig, who: str) -> None:
+    """ValueError naming the fields a restart from `old` to `new` cannot apply (`restart_conflicts`)."""
+    fixed = restart_conflicts(old, new)
+    if fixed:
+        raise ValueError(f"{who}: {', '.join('trainer.' + f for f in fixed)} differ from the trainer's; they are "
+                         "fixed when its processes start (start a new TrainerGroup)")
+
+
 class TrainerWorker:
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
         tc = cfg.trainer
@@ -470,10 +478,8 @@ class TrainerWorker:
         `tc`'s optimizer settings when given: lr, schedule, steps, micro-batch...), the seed is set again,
         the step count is 0. The folder must hold the same architecture and shapes (a checkpoint of this
         model); a critic keeps its weights. Saves the start-up (imports, process group, build)."""
-        fixed = restart_conflicts(self.tc, tc) if tc is not None else []
-        if fixed:
-            raise ValueError(f"restart_from: {', '.join('trainer.' + f for f in fixed)} differ from this "
-                             "trainer's; they are fixed when its processes start (start a new TrainerGroup)")
+        if tc is not None:
+            check_restartable(self.tc, tc, "restart_from")
         spec = tmodel.build_model_spec(model_path)
         if spec.config != self.spec.config:
             raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}")

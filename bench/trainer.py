@@ -14,6 +14,8 @@ at once, and runs their steps in turn (step 1 of A, of B, step 2 of A, ...), so 
 hits every variant alike; each variant's ratio is against the same transformers figure, e.g.
     bench/trainer.py --world-size 2 --batch 64 --micro-batch-size 16 --skip-hf \
         --variant sharded="--trainer.fsdp_step=sharded" --variant replicated="--trainer.fsdp_step=replicated"
+    bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
+        --variant shared="--trainer.share_prompts=true" --variant rows="--trainer.share_prompts=false"
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import time
 import torch
 
 
-def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0):
+def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1):
+    """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group)."""
     from rl_tpu.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    P = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))]
+    P = [prompts[i // group_size] for i in range(batch)]
     R = [torch.randint(5, vocab, (response_len,), generator=g).tolist() for _ in range(batch)]
     adv = torch.randn(batch, generator=g).tolist()
     return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv)
@@ -79,6 +83,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=1,
+                    help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="--trainer.k=v ..."',
@@ -104,7 +110,8 @@ def main() -> None:
         path = str(make_tiny_model(f"{tmp}/model", arch=args.arch, size=args.size))
         from transformers import AutoConfig
 
-        batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len)
+        batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len,
+                           group_size=args.group_size)
         tokens = float(batch.attention_mask.sum())
 
         hf_s = None
@@ -145,7 +152,7 @@ def main() -> None:
         print(f"{name} / {first} s/step: {rows[name]['s_per_step'] / rows[first]['s_per_step']:.3f}")
     out = {
         "bench": "trainer", "arch": args.arch, "size": args.size, "world_size": args.world_size,
-        "threads_total": total_threads, "batch": args.batch, "seq_len": args.prompt_len + args.response_len,
+        "threads_total": total_threads, "batch": args.batch, "group_size": args.group_size, "seq_len": args.prompt_len + args.response_len,
         "tokens_per_step": tokens, "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
     }
     if len(rows) == 1:

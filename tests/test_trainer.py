@@ -250,6 +250,79 @@ def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
         w.close()
 
 
+def _group_batch(seed: int = 0) -> TrainBatch:
+    """GRPO-shaped: 3 prompts of different lengths x 4 responses of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (6, 9, 3)]
+    P, R = [], []
+    for p, rlens in zip(prompts, ([3, 5, 1, 4], [2, 5, 4, 1], [5, 3, 2, 4])):
+        for n in rlens:
+            P.append(p)
+            R.append(torch.randint(5, 500, (n,), generator=g).tolist())
+    adv = torch.randn(len(P), generator=g).tolist()
+    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv, returns=adv)
+
+
+def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_sequence(tiny_qwen3):
+    """`trainer.share_prompts`: each prompt runs once with its responses in slots attending to it. A 1-rank
+    TrainerWorker in this process: log-probs and entropy equal transformers' per-row forward, and the
+    policy gradient and loss equal the one-row-per-sequence path (fp32)."""
+    import torch.distributed as dist
+
+    from rl_tpu.trainer import ops
+    from rl_tpu.trainer.group import _free_port
+    from rl_tpu.trainer.worker import TrainerWorker
+
+    assert not dist.is_initialized(), "an earlier test left a torch.distributed process group in this process"
+    cfg = load_config(None, ["--trainer.micro_batch_size=8", "--trainer.logprob_chunk_size=200"])
+    w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
+    try:
+        b = _group_batch()
+        assert w.share_prompts
+        # micro-batches: rows 0-7 (prompts of 6 and 9 tokens) -> 2 shared-prompt rows, rows 8-11 -> 1
+        packed = [ops.pack_shared_prompts(m.input_ids, m.attention_mask, m.prompt_lens, m.response_len, 3)
+                  for m in (b.select(slice(0, 8)), b.select(slice(8, 12)))]
+        assert [p.input_ids.shape for p in packed] == [(2, 9 + 4 * 5), (1, 3 + 4 * 5)]
+        ref_lp, ref_ent = _hf_log_probs(_hf_model(tiny_qwen3), b)
+        algo = cfg.algorithm
+        got = {}
+        for share in (True, False):
+            w.share_prompts = share
+            lp = torch.zeros(b.num_seqs, b.response_len)
+            ent = torch.zeros_like(lp)
+            for i, (t, e) in w.compute_log_probs(b, entropy=True):
+                keep = i < b.num_seqs
+                lp[i[keep]], ent[i[keep]] = t[keep], e[keep]
+            assert _masked_max_diff(lp, ref_lp, b.response_mask) <= TOL, share
+            assert _masked_max_diff(ent, ref_ent, b.response_mask) <= TOL, share
+            got[share] = w.policy_grads(b.replace(old_log_probs=lp.detach()), algo)
+        (g_shared, m_shared), (g_plain, m_plain) = got[True], got[False]
+        assert sorted(g_shared) == sorted(g_plain)
+        assert max((g_shared[k] - g_plain[k]).abs().max().item() for k in g_plain) <= 1e-6
+        assert max(v.abs().max().item() for v in g_plain.values()) > 1e-4  # a real gradient
+        assert m_shared["loss/policy"] == pytest.approx(m_plain["loss/policy"], abs=1e-6)
+    finally:
+        w.close()
+
+
+def test_pack_shared_prompts_layout():
+    """Pure layout: slots continue their prompt's positions; each token's log-prob is read where the
+    one-row layout reads it; no packing when no prompt repeats."""
+    from rl_tpu.trainer import ops
+
+    b = TrainBatch.from_sequences([[7, 8, 9, 6, 5], [7, 8, 9, 6, 5], [5, 4, 3, 2]], [[10, 11], [12], [13, 14]],
+                                  pad_id=0)
+    pk = ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0)
+    assert (pk.rows.prompt_len, pk.rows.slots, pk.rows.slot_len) == (5, 2, 2)
+    assert pk.rows.prompt_lens.tolist() == [5, 4]
+    assert pk.input_ids.tolist() == [[7, 8, 9, 6, 5, 10, 11, 12, 0], [5, 4, 3, 2, 0, 13, 14, 0, 0]]
+    assert pk.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 5, 6], [0, 1, 2, 3, 4, 4, 5, 4, 5]]
+    assert pk.targets.tolist() == [[10, 11], [12, 0], [13, 14]]
+    assert pk.hidden_index.tolist() == [[4, 5], [4, 7], [12, 14]]  # packed row 1 starts at 9
+    single = TrainBatch.from_sequences([[1, 2], [3, 4]], [[5], [6]], pad_id=0)
+    assert ops.pack_shared_prompts(single.input_ids, single.attention_mask, single.prompt_lens, 1, 0) is None
+
+
 def _with_pad(b):
     from rl_tpu.trainer.worker import _with_pad_row
 

@@ -6,9 +6,9 @@ name and layout change goes through TorchTitan's state-dict adapters (`Qwen3Stat
 `Llama3StateDictAdapter`, which also (un)permutes Llama's q/k for its complex RoPE).
 
 Invariants and decisions:
-- Attention is `ScaledDotProductAttention` (causal, no masks): FlexAttention has no backward on CPU.
-  Batches are therefore right-padded, one sequence per row, starting at position 0; packed
-  (multi-document) rows are not supported by this backend.
+- Attention is `SharedPromptSDPA` (trainer/attention.py): TorchTitan's causal SDPA, plus rows holding
+  one prompt and its group's responses; FlexAttention has no backward on CPU. Other batches are
+  right-padded, one sequence per row, starting at position 0; packed multi-document rows are not supported.
 - q/k/v stay unfused (`fuse_qkv=False`): parameter names then match the adapter's table one to one
   (`layers.{i}.attention.qkv_linear.wq.weight`), which is what weight sync and DCP read.
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit
@@ -41,6 +41,7 @@ class ModelSpec:
     parallelize_fn: Any
     adapter_cls: Any
     hf_config: dict
+    shares_prompts: bool = False  # its attention runs shared-prompt rows (trainer/attention.py)
 
 
 def read_hf_config(model_path: str | Path) -> dict:
@@ -98,8 +99,9 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
         return titan_compat.build_model_spec(hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json")
 
     from torchtitan.models.common import CosSinRoPE, ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+
+    from rl_tpu.trainer.attention import SharedPromptSDPA
     # Init functions only matter for parameters the HF checkpoint does not cover (none for the policy).
     lin_init = {"weight": torch.nn.init.zeros_}
     norm_init = {"weight": torch.nn.init.ones_}
@@ -131,7 +133,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
             attention=make_gqa_config(
                 dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
                 wqkv_param_init=lin_init, wo_param_init=lin_init,
-                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=False, rope=rope,
+                inner_attention=SharedPromptSDPA.Config(), fuse_qkv=False, rope=rope,
                 **({"qk_norm": qk_norm} if qk_norm is not None else {}),
             ),
             feed_forward=make_ffn_config(dim=dim, hidden_dim=hf["intermediate_size"],
@@ -148,7 +150,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
         layers=layers,
     )
     return ModelSpec(arch=model_type, config=config, parallelize_fn=parallelize_fn,
-                     adapter_cls=Adapter, hf_config=hf)
+                     adapter_cls=Adapter, hf_config=hf, shares_prompts=True)
 
 
 def load_hf_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:

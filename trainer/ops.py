@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -129,3 +130,62 @@ def bucket_length(L: int, buckets: list[int]) -> int:
         if b >= L:
             return b
     raise ValueError(f"sequence length {L} exceeds the largest trainer.seq_len_buckets entry {max(buckets)}")
+
+
+@dataclass(frozen=True)
+class SharedPromptRows:
+    """Layout of a batch of shared-prompt rows `[G, P + n * R]` (trainer/attention.py), passed to the
+    model as its `attention_masks`."""
+
+    prompt_len: int  # P: prompt positions per row (the longest prompt; shorter ones are right-padded)
+    slots: int  # n: response slots per row
+    slot_len: int  # R: positions per slot
+    prompt_lens: Tensor  # [G] real prompt tokens of each row
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A micro-batch as shared-prompt rows, and where each response token's log-prob is read."""
+
+    input_ids: Tensor  # [G, P + n * R]
+    positions: Tensor  # [G, P + n * R] RoPE positions: a slot continues its prompt's
+    rows: SharedPromptRows
+    hidden_index: Tensor  # [b, T] flat index into the [G * (P + n * R)] hidden states predicting token j
+    targets: Tensor  # [b, T] response token j (pad_id past the response)
+
+
+def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: Tensor, T: int,
+                        pad_id: int) -> PackedBatch | None:
+    """Rows of a right-padded micro-batch `[b, L]` that carry the same prompt become one shared-prompt
+    row (prompt once, then one slot per response); None when that would not run fewer positions than
+    the padded rows (no prompt repeats, or responses much longer than the prompts)."""
+    b = input_ids.shape[0]
+    plen = prompt_lens.tolist()
+    rlen = (attention_mask.sum(1) - prompt_lens).clamp(min=0).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(b):
+        groups.setdefault(tuple(input_ids[i, : plen[i]].tolist()), []).append(i)
+    G, n = len(groups), max(len(g) for g in groups.values())
+    P, R = max(plen), max(max(rlen), 1)
+    Lp = P + n * R
+    if G * Lp >= b * max(p + r for p, r in zip(plen, rlen)):
+        return None
+    ids = torch.full((G, Lp), pad_id, dtype=input_ids.dtype)
+    pos = torch.zeros(G, Lp, dtype=torch.long)
+    hidden = torch.zeros(b, T, dtype=torch.long)
+    targets = torch.full((b, T), pad_id, dtype=input_ids.dtype)
+    j = torch.arange(T)
+    for g, members in enumerate(groups.values()):
+        p = plen[members[0]]
+        ids[g, :p] = input_ids[members[0], :p]
+        pos[g, :P] = torch.arange(P)
+        pos[g, P:] = (p + torch.arange(R)).repeat(n)  # unused slots too: positions stay in range
+        for k, i in enumerate(members):
+            start, r = P + k * R, rlen[i]
+            ids[g, start: start + r] = input_ids[i, p: p + r]
+            # token 0 is predicted by the prompt's last position, token j > 0 by slot position j - 1
+            # (past the response: clamped into the slot, masked out of every loss)
+            hidden[i] = g * Lp + torch.where(j == 0, p - 1, start + (j - 1).clamp(max=R - 1))
+            targets[i, :r] = input_ids[i, p: p + r]
+    return PackedBatch(input_ids=ids, positions=pos, rows=SharedPromptRows(P, n, R, torch.tensor([plen[m[0]] for m in groups.values()])),
+                       hidden_index=hidden, targets=targets)

@@ -53,8 +53,8 @@ def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
         raise ValueError("chunked log-probs assume an lm_head without bias")
 
     def forward(h: torch.Tensor):
-        hidx, targets = lm_head.rl_index
-        hs = h.gather(1, hidx[..., None].expand(-1, -1, h.shape[-1]))  # [b, T, D]
+        hidx, targets = lm_head.rl_index  # hidx: [b, T] flat indices into h's [B * L] positions
+        hs = h.reshape(-1, h.shape[-1])[hidx]  # [b, T, D]
         # verl scores tokens at the sampling temperature (logits / t); (h / t) @ W.T is the same thing
         if lm_head.rl_temperature != 1.0:
             hs = hs / lm_head.rl_temperature
@@ -112,6 +112,8 @@ class TrainerWorker:
         # static shapes (XLA/TPU compile one program per shape): sequence AND response lengths are padded
         # to these buckets, micro-batches to full size; the configured list wins over the device default
         self.buckets = list(tc.seq_len_buckets) or (ops.static_buckets(self.max_len) if self.device.static_shapes else [])
+        # shared-prompt rows have data-dependent shapes: not on static-shape devices
+        self.share_prompts = tc.share_prompts and not self.buckets and self.spec.shares_prompts
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
@@ -194,12 +196,24 @@ class TrainerWorker:
         return ids
 
     def _policy_forward(self, model, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch."""
-        ids = self._inputs(mb)
-        hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
-        model.lm_head.rl_index = (hidx, ids.gather(1, tidx))
+        """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch: one row per sequence,
+        or, where the micro-batch repeats prompts, one shared-prompt row per prompt (trainer/attention.py)."""
+        packed = None
+        if self.share_prompts:
+            packed = ops.pack_shared_prompts(mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.response_len,
+                                             self.pad_id)
+        if packed is None:
+            ids = self._inputs(mb)
+            hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None] * ids.shape[1]
+            model.lm_head.rl_index = (rows + hidx, ids.gather(1, tidx))
+            kwargs = {}
+        else:
+            ids = packed.input_ids.to(self.local)
+            model.lm_head.rl_index = (packed.hidden_index.to(self.local), packed.targets.to(self.local))
+            kwargs = {"positions": packed.positions.to(self.local), "attention_masks": packed.rows}
         try:
-            return model(ids)
+            return model(ids, **kwargs)
         finally:
             model.lm_head.rl_index = None
 

@@ -361,7 +361,7 @@ RAY_STARTUP_FLAKE = re.compile(r"node timed out during startup|GCS cannot find t
 
 def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[str, Any]:
     run_dir = work / f"ours-{mode}"
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train"] + ours_overrides(a, model, mode, str(run_dir))
+    cmd = [sys.executable, "-m", "rl_tpu.cli", "train"] + ours_overrides(a, model, mode, str(run_dir)) + a.ours_override
     for attempt in range(1, a.ray_retries + 2):
         res = run_measured(cmd, work / f"ours-{mode}.log", timeout=a.timeout, interval=a.memory_interval or None)
         rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -404,6 +404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
                    "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--ours-override", action="append", default=[], metavar="--KEY=VALUE",
+                   help="one more `rl-tpu train` override for our side, after the workload's (repeatable), e.g. "
+                        "--ours-override=--trainer.share_prompts=false")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
     p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,
         "max_tokens": a.max_tokens, "steps": a.steps, "threads": a.threads, "world_size": a.world_size,
-        "micro_batch": a.micro_batch, "ours_engine": a.engine, "trl_version": trl_out.get("trl_version"),
+        "micro_batch": a.micro_batch, "ours_engine": a.engine, "ours_override": a.ours_override, "trl_version": trl_out.get("trl_version"),
         "trl_generation": "transformers",
         "trl_s_per_step": val(trl_row, "s_per_step"), "ours_sync_s_per_step": val(sync_row, "s_per_step"),
         "ours_async_s_per_step": val(async_row, "s_per_step"),

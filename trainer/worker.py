@@ -199,7 +199,7 @@ class TrainerWorker:
         """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch: one row per sequence,
         or, where the micro-batch repeats prompts, one shared-prompt row per prompt (trainer/attention.py)."""
         packed = None
-        if self.share_prompts:
+        if self.share_prompts and mb.input_ids.shape[1] <= self.max_len:  # too long: the plain path says so
             packed = ops.pack_shared_prompts(mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.response_len,
                                              self.pad_id)
         if packed is None:

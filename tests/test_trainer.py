@@ -6,6 +6,7 @@ file order: read-only checks first, then the ones that train. Exact comparisons 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -278,7 +279,7 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
     try:
         b = _group_batch()
-        assert w.share_prompts
+        assert w.tc.share_prompts and w.can_share_prompts
         # micro-batches: rows 0-7 (prompts of 6 and 9 tokens) -> 2 shared-prompt rows, rows 8-11 -> 1
         packed = [ops.pack_shared_prompts(m.input_ids, m.attention_mask, m.prompt_lens, m.response_len, 3)
                   for m in (b.select(slice(0, 8)), b.select(slice(8, 12)))]
@@ -287,7 +288,7 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
         algo = cfg.algorithm
         got = {}
         for share in (True, False):
-            w.share_prompts = share
+            w.tc = dataclasses.replace(w.tc, share_prompts=share)
             lp = torch.zeros(b.num_seqs, b.response_len)
             ent = torch.zeros_like(lp)
             for i, (t, e) in w.compute_log_probs(b, entropy=True):

@@ -74,10 +74,11 @@ def _with_pad_row(batch: TrainBatch) -> TrainBatch:
     return TrainBatch(**fields)
 
 
-# what `restart_from` may change: the optimizer, its schedule and the step's batching; the rest shapes the
-# processes, the model build or the sharding and is fixed at start
+# what `restart_from` may change: the optimizer, its schedule and the step's batching and row layout; the
+# rest shapes the processes, the model build or the sharding and is fixed at start
 RESTARTABLE = frozenset({"total_steps", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule", "min_lr_ratio",
-                         "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "test_freq", "seed"})
+                         "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "share_prompts",
+                         "test_freq", "seed"})
 
 
 def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
@@ -113,7 +114,7 @@ class TrainerWorker:
         # to these buckets, micro-batches to full size; the configured list wins over the device default
         self.buckets = list(tc.seq_len_buckets) or (ops.static_buckets(self.max_len) if self.device.static_shapes else [])
         # shared-prompt rows have data-dependent shapes: not on static-shape devices
-        self.share_prompts = tc.share_prompts and not self.buckets and self.spec.shares_prompts
+        self.can_share_prompts = not self.buckets and self.spec.shares_prompts
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
@@ -199,7 +200,8 @@ class TrainerWorker:
         """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch: one row per sequence,
         or, where the micro-batch repeats prompts, one shared-prompt row per prompt (trainer/attention.py)."""
         packed = None
-        if self.share_prompts and mb.input_ids.shape[1] <= self.max_len:  # too long: the plain path says so
+        # a batch longer than the model's positions takes the plain path, whose error names the limit
+        if self.tc.share_prompts and self.can_share_prompts and mb.input_ids.shape[1] <= self.max_len:
             packed = ops.pack_shared_prompts(mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.response_len,
                                              self.pad_id)
         if packed is None:

@@ -170,16 +170,16 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
     Lp = P + n * R
     if G * Lp >= b * max(p + r for p, r in zip(plen, rlen)):
         return None
+    group_plen = [plen[members[0]] for members in groups.values()]
     ids = torch.full((G, Lp), pad_id, dtype=input_ids.dtype)
     pos = torch.zeros(G, Lp, dtype=torch.long)
+    pos[:, :P] = torch.arange(P)
+    pos[:, P:] = (torch.tensor(group_plen)[:, None] + torch.arange(R)).repeat(1, n)  # unused slots too: in range
     hidden = torch.zeros(b, T, dtype=torch.long)
     targets = torch.full((b, T), pad_id, dtype=input_ids.dtype)
     j = torch.arange(T)
-    for g, members in enumerate(groups.values()):
-        p = plen[members[0]]
+    for g, (members, p) in enumerate(zip(groups.values(), group_plen)):
         ids[g, :p] = input_ids[members[0], :p]
-        pos[g, :P] = torch.arange(P)
-        pos[g, P:] = (p + torch.arange(R)).repeat(n)  # unused slots too: positions stay in range
         for k, i in enumerate(members):
             start, r = P + k * R, rlen[i]
             ids[g, start: start + r] = input_ids[i, p: p + r]
@@ -187,5 +187,5 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
             # (past the response: clamped into the slot, masked out of every loss)
             hidden[i] = g * Lp + torch.where(j == 0, p - 1, start + (j - 1).clamp(max=R - 1))
             targets[i, :r] = input_ids[i, p: p + r]
-    return PackedBatch(input_ids=ids, positions=pos, rows=SharedPromptRows(P, n, R, torch.tensor([plen[m[0]] for m in groups.values()])),
+    return PackedBatch(input_ids=ids, positions=pos, rows=SharedPromptRows(P, n, R, torch.tensor(group_plen)),
                        hidden_index=hidden, targets=targets)

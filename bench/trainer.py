@@ -28,14 +28,18 @@ import time
 import torch
 
 
-def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1):
-    """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group)."""
+def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1,
+               response_len_min: int | None = None):
+    """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group);
+    response lengths uniform in [response_len_min, response_len] (all response_len by default)."""
     from rl_tpu.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))]
     P = [prompts[i // group_size] for i in range(batch)]
-    R = [torch.randint(5, vocab, (response_len,), generator=g).tolist() for _ in range(batch)]
+    lo = response_len if response_len_min is None else response_len_min
+    lens = torch.randint(lo, response_len + 1, (batch,), generator=g).tolist()
+    R = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
     adv = torch.randn(batch, generator=g).tolist()
     return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv)
 
@@ -82,6 +86,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--response-len-min", type=int, default=None,
+                    help="responses of uniform random length in [this, --response-len] (default: all --response-len)")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=1,
                     help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)")
@@ -111,7 +117,7 @@ def main() -> None:
         from transformers import AutoConfig
 
         batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len,
-                           group_size=args.group_size)
+                           group_size=args.group_size, response_len_min=args.response_len_min)
         tokens = float(batch.attention_mask.sum())
 
         hf_s = None

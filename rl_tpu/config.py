@@ -76,8 +76,9 @@ class TrainerConfig:
     # stays sharded). "auto": replicated up to 500M parameters (docs/decisions.md)
     fsdp_step: Literal["auto", "sharded", "replicated"] = "auto"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
-    # a micro-batch's samples of one prompt run as one row: the prompt once, each response attending to it
-    # (trainer/attention.py); same log-probs and gradients, fewer positions. Off on static-shape devices
+    # a micro-batch's samples of one prompt run packed: the prompt once, each response at its own length
+    # attending to it (trainer/attention.py); same log-probs and gradients, fewer positions. Off on
+    # static-shape devices
     share_prompts: bool = True
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")

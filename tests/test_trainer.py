@@ -280,10 +280,11 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
     try:
         b = _group_batch()
         assert w.tc.share_prompts and w.can_share_prompts
-        # micro-batches: rows 0-7 (prompts of 6 and 9 tokens) -> 2 shared-prompt rows, rows 8-11 -> 1
+        # micro-batches: rows 0-7 (prompts of 6 and 9 tokens, responses of 3 5 1 4 and 2 5 4 1) and rows 8-11
+        # (3 tokens; 5 3 2 4) pack to each prompt once plus every response but its last token
         packed = [ops.pack_shared_prompts(m.input_ids, m.attention_mask, m.prompt_lens, m.response_len, 3)
                   for m in (b.select(slice(0, 8)), b.select(slice(8, 12)))]
-        assert [p.input_ids.shape for p in packed] == [(2, 9 + 4 * 5), (1, 3 + 4 * 5)]
+        assert [p.input_ids.shape for p in packed] == [(1, 6 + 9 + 17), (1, 3 + 10)]
         ref_lp, ref_ent = _hf_log_probs(_hf_model(tiny_qwen3), b)
         algo = cfg.algorithm
         got = {}
@@ -307,19 +308,25 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
 
 
 def test_pack_shared_prompts_layout():
-    """Pure layout: slots continue their prompt's positions; each token's log-prob is read where the
-    one-row layout reads it; no packing when no prompt repeats."""
+    """Pure layout: each prompt once, then its responses without their last token, no padding; slots
+    continue their prompt's positions; each token's log-prob is read where it is predicted; attention's
+    padded views and the way back; no packing when no prompt repeats."""
     from rl_tpu.trainer import ops
 
     b = TrainBatch.from_sequences([[7, 8, 9, 6, 5], [7, 8, 9, 6, 5], [5, 4, 3, 2]], [[10, 11], [12], [13, 14]],
                                   pad_id=0)
     pk = ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0)
-    assert (pk.rows.prompt_len, pk.rows.slots, pk.rows.slot_len) == (5, 2, 2)
-    assert pk.rows.prompt_lens.tolist() == [5, 4]
-    assert pk.input_ids.tolist() == [[7, 8, 9, 6, 5, 10, 11, 12, 0], [5, 4, 3, 2, 0, 13, 14, 0, 0]]
-    assert pk.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 5, 6], [0, 1, 2, 3, 4, 4, 5, 4, 5]]
+    assert pk.input_ids.tolist() == [[7, 8, 9, 6, 5, 10, 5, 4, 3, 2, 13]]
+    assert pk.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]
     assert pk.targets.tolist() == [[10, 11], [12, 0], [13, 14]]
-    assert pk.hidden_index.tolist() == [[4, 5], [4, 7], [12, 14]]  # packed row 1 starts at 9
+    # row 1's only token is predicted by its prompt's last position; past a response: that position too
+    assert pk.hidden_index.tolist() == [[4, 5], [4, 4], [9, 10]]
+    r = pk.rows
+    assert r.prompt_index.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 0]]
+    assert r.slot_index.tolist() == [[5], [0], [10]] and r.slot_prompt.tolist() == [0, 0, 1]
+    assert r.slot_mask[:, 0, 0].tolist() == [[True] * 6, [True] * 6, [True, True, True, True, False, True]]
+    # packed position -> row of cat(prompt outputs [2 * 5], slot outputs [3 * 1])
+    assert r.out_index.tolist() == [0, 1, 2, 3, 4, 10, 5, 6, 7, 8, 12]
     single = TrainBatch.from_sequences([[1, 2], [3, 4]], [[5], [6]], pad_id=0)
     assert ops.pack_shared_prompts(single.input_ids, single.attention_mask, single.prompt_lens, 1, 0) is None
 

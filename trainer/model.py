@@ -6,9 +6,9 @@ name and layout change goes through TorchTitan's state-dict adapters (`Qwen3Stat
 `Llama3StateDictAdapter`, which also (un)permutes Llama's q/k for its complex RoPE).
 
 Invariants and decisions:
-- Attention is `SharedPromptSDPA` (trainer/attention.py): TorchTitan's causal SDPA, plus rows holding
-  one prompt and its group's responses; FlexAttention has no backward on CPU. Other batches are
-  right-padded, one sequence per row, starting at position 0; packed multi-document rows are not supported.
+- Attention is `SharedPromptSDPA` (trainer/attention.py): TorchTitan's causal SDPA, plus one packed row
+  holding each prompt once with its group's responses; FlexAttention has no backward on CPU. Other
+  batches are right-padded, one sequence per row, starting at position 0.
 - q/k/v stay unfused (`fuse_qkv=False`): parameter names then match the adapter's table one to one
   (`layers.{i}.attention.qkv_linear.wq.weight`), which is what weight sync and DCP read.
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit

@@ -134,58 +134,84 @@ def bucket_length(L: int, buckets: list[int]) -> int:
 
 @dataclass(frozen=True)
 class SharedPromptRows:
-    """Layout of a batch of shared-prompt rows `[G, P + n * R]` (trainer/attention.py), passed to the
-    model as its `attention_masks`."""
+    """Layout of a packed micro-batch `[1, L]` (trainer/attention.py), passed to the model as its
+    `attention_masks`: each prompt once, then its responses, no padding. Attention runs on padded views
+    gathered from the packed positions: prompts `[G, P]`, response slots `[S, R]`."""
 
-    prompt_len: int  # P: prompt positions per row (the longest prompt; shorter ones are right-padded)
-    slots: int  # n: response slots per row
-    slot_len: int  # R: positions per slot
-    prompt_lens: Tensor  # [G] real prompt tokens of each row
+    prompt_index: Tensor  # [G, P] packed position of prompt g's token t (0 past the prompt: never read)
+    slot_index: Tensor  # [S, R] packed position of slot s's token t (0 past the slot: never read)
+    slot_prompt: Tensor  # [S] the prompt (row of prompt_index) slot s follows
+    slot_mask: Tensor  # [S, 1, R, P + R] keys a slot's queries see: its prompt's real tokens, itself causally
+    out_index: Tensor  # [L] row of cat(prompt outputs [G * P], slot outputs [S * R]) for each packed position
+
+    def to(self, device) -> SharedPromptRows:
+        return SharedPromptRows(*(t.to(device) for t in (self.prompt_index, self.slot_index, self.slot_prompt,
+                                                          self.slot_mask, self.out_index)))
 
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """A micro-batch as shared-prompt rows, and where each response token's log-prob is read."""
+    """A micro-batch as one packed row, and where each response token's log-prob is read."""
 
-    input_ids: Tensor  # [G, P + n * R]
-    positions: Tensor  # [G, P + n * R] RoPE positions: a slot continues its prompt's
+    input_ids: Tensor  # [1, L]
+    positions: Tensor  # [1, L] RoPE positions: a response continues its prompt's
     rows: SharedPromptRows
-    hidden_index: Tensor  # [b, T] flat index into the [G * (P + n * R)] hidden states predicting token j
+    hidden_index: Tensor  # [b, T] index into the L packed hidden states of the position predicting token j
     targets: Tensor  # [b, T] response token j (pad_id past the response)
+
+    def to(self, device) -> PackedBatch:
+        return PackedBatch(self.input_ids.to(device), self.positions.to(device), self.rows.to(device),
+                           self.hidden_index.to(device), self.targets.to(device))
 
 
 def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: Tensor, T: int,
                         pad_id: int) -> PackedBatch | None:
-    """Rows of a right-padded micro-batch `[b, L]` that carry the same prompt become one shared-prompt
-    row (prompt once, then one slot per response); None when that would not run fewer positions than
-    the padded rows (no prompt repeats, or responses much longer than the prompts)."""
+    """A right-padded micro-batch `[b, L]` whose rows repeat prompts as one packed row: each distinct
+    prompt once, followed by its responses, with no padding; None when no prompt repeats.
+
+    A response's last token predicts nothing, so it is left out: a response of r tokens takes r - 1
+    positions (its token 0 is predicted by the prompt's last position)."""
     b = input_ids.shape[0]
     plen = prompt_lens.tolist()
     rlen = (attention_mask.sum(1) - prompt_lens).clamp(min=0).tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(b):
         groups.setdefault(tuple(input_ids[i, : plen[i]].tolist()), []).append(i)
-    G, n = len(groups), max(len(g) for g in groups.values())
-    P, R = max(plen), max(max(rlen), 1)
-    Lp = P + n * R
-    if G * Lp >= b * max(p + r for p, r in zip(plen, rlen)):
+    if len(groups) == b:
         return None
-    group_plen = [plen[members[0]] for members in groups.values()]
-    ids = torch.full((G, Lp), pad_id, dtype=input_ids.dtype)
-    pos = torch.zeros(G, Lp, dtype=torch.long)
-    pos[:, :P] = torch.arange(P)
-    pos[:, P:] = (torch.tensor(group_plen)[:, None] + torch.arange(R)).repeat(1, n)  # unused slots too: in range
+    G, P, R = len(groups), max(plen), max(max(r - 1 for r in rlen), 1)
+    prompt_index = torch.zeros(G, P, dtype=torch.long)
+    slot_index = torch.zeros(b, R, dtype=torch.long)
+    slot_prompt = torch.zeros(b, dtype=torch.long)
+    to_prompt = torch.zeros(b, P, dtype=torch.bool)
     hidden = torch.zeros(b, T, dtype=torch.long)
     targets = torch.full((b, T), pad_id, dtype=input_ids.dtype)
+    ids, pos, out_index = [], [], []
     j = torch.arange(T)
-    for g, (members, p) in enumerate(zip(groups.values(), group_plen)):
-        ids[g, :p] = input_ids[members[0], :p]
-        for k, i in enumerate(members):
-            start, r = P + k * R, rlen[i]
-            ids[g, start: start + r] = input_ids[i, p: p + r]
-            # token 0 is predicted by the prompt's last position, token j > 0 by slot position j - 1
-            # (past the response: clamped into the slot, masked out of every loss)
-            hidden[i] = g * Lp + torch.where(j == 0, p - 1, start + (j - 1).clamp(max=R - 1))
+    at, s = 0, 0  # next packed position, next slot
+    for g, members in enumerate(groups.values()):
+        p = plen[members[0]]
+        ids.append(input_ids[members[0], :p])
+        pos.append(torch.arange(p))
+        prompt_index[g, :p] = torch.arange(at, at + p)
+        out_index.append(g * P + torch.arange(p))
+        last, at = at + p - 1, at + p
+        for i in members:
+            r = rlen[i]
+            n = max(r - 1, 0)
+            ids.append(input_ids[i, p: p + n])
+            pos.append(torch.arange(p, p + n))
+            slot_index[s, :n] = torch.arange(at, at + n)
+            out_index.append(G * P + s * R + torch.arange(n))
+            slot_prompt[s] = g
+            to_prompt[s, :p] = True
+            # token 0 is predicted by the prompt's last position, token j > 0 by the slot's position j - 1
+            # (past the response: the prompt's last position, masked out of every loss)
+            hidden[i] = torch.where((j > 0) & (j < r), at + j - 1, last)
             targets[i, :r] = input_ids[i, p: p + r]
-    return PackedBatch(input_ids=ids, positions=pos, rows=SharedPromptRows(P, n, R, torch.tensor(group_plen)),
+            at, s = at + n, s + 1
+    causal = torch.ones(R, R, dtype=torch.bool).tril()
+    slot_mask = torch.cat([to_prompt[:, None, :].expand(b, R, P), causal.expand(b, R, R)], dim=2)[:, None]
+    rows = SharedPromptRows(prompt_index, slot_index, slot_prompt, slot_mask, torch.cat(out_index))
+    return PackedBatch(input_ids=torch.cat(ids)[None], positions=torch.cat(pos)[None], rows=rows,
                        hidden_index=hidden, targets=targets)

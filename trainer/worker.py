@@ -198,7 +198,7 @@ class TrainerWorker:
 
     def _policy_forward(self, model, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy `[b, T]` of the response tokens of a micro-batch: one row per sequence,
-        or, where the micro-batch repeats prompts, one shared-prompt row per prompt (trainer/attention.py)."""
+        or, where the micro-batch repeats prompts, one packed row holding each prompt once (trainer/attention.py)."""
         packed = None
         # a batch longer than the model's positions takes the plain path, whose error names the limit
         if self.tc.share_prompts and self.can_share_prompts and mb.input_ids.shape[1] <= self.max_len:
@@ -211,9 +211,10 @@ class TrainerWorker:
             model.lm_head.rl_index = (rows + hidx, ids.gather(1, tidx))
             kwargs = {}
         else:
-            ids = packed.input_ids.to(self.local)
-            model.lm_head.rl_index = (packed.hidden_index.to(self.local), packed.targets.to(self.local))
-            kwargs = {"positions": packed.positions.to(self.local), "attention_masks": packed.rows}
+            packed = packed.to(self.local)
+            ids = packed.input_ids
+            model.lm_head.rl_index = (packed.hidden_index, packed.targets)
+            kwargs = {"positions": packed.positions, "attention_masks": packed.rows}
         try:
             return model(ids, **kwargs)
         finally:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,32 @@ def test_init_cpu_and_clear_errors_for_absent_devices():
         get_device("tpu").init()
     with pytest.raises(RuntimeError, match=r"trainer.device = 'xla' needs the Python module 'torch_xla'.*--role-env xla"):
         get_device("xla").init()
+
+
+_REFAULTS = """
+import resource, sys, torch
+from rl_tpu.devices import get_device
+if sys.argv[1] == "init":
+    get_device("cpu").init()
+t = torch.ones(64 * 2**20); del t  # 256 MB, freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+t = torch.ones(32 * 2**20)  # 128 MB: fits in the freed block
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_cpu_trainer_processes_reuse_freed_memory():
+    """After `init()` on cpu, memory freed is reused without page faults; glibc's default maps blocks
+    over 32 MB afresh (128 MB: 32k new pages). A user's own glibc malloc setting is left alone."""
+    def refaults(init: bool, **env):
+        out = subprocess.run([sys.executable, "-c", _REFAULTS, "init" if init else "none"], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, **env}, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.split()[-1])
+
+    assert refaults(init=False) > 30000  # glibc's default
+    assert refaults(init=True) < 1000
+    assert refaults(init=True, MALLOC_MMAP_THRESHOLD_="131072") > 30000  # left alone
 
 
 @pytest.mark.timeout(600)

@@ -310,12 +310,13 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
 def test_pack_shared_prompts_layout():
     """Pure layout: each prompt once, then its responses without their last token, no padding; slots
     continue their prompt's positions; each token's log-prob is read where it is predicted; attention's
-    padded views and the way back; no packing when no prompt repeats."""
+    padded views and the way back; no packing unless prompts repeat twice on average."""
     from rl_tpu.trainer import ops
 
     b = TrainBatch.from_sequences([[7, 8, 9, 6, 5], [7, 8, 9, 6, 5], [5, 4, 3, 2]], [[10, 11], [12], [13, 14]],
                                   pad_id=0)
-    pk = ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0)
+    assert ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0) is None
+    pk = ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0, min_repeat=1)
     assert pk.input_ids.tolist() == [[7, 8, 9, 6, 5, 10, 5, 4, 3, 2, 13]]
     assert pk.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]
     assert pk.targets.tolist() == [[10, 11], [12, 0], [13, 14]]

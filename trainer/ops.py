@@ -165,9 +165,11 @@ class PackedBatch:
 
 
 def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: Tensor, T: int,
-                        pad_id: int) -> PackedBatch | None:
+                        pad_id: int, min_repeat: float = 2.0) -> PackedBatch | None:
     """A right-padded micro-batch `[b, L]` whose rows repeat prompts as one packed row: each distinct
-    prompt once, followed by its responses, with no padding; None when no prompt repeats.
+    prompt once, followed by its responses, with no padding; None unless each prompt comes
+    `min_repeat` times on average (GRPO groups; a batch of mostly distinct prompts, as in SFT, keeps one
+    row per sequence).
 
     A response's last token predicts nothing, so it is left out: a response of r tokens takes r - 1
     positions (its token 0 is predicted by the prompt's last position)."""
@@ -177,7 +179,7 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(b):
         groups.setdefault(tuple(input_ids[i, : plen[i]].tolist()), []).append(i)
-    if len(groups) == b:
+    if len(groups) * min_repeat > b:
         return None
     G, P, R = len(groups), max(plen), max(max(r - 1 for r in rlen), 1)
     prompt_index = torch.zeros(G, P, dtype=torch.long)

@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -145,8 +146,7 @@ class SharedPromptRows:
     out_index: Tensor  # [L] row of cat(prompt outputs [G * P], slot outputs [S * R]) for each packed position
 
     def to(self, device) -> SharedPromptRows:
-        return SharedPromptRows(*(t.to(device) for t in (self.prompt_index, self.slot_index, self.slot_prompt,
-                                                          self.slot_mask, self.out_index)))
+        return _fields_to(self, device)
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,12 @@ class PackedBatch:
     targets: Tensor  # [b, T] response token j (pad_id past the response)
 
     def to(self, device) -> PackedBatch:
-        return PackedBatch(self.input_ids.to(device), self.positions.to(device), self.rows.to(device),
-                           self.hidden_index.to(device), self.targets.to(device))
+        return _fields_to(self, device)
+
+
+def _fields_to(obj, device):
+    """A copy of dataclass `obj` with every field (a tensor, or anything with `.to`) moved to `device`."""
+    return type(obj)(**{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)})
 
 
 def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: Tensor, T: int,

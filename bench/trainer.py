@@ -16,6 +16,9 @@ hits every variant alike; each variant's ratio is against the same transformers 
         --variant sharded="--trainer.fsdp_step=sharded" --variant replicated="--trainer.fsdp_step=replicated"
     bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
         --variant shared="--trainer.share_prompts=true" --variant rows="--trainer.share_prompts=false"
+    bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
+        --alike-groups 0.5 --variant skip="--trainer.skip_zero_advantage=true" \
+        --variant all="--trainer.skip_zero_advantage=false"
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import torch
 
 
 def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1,
-               response_len_min: int | None = None):
+               response_len_min: int | None = None, alike_groups: float = 0.0):
     """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group);
-    response lengths uniform in [response_len_min, response_len] (all response_len by default)."""
+    response lengths uniform in [response_len_min, response_len] (all response_len by default); a random
+    `alike_groups` share of the groups has advantage 0 (samples that all scored the same)."""
     from rl_tpu.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -40,8 +44,11 @@ def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed:
     lo = response_len if response_len_min is None else response_len_min
     lens = torch.randint(lo, response_len + 1, (batch,), generator=g).tolist()
     R = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
-    adv = torch.randn(batch, generator=g).tolist()
-    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv)
+    adv = torch.randn(batch, generator=g)
+    n_groups = len(prompts)
+    alike = torch.randperm(n_groups, generator=g)[:round(alike_groups * n_groups)]
+    adv[torch.isin(torch.arange(batch) // group_size, alike)] = 0.0
+    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv.tolist())
 
 
 def hf_train(model_path: str, batch, cfg, steps: int, warmup: int, threads: int) -> float:
@@ -91,6 +98,8 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=1,
                     help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)")
+    ap.add_argument("--alike-groups", type=float, default=0.0,
+                    help="share of groups whose advantage is 0 (`trainer.skip_zero_advantage` does not run them)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="--trainer.k=v ..."',
@@ -117,7 +126,8 @@ def main() -> None:
         from transformers import AutoConfig
 
         batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len,
-                           group_size=args.group_size, response_len_min=args.response_len_min)
+                           group_size=args.group_size, response_len_min=args.response_len_min,
+                           alike_groups=args.alike_groups)
         tokens = float(batch.attention_mask.sum())
 
         hf_s = None

@@ -23,6 +23,8 @@ Differences that stay, by design or by necessity:
   vLLM engine and a reward pool, as Ray actors; they take turns on the same cores. Neither side
   computes old log-probs in a pass of their own (one update per batch) nor asks the generator for
   log-probs (ours: `rollout.calculate_log_probs=false`, so ours logs no `mismatch/kl` here).
+- Ours runs every sequence (`trainer.skip_zero_advantage=false`): the untrained model scores 0 on every
+  sample, and by default ours would not run the zero-advantage groups at all (exactly zero gradient).
 - Loss: ours is PPO-clip with token-mean aggregation over the batch, TRL's `loss_type="dapo"` (the same
   normalisation: active tokens of the whole accumulated batch); advantages are group-normalised on both.
 
@@ -133,6 +135,9 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
         f"--trainer.world_size={a.world_size}", f"--trainer.num_threads={max(1, a.threads // a.world_size)}",
         f"--trainer.param_dtype={dtype}", "--trainer.reference=false", "--trainer.critic=false",
         "--trainer.test_freq=0", f"--trainer.seed={a.seed}",
+        # the untrained model scores 0 on every sample, so every group's advantage is 0 and the default would
+        # run none of them: both sides run the whole batch here
+        "--trainer.skip_zero_advantage=false",
         f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
         "--rollout.top_p=1.0", "--rollout.top_k=-1", f"--rollout.dtype={dtype}", "--rollout.engines=1",
         f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none

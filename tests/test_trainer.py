@@ -307,6 +307,59 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
         w.close()
 
 
+def test_zero_advantage_groups_are_not_run_and_change_nothing(tiny_qwen3):
+    """`trainer.skip_zero_advantage`: a group whose samples all scored alike (advantage 0) is not run; the
+    loss, the gradient and whole optimizer steps equal running it (fp32). A 1-rank TrainerWorker here."""
+    import torch.distributed as dist
+
+    from rl_tpu.algorithms.losses import zero_advantage_inert
+    from rl_tpu.trainer.group import _free_port
+    from rl_tpu.trainer.worker import TrainerWorker
+
+    assert not dist.is_initialized(), "an earlier test left a torch.distributed process group in this process"
+    cfg = load_config(None, ["--trainer.micro_batch_size=4", "--trainer.logprob_chunk_size=200",
+                             "--trainer.lr=1e-3", "--trainer.weight_decay=0.1"])
+    algo = cfg.algorithm
+    assert cfg.trainer.skip_zero_advantage and zero_advantage_inert(algo)
+    assert not zero_advantage_inert(dataclasses.replace(algo, entropy_coeff=0.01))
+    assert not zero_advantage_inert(dataclasses.replace(algo, use_kl_loss=True))
+    assert not zero_advantage_inert(dataclasses.replace(algo, policy_loss="sft"))
+    w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
+    try:
+        b = _group_batch(seed=1)
+        b = b.replace(advantages=b.advantages * (torch.arange(b.num_seqs) // 4 != 1)[:, None])  # prompt 2 alike
+        got = {}
+        for skip in (True, False):
+            w.tc = dataclasses.replace(w.tc, skip_zero_advantage=skip)
+            got[skip] = w.policy_grads(b, algo)
+        (g_on, m_on), (g_off, m_off) = got[True], got[False]
+        assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
+        assert max(v.abs().max().item() for v in g_off.values()) > 1e-4  # a real gradient
+        assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
+        assert m_on["actor/skipped_frac"] == pytest.approx(4 / 12) and "actor/skipped_frac" not in m_off
+        _, m_ent = w.policy_grads(b, dataclasses.replace(algo, entropy_coeff=0.01))  # the bonus has a gradient
+        assert "actor/skipped_frac" not in m_ent
+
+        # a real step, then one where every group scored alike: zero gradient, but AdamW's moments and weight
+        # decay still move the weights, with or without running the batch
+        start = w.hf_state_dict()
+        alike = b.replace(advantages=torch.zeros_like(b.advantages))
+        weights, metrics = {}, {}
+        for skip in (True, False):
+            w.restart_from(tiny_qwen3, dataclasses.replace(w.tc, skip_zero_advantage=skip))
+            w.train_step(b, algo)
+            metrics[skip] = w.train_step(alike, algo)
+            weights[skip] = w.hf_state_dict()
+        assert max((weights[True][k] - weights[False][k]).abs().max().item() for k in start) <= 1e-6
+        assert max((weights[True][k] - start[k]).abs().max().item() for k in start) > 1e-4
+        on, off = metrics[True], metrics[False]
+        assert on["actor/skipped_frac"] == 1.0 and on["actor/grad_norm"] == off["actor/grad_norm"] == 0.0
+        assert on["loss/policy"] == off["loss/policy"] == 0.0
+        assert "actor/entropy" not in on and off["actor/entropy"] > 0  # no mean over no token
+    finally:
+        w.close()
+
+
 def test_pack_shared_prompts_layout():
     """Pure layout: each prompt once, then its responses without their last token, no padding; slots
     continue their prompt's positions; each token's log-prob is read where it is predicted; attention's
@@ -574,6 +627,26 @@ def test_replicated_step_equals_sharded_step(ray_session, group2, cfg, tiny_qwen
         assert max((w_rep[k] - start[k]).abs().max().item() for k in w_rep) > 1e-4
     finally:
         sharded.shutdown()
+
+
+def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
+    """Two ranks, one of five sequences with an advantage: rank 0 runs it, rank 1 only a padding row; the
+    gradient and loss equal running all five (fp32)."""
+    b = _batch(seed=2)
+    b = b.replace(advantages=b.advantages * torch.tensor([0.0, 0, 0, 0, 1])[:, None],
+                  old_log_probs=group2.compute_log_probs(b) - 0.2 * b.response_mask)
+    got = {}
+    try:
+        for skip in (True, False):
+            group2.restart_from(tiny_qwen3, dataclasses.replace(cfg.trainer, skip_zero_advantage=skip))
+            got[skip] = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
+    finally:
+        group2.restart_from(tiny_qwen3, cfg.trainer)
+    (g_on, m_on), (g_off, m_off) = got[True], got[False]
+    assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
+    assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
+    assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
+    assert m_on["actor/skipped_frac"] == pytest.approx(4 / 5)
 
 
 def test_restart_from_equals_a_fresh_start(group1, cfg, tiny_qwen3, tiny_llama):

@@ -78,7 +78,7 @@ def _with_pad_row(batch: TrainBatch) -> TrainBatch:
 # rest shapes the processes, the model build or the sharding and is fixed at start
 RESTARTABLE = frozenset({"total_steps", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule", "min_lr_ratio",
                          "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "share_prompts",
-                         "test_freq", "seed"})
+                         "skip_zero_advantage", "test_freq", "seed"})
 
 
 def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
@@ -286,9 +286,11 @@ class TrainerWorker:
         actor_loss = self._actor_loss(algo)
         from rl_tpu.algorithms.losses import compute_value_loss
 
+        skip = self._skips_zero_advantage(algo)
         for _ in range(tc.ppo_epochs):
             for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
-                stats.append(self._update(batch, rows, self.model, self.optimizer, self.scheduler, actor_loss, "actor"))
+                stats.append(self._update(batch, rows, self.model, self.optimizer, self.scheduler, actor_loss, "actor",
+                                          skip_zero_advantage=skip))
                 self.step += 1
         if self.critic is not None and batch.returns is not None:
             self.critic.train()
@@ -335,13 +337,22 @@ class TrainerWorker:
 
         return loss
 
+    def _skips_zero_advantage(self, algo: AlgorithmConfig) -> bool:
+        from rl_tpu.algorithms.losses import zero_advantage_inert
+
+        return self.tc.skip_zero_advantage and zero_advantage_inert(algo)
+
     def policy_grads(self, batch: TrainBatch, algo: AlgorithmConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Full gradient of the policy loss over the whole batch (one mini-batch), without stepping:
         what `train_step` would clip and apply, and the loss metrics. For verification; leaves no
         gradient behind."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._reduce(*self._accumulate(batch, torch.arange(batch.num_seqs), self.model, self._actor_loss(algo)))
+        rows, skip = torch.arange(batch.num_seqs), self._skips_zero_advantage(algo)
+        run = self._rows_to_run(batch, rows, skip)
+        metrics = self._reduce(*self._accumulate(batch, rows, self.model, self._actor_loss(algo), run))
+        if skip:
+            metrics["actor/skipped_frac"] = 1 - len(run) / max(len(rows), 1)
         out = {}
         for n, p in self.model.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -351,8 +362,22 @@ class TrainerWorker:
             parallel.reshard(self.ref)
         return out, metrics
 
-    def _accumulate(self, batch, rows, model, loss_fn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
-        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up).
+    @staticmethod
+    def _rows_to_run(batch: TrainBatch, rows: torch.Tensor, skip_zero_advantage: bool) -> torch.Tensor:
+        """`rows` less the sequences whose advantage is zero on every token, when `skip_zero_advantage`
+        (the loss gives them exactly zero gradient: `losses.zero_advantage_inert`)."""
+        if not skip_zero_advantage:
+            return rows
+        from rl_tpu.algorithms.losses import rows_with_advantage
+
+        return rows[rows_with_advantage(batch.advantages[rows], batch.response_mask[rows])]
+
+    def _accumulate(self, batch, rows, model, loss_fn, run: torch.Tensor | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+        """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up); only
+        the rows in `run` (default: all) are run, but all of `rows` normalise the loss. With nothing to
+        run every rank still runs one padding row, so the optimizer steps on exact zero gradients as the
+        full batch would give.
 
         Metrics stay device tensors (float64 sums, as exact as the former Python-float sums): nothing
         here waits for the device, so on XLA/TPU the micro-batches trace without a host sync."""
@@ -362,7 +387,7 @@ class TrainerWorker:
         sums: dict[str, torch.Tensor] = {}
         weighted: dict[str, torch.Tensor] = {}
         weight = 0.0
-        micro = self._micro_batches(padded, rows, self.tc.micro_batch_size)
+        micro = self._micro_batches(padded, rows if run is None else run, self.tc.micro_batch_size)
         defer = self.replicated_step and isinstance(model, FSDPModule) and len(micro) > 1
         try:
             for i, idx in enumerate(micro):
@@ -401,15 +426,18 @@ class TrainerWorker:
         return keys, vec
 
     def _read_metrics(self, sums, keys: list[str], vec: torch.Tensor) -> dict[str, float]:
+        """Loss shares as summed; token means only when some token was run (a mean over none is no 0)."""
         vec = vec.cpu().tolist()
-        total_w = max(vec[-1], 1e-12)
-        return {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1])}
+        total_w = vec[-1]
+        return {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1]) if k in sums or total_w > 0}
 
-    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix) -> dict[str, float]:
+    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix,
+                skip_zero_advantage: bool = False) -> dict[str, float]:
         """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
         from torchtitan.distributed import utils as dist_utils
 
-        sums, weighted, weight = self._accumulate(batch, rows, model, loss_fn)
+        run = self._rows_to_run(batch, rows, skip_zero_advantage)
+        sums, weighted, weight = self._accumulate(batch, rows, model, loss_fn, run)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         foreach = None if self.device.lazy_tensors else True  # torch has no foreach kernels for xla tensors
@@ -425,6 +453,8 @@ class TrainerWorker:
         out = {(f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v for k, v in out.items()}
         out[f"{prefix}/grad_norm"] = float(grad_norm)
         out[f"{prefix}/lr"] = float(lr)
+        if skip_zero_advantage:
+            out[f"{prefix}/skipped_frac"] = 1 - len(run) / max(len(rows), 1)
         return out
 
     # ------------------------------------------------------------------ checkpoints and export

@@ -214,6 +214,21 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "vanilla": _vanilla, "gspo": _gspo, "sft": _sft,
 }
 
+# policy losses whose per-token value is -A x f(ratio): exactly zero wherever the advantage is zero
+ADVANTAGE_SCALED = frozenset({"vanilla", "gspo"})
+
+
+def zero_advantage_inert(cfg: AlgorithmConfig) -> bool:
+    """True when a sequence whose advantages are all zero adds exactly nothing to the actor loss or its
+    gradient: an advantage-scaled policy loss (times IS weights, also advantage-scaled), no KL loss, no
+    entropy bonus. Its tokens still count in the loss's normalisers (`global_tokens`, `global_seqs`)."""
+    return cfg.policy_loss in ADVANTAGE_SCALED and not cfg.use_kl_loss and cfg.entropy_coeff == 0
+
+
+def rows_with_advantage(advantages: Tensor, response_mask: Tensor) -> Tensor:
+    """`[B]` bool: the sequences with a nonzero advantage on at least one response token."""
+    return ((advantages != 0) & (response_mask != 0)).any(dim=1)
+
 
 def compute_policy_loss(
     cfg: AlgorithmConfig,

@@ -83,7 +83,8 @@ class TrainerConfig:
     # sequences whose advantage is zero on every token (a GRPO group whose samples all scored the same) are
     # not run when the loss gives them exactly zero gradient (losses.zero_advantage_inert: no KL loss, no
     # entropy bonus): same loss and update, less work. Their tokens still normalise the loss; token
-    # metrics (actor/entropy, mismatch/*) cover the sequences run; actor/skipped_frac says how many were not
+    # metrics (actor/entropy, mismatch/*) cover the sequences run (one per rank when no sequence has an
+    # advantage); actor/skipped_frac says how many were not
     skip_zero_advantage: bool = True
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")

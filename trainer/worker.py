@@ -362,22 +362,23 @@ class TrainerWorker:
             parallel.reshard(self.ref)
         return out, metrics
 
-    @staticmethod
-    def _rows_to_run(batch: TrainBatch, rows: torch.Tensor, skip_zero_advantage: bool) -> torch.Tensor:
+    def _rows_to_run(self, batch: TrainBatch, rows: torch.Tensor, skip_zero_advantage: bool) -> torch.Tensor:
         """`rows` less the sequences whose advantage is zero on every token, when `skip_zero_advantage`
-        (the loss gives them exactly zero gradient: `losses.zero_advantage_inert`)."""
+        (the loss gives them exactly zero gradient: `losses.zero_advantage_inert`). When no sequence has
+        an advantage each rank still runs one of them (its gradient is exactly zero too), so the step's
+        token metrics (actor/entropy, mismatch/*) keep a sample instead of vanishing from the log."""
         if not skip_zero_advantage:
             return rows
         from rl_tpu.algorithms.losses import rows_with_advantage
 
-        return rows[rows_with_advantage(batch.advantages[rows], batch.response_mask[rows])]
+        run = rows[rows_with_advantage(batch.advantages[rows], batch.response_mask[rows])]
+        return run if len(run) else rows[: self.world_size]
 
     def _accumulate(self, batch, rows, model, loss_fn, run: torch.Tensor | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
         """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up); only
-        the rows in `run` (default: all) are run, but all of `rows` normalise the loss. With nothing to
-        run every rank still runs one padding row, so the optimizer steps on exact zero gradients as the
-        full batch would give.
+        the rows in `run` (default: all) are run, but all of `rows` normalise the loss. A rank with nothing
+        to run runs one padding row, so every rank joins the same collectives.
 
         Metrics stay device tensors (float64 sums, as exact as the former Python-float sums): nothing
         here waits for the device, so on XLA/TPU the micro-batches trace without a host sync."""

@@ -293,10 +293,9 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
         rb = build_rollout_batch(data.groups, (rb.scores + pen).tolist(), tok.pad_token_id)
         metrics["reward/overlong_penalty"] = pen.mean().item()
     batch = rb.batch
-    if not on_policy_update(cfg):  # (KL in the reward is never on-policy here: it needs both beforehand)
-        batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch))
-        if cfg.trainer.reference:
-            batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch))
+    separate = not on_policy_update(cfg)
+    if separate and a.use_kl_in_reward:  # the reward needs both on every sequence, before the advantages
+        batch = _with_log_probs(cfg, batch, trainer, rows=None)
     if cfg.trainer.critic:
         batch = batch.replace(values=trainer.compute_values(batch))
     token_rewards = rb.token_level_scores
@@ -305,8 +304,29 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
                                                        batch.response_mask, a.kl_coef, a.kl_penalty)
         metrics |= kl_metrics
     adv, returns = compute_advantages(a, token_rewards, batch.response_mask, rb.group_index, batch.values)
-    rb.batch = batch.replace(advantages=adv, returns=returns)
+    batch = batch.replace(advantages=adv, returns=returns)
+    if separate and not a.use_kl_in_reward:  # advantages first: only the sequences the update runs
+        batch = _with_log_probs(cfg, batch, trainer, rows=_update_rows(cfg, batch, trainer.world_size))
+    rb.batch = batch
     return rb, metrics
+
+
+def _update_rows(cfg: Config, batch, world_size: int) -> torch.Tensor | None:
+    """The sequences the update will run (`trainer.skip_zero_advantage`), or None for all of them."""
+    from rl_tpu.algorithms.losses import update_rows, zero_advantage_inert
+
+    if not (cfg.trainer.skip_zero_advantage and zero_advantage_inert(cfg.algorithm)):
+        return None
+    rows = update_rows(batch.advantages, batch.response_mask, cfg.trainer.ppo_mini_batches, world_size)
+    return None if len(rows) == batch.num_seqs else rows
+
+
+def _with_log_probs(cfg: Config, batch, trainer, rows: torch.Tensor | None):
+    """`batch` with the trainer's pre-update log-probs (and the reference's) of `rows` (None: all)."""
+    batch = batch.replace(old_log_probs=trainer.compute_log_probs(batch, rows=rows))
+    if cfg.trainer.reference:
+        batch = batch.replace(ref_log_probs=trainer.compute_ref_log_probs(batch, rows=rows))
+    return batch
 
 
 def step_metrics(rb: RolloutBatch, trainer_version: int) -> dict[str, float]:

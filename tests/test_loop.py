@@ -220,9 +220,10 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
     # bf16 parity: |mismatch/kl| <= 1e-3 (measured ~1e-4 on this model; fp32 stays at 1e-5)
     (["--trainer.critic=true", "--algorithm.adv_estimator=gae", "--model.dtype=bfloat16", "--sync.transport=auto"],
      "compute_score", 1e-3),
-    # the full-tensor reload path, Dr. GRPO, and no engine log-probs (so no mismatch metric)
-    (["--sync.transport=reload", "--algorithm.adv_estimator=dr_grpo", "--rollout.calculate_log_probs=false"],
-     "compute_score", None),
+    # the full-tensor reload path, Dr. GRPO, and no engine log-probs (so no mismatch metric); two mini-batches
+    # without KL in the reward: the separate old-log-prob pass runs only the sequences the update runs
+    (["--sync.transport=reload", "--algorithm.adv_estimator=dr_grpo", "--rollout.calculate_log_probs=false",
+      "--trainer.ppo_mini_batches=2"], "compute_score", None),
 ], ids=["on-policy-kl-loss", "recompute-kl-reward-is-rloo", "dapo-overlong-rpp-collective", "gae-critic-bf16",
         "reload-drgrpo-no-logprobs"])
 def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch_tol, tmp_path, reward_files):
@@ -230,7 +231,7 @@ def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch
 
     fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:{reward}\"]"
     cfg = _run_cfg(tmp_path, "run", "--trainer.total_steps=2", "--sync.verify=true", fn, *options)
-    assert on_policy_update(cfg) == ("--trainer.ppo_epochs=2" not in options)
+    assert on_policy_update(cfg) == (not {"--trainer.ppo_epochs=2", "--trainer.ppo_mini_batches=2"} & set(options))
     train(cfg)  # verify raises if any engine parameter differs from what vLLM's own loader makes of the trainer's
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]

@@ -653,6 +653,42 @@ def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     assert m_on["actor/skipped_frac"] == pytest.approx(4 / 5)
 
 
+def test_old_log_probs_only_for_the_rows_the_update_runs(group2, cfg, tiny_qwen3):
+    """Two mini-batches, two ranks: the loop's separate old-log-prob pass runs only `update_rows` (the
+    sequences with an advantage; a mini-batch with none runs one per rank), and the update on those old
+    log-probs (zeros elsewhere) equals the update on every row's: weights, loss and the mismatch and clip
+    metrics that read the old log-probs (fp32)."""
+    from rl_tpu.algorithms.losses import update_rows
+
+    b = _group_batch(seed=4)
+    alike = (torch.arange(b.num_seqs) >= 4)[:, None]  # prompts 2 and 3 scored alike
+    b = b.replace(advantages=b.advantages.masked_fill(alike, 0.0),
+                  rollout_log_probs=-1.0 - 0.1 * torch.rand(b.advantages.shape, generator=torch.Generator().manual_seed(5)))
+    rows = update_rows(b.advantages, b.response_mask, mini_batches=2, world_size=2)
+    # mini-batch 1 (rows 0-5): the four with an advantage; mini-batch 2 (rows 6-11) has none: its first two
+    assert rows.tolist() == [0, 1, 2, 3, 6, 7]
+    tc = dataclasses.replace(cfg.trainer, ppo_mini_batches=2, skip_zero_advantage=True)
+    got = {}
+    try:
+        for name, sel in (("all", None), ("rows", rows)):
+            group2.restart_from(tiny_qwen3, tc)
+            old = group2.compute_log_probs(b, rows=sel)
+            if name == "rows":  # the other rows were not run
+                others = torch.ones(b.num_seqs, dtype=torch.bool).index_fill(0, rows, False)
+                assert old[others].abs().max().item() == 0.0
+                assert ((old - got["all"][0]) * b.response_mask)[rows].abs().max().item() <= 1e-6
+            metrics = group2.train_step(b.replace(old_log_probs=old - 0.05 * b.response_mask), cfg.algorithm)
+            got[name] = (old, metrics, group2.hf_state_dict())
+    finally:
+        group2.restart_from(tiny_qwen3, cfg.trainer)
+    (_, m_all, w_all), (_, m_rows, w_rows) = got["all"], got["rows"]
+    # two AdamW steps: old log-probs 1e-7 apart (another packing) move the weights within TOL
+    assert max((w_all[k] - w_rows[k]).abs().max().item() for k in w_all) <= TOL
+    for k in ("loss/policy", "mismatch/kl", "actor/ppo_kl", "actor/clipfrac", "actor/skipped_frac"):
+        assert m_rows[k] == pytest.approx(m_all[k], abs=1e-6), k
+    assert m_all["actor/skipped_frac"] == pytest.approx(6 / 12)
+
+
 def test_restart_from_equals_a_fresh_start(group1, cfg, tiny_qwen3, tiny_llama):
     """`restart_from` = a new group on that folder: its weights exactly, optimizer, schedule and step
     fresh. Two restarts from the same folder followed by the same step end bit-identical, which fails if

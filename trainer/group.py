@@ -138,14 +138,17 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ public API
 
-    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False):
+    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False, rows: torch.Tensor | None = None):
         """Log-probs `[B, T]` of the response tokens (and entropy `[B, T]` when `entropy=True`).
-        Positions outside `response_mask` hold unspecified values."""
-        res = self._assemble(batch, self._call("compute_log_probs", self._put(batch), entropy), 2 if entropy else 1)
+        Positions outside `response_mask` hold unspecified values. With `rows` (indices) only those
+        sequences are run, split over the ranks; the other rows hold zeros."""
+        res = self._assemble(batch, self._call("compute_log_probs", self._put(batch), entropy, rows),
+                             2 if entropy else 1)
         return (res[0], res[1]) if entropy else res[0]
 
-    def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._assemble(batch, self._call("compute_ref_log_probs", self._put(batch)), 1)[0]
+    def compute_ref_log_probs(self, batch: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference model's log-probs, as `compute_log_probs` (`rows`: the same)."""
+        return self._assemble(batch, self._call("compute_ref_log_probs", self._put(batch), rows), 1)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self._assemble(batch, self._call("compute_values", self._put(batch)), 1)[0]

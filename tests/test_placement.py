@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rl_tpu.config import ConfigError, load_config
-from rl_tpu.placement import (PlacementError, check_fits, plan_from_config, plan_placement, plan_trainers,
-                              rollout_threads)
+from rl_tpu.placement import (PlacementError, check_fits, omp_threads, plan_from_config, plan_placement,
+                              plan_trainers, rollout_threads)
 
 
 def _plan(placement="disaggregated", accelerator=None, world_size=2, engines=2, tp=1, **kw):
@@ -56,6 +56,11 @@ def test_auto_rollout_threads():
     assert rollout_threads(0, "disaggregated", cores=16, engines=2, tp=2, trainer_cpus=4) == 3
     assert rollout_threads(0, "disaggregated", cores=2, engines=1, tp=1, trainer_cpus=2) == 1  # never 0
     assert rollout_threads(5, "colocated", cores=2, engines=1, tp=1, trainer_cpus=2) == 5
+
+
+def test_omp_threads_reads_the_first_level_and_falls_back_to_one():
+    assert [omp_threads(v) for v in ("4", " 3 ", "4,2", "2, 1")] == [4, 3, 4, 2]
+    assert [omp_threads(v) for v in (None, "", "0", "-2", "four", "2.5", ",3")] == [1] * 7
 
 
 @pytest.mark.parametrize("kw, message", [

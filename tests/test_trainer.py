@@ -682,7 +682,7 @@ def test_old_log_probs_only_for_the_rows_the_update_runs(group2, cfg, tiny_qwen3
     finally:
         group2.restart_from(tiny_qwen3, cfg.trainer)
     (_, m_all, w_all), (_, m_rows, w_rows) = got["all"], got["rows"]
-    # two AdamW steps: old log-probs 1e-7 apart (another packing) move the weights within TOL
+    # two AdamW steps: old log-probs ~5e-7 apart (another packing) move the weights within TOL
     assert max((w_all[k] - w_rows[k]).abs().max().item() for k in w_all) <= TOL
     for k in ("loss/policy", "mismatch/kl", "actor/ppo_kl", "actor/clipfrac", "actor/skipped_frac"):
         assert m_rows[k] == pytest.approx(m_all[k], abs=1e-6), k

@@ -286,11 +286,11 @@ class TrainerWorker:
         stats = []
         self.model.train()
         actor_loss = self._actor_loss(algo)
-        from rl_tpu.algorithms.losses import compute_value_loss
+        from rl_tpu.algorithms.losses import compute_value_loss, mini_batch_rows
 
         skip = self._skips_zero_advantage(algo)
         for _ in range(tc.ppo_epochs):
-            for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
+            for rows in mini_batch_rows(batch.num_seqs, tc.ppo_mini_batches):
                 stats.append(self._update(batch, rows, self.model, self.optimizer, self.scheduler, actor_loss, "actor",
                                           skip_zero_advantage=skip))
                 self.step += 1
@@ -304,7 +304,7 @@ class TrainerWorker:
                                           algo.cliprange_value, global_tokens=g_tok)
 
             for _ in range(tc.ppo_epochs):
-                for rows in torch.arange(batch.num_seqs).tensor_split(tc.ppo_mini_batches):
+                for rows in mini_batch_rows(batch.num_seqs, tc.ppo_mini_batches):
                     stats.append(self._update(batch, rows, self.critic, self.critic_optimizer,
                                               self.critic_scheduler, critic_loss, "critic"))
         if self.ref is not None:

@@ -238,11 +238,16 @@ def rows_to_run(advantages: Tensor, response_mask: Tensor, world_size: int) -> T
     return run if len(run) else torch.arange(min(world_size, advantages.shape[0]))
 
 
+def mini_batch_rows(num_seqs: int, mini_batches: int) -> tuple[Tensor, ...]:
+    """Row indices of each of the update's mini-batches (consecutive, sizes differing by at most one)."""
+    return torch.arange(num_seqs).tensor_split(mini_batches)
+
+
 def update_rows(advantages: Tensor, response_mask: Tensor, mini_batches: int, world_size: int) -> Tensor:
-    """`rows_to_run` of each of the update's mini-batches (`tensor_split` of the batch, as the trainer
-    splits it), as indices into the whole batch: the rows whose old log-probs the update reads."""
+    """`rows_to_run` of each of the update's mini-batches (`mini_batch_rows`, as the trainer splits the
+    batch), as indices into the whole batch: the rows whose old log-probs the update reads."""
     parts = [rows[rows_to_run(advantages[rows], response_mask[rows], world_size)]
-             for rows in torch.arange(advantages.shape[0]).tensor_split(mini_batches)]
+             for rows in mini_batch_rows(advantages.shape[0], mini_batches)]
     return torch.cat(parts)
 
 

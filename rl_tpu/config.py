@@ -76,6 +76,9 @@ class TrainerConfig:
     # stays sharded). "auto": replicated up to 500M parameters (docs/decisions.md)
     fsdp_step: Literal["auto", "sharded", "replicated"] = "auto"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
+    # float32 matmuls of the model's linears and log-prob head on CPU: "onednn" (trainer/onednn.py; ~2x MKL's
+    # rate on AMD CPUs, bench/RESULTS.md) or "aten" (torch's default, MKL's sgemm). Other devices: aten
+    cpu_matmul: Literal["onednn", "aten"] = "onednn"
     # a micro-batch's samples of one prompt run packed: the prompt once, each response at its own length
     # attending to it (trainer/attention.py); same log-probs and gradients, fewer positions. Off on
     # static-shape devices

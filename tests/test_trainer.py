@@ -631,6 +631,28 @@ def test_replicated_step_equals_sharded_step(ray_session, group2, cfg, tiny_qwen
         sharded.shutdown()
 
 
+def test_onednn_linears_equal_aten_in_the_trainer(ray_session, group1, cfg, tiny_qwen3):
+    """`trainer.cpu_matmul`: the default routes the model's float32 matmuls to oneDNN (trainer/onednn.py);
+    log-probs and gradients equal those of torch's own matmuls (MKL) up to float32 summation order."""
+    from rl_tpu.trainer import TrainerGroup
+
+    aten = TrainerGroup(load_config(None, OVERRIDES + ["--trainer.cpu_matmul=aten"]), tiny_qwen3, world_size=1)
+    try:
+        assert [i["matmul"] for i in group1.info] == ["onednn"]
+        assert [i["matmul"] for i in aten.info] == ["aten"]
+        group1.restart_from(tiny_qwen3)
+        b = _batch(seed=6)
+        lp, lp_aten = group1.compute_log_probs(b), aten.compute_log_probs(b)
+        assert _masked_max_diff(lp, lp_aten, b.response_mask) <= 1e-6
+        b = b.replace(old_log_probs=lp_aten - 0.1 * b.response_mask)
+        got, want = group1.policy_grads(b, cfg.algorithm), aten.policy_grads(b, cfg.algorithm)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+        assert max(v.abs().max().item() for v in want.values()) > 1e-4
+        assert any(not torch.equal(got[k], want[k]) for k in want)  # two kernels, not one path run twice
+    finally:
+        aten.shutdown()
+
+
 def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     """Two ranks, one of five sequences with an advantage: rank 0 runs it, rank 1 only a padding row; the
     gradient and loss equal running all five (fp32)."""

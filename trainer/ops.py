@@ -24,14 +24,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
     tensors of its own: never views, which FSDP2 warns about on a module's outputs."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int):
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm_t):
         shape, acc = targets.shape, torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
         m = torch.full(shape, -math.inf, dtype=acc, device=h.device)
         s = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m)
         t = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m) * z
         tgt = torch.zeros(shape, dtype=acc, device=h.device)
         for lo in range(0, w.shape[0], chunk):
-            z = (h @ w[lo: lo + chunk].T).to(acc)
+            z = mm_t(h, w[lo: lo + chunk]).to(acc)
             m_new = torch.maximum(m, z.max(dim=-1).values)
             scale = torch.exp(m - m_new)
             e = torch.exp(z - m_new[..., None])
@@ -44,13 +44,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse = m + torch.log(s)
         ez = t / s  # E_p[z]
         ctx.save_for_backward(h, w, targets, lse, ez)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.mm_t = chunk, mm_t
         return tgt - lse, lse - ez  # log p(target), entropy
 
     @staticmethod
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
         h, w, targets, lse, ez = ctx.saved_tensors
-        chunk = ctx.chunk
+        chunk, mm_t = ctx.chunk, ctx.mm_t
         acc = lse.dtype
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(acc)
         grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
@@ -58,7 +58,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         h2 = h.reshape(-1, h.shape[-1])
         for lo in range(0, w.shape[0], chunk):
             wc = w[lo: lo + chunk]
-            z = (h @ wc.T).to(acc)
+            z = mm_t(h, wc).to(acc)
             p = torch.exp(z - lse[..., None])
             dz = -g_lp[..., None] * p  # d log p_t / dz_k = 1[k = t] - p_k
             inside = (targets >= lo) & (targets < lo + z.shape[-1])
@@ -67,17 +67,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if g_ent is not None:  # d H / dz_k = p_k (E_p[z] - z_k)
                 dz = dz + g_ent.to(acc)[..., None] * p * (ez[..., None] - z)
             dz = dz.to(h.dtype)
-            grad_h += dz @ wc
-            grad_w[lo: lo + chunk] = dz.reshape(-1, dz.shape[-1]).T @ h2
-        return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None
+            grad_h += mm_t(dz, wc.T)
+            grad_w[lo: lo + chunk] = mm_t(dz.reshape(-1, dz.shape[-1]).T, h2.T)
+        return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None, None
 
 
-def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+def mm_t(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b.T`."""
+    return a @ b.T
+
+
+def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm_t=mm_t) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` `[...]` and entropy `[...]` under logits `h @ w.T`, `h` `[..., D]`, `w`
-    `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V))."""
+    `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V)). `mm_t(a, b)`
+    computes `a @ b.T` (trainer/onednn.py's on CPU)."""
     if targets.numel() == 0:
         return h.new_zeros(targets.shape, dtype=torch.float32), h.new_zeros(targets.shape, dtype=torch.float32)
-    return _ChunkedLogProbs.apply(h, w, targets, int(chunk))
+    return _ChunkedLogProbs.apply(h, w, targets, int(chunk), mm_t)
 
 
 def response_index(prompt_lens: Tensor, T: int, L: int) -> tuple[Tensor, Tensor]:

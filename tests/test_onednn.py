@@ -1,6 +1,8 @@
 """trainer/onednn.py: linears and the log-prob head's matmuls on oneDNN give float32 results as close to
 float64 as aten's, with the same gradients; other dtypes fall back to aten bit for bit."""
 
+import copy
+
 import pytest
 import torch
 
@@ -79,6 +81,10 @@ def test_install_routes_every_linear_and_keeps_parameters():
         onednn._mm_t = real
     assert len(calls) == 2 + 3  # two forwards; backward: grad x and grad w of the last, grad w of the first
     ref(x).square().sum().backward()
+    twin = copy.deepcopy(net)  # its forwards use its own weights, not the original's
+    with torch.no_grad():
+        twin[0].weight.zero_()
+    assert not torch.equal(twin(x), net(x))
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=n)
 

@@ -89,6 +89,10 @@ class TrainerConfig:
     # metrics (actor/entropy, mismatch/*) cover the sequences run (one per rank when no sequence has an
     # advantage); actor/skipped_frac says how many were not
     skip_zero_advantage: bool = True
+    # world_size > 1: the rows of a step are dealt to the ranks so each runs about the same number of tokens
+    # (ops.balance_rows; a prompt's samples stay on one rank where they fit; verl's balance_batch): the
+    # step waits for its slowest rank. Same loss and gradients up to fp32 summation order
+    balance_tokens: bool = True
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")
     critic_lr: float = F(1e-5, gt=0)

@@ -159,6 +159,33 @@ def test_split_rows_covers_each_row_once_with_equal_micro_batch_counts():
         assert (rows[rows >= B] == B).all()
 
 
+def test_balance_rows_deals_each_rank_about_the_same_tokens():
+    """`ops.balance_rows`: a permutation whose `split_rows` blocks carry near-equal cost, a prompt's rows on
+    one rank where they fit, each rank's rows in batch order, the same answer every call."""
+    from rl_tpu.trainer.ops import balance_rows
+
+    g = torch.Generator().manual_seed(0)
+    for B, n, world in [(64, 8, 2), (48, 4, 4), (30, 5, 3), (21, 4, 2)]:
+        group = torch.arange(B) // n
+        # long-answer prompts and short-answer prompts: per-group lengths differ, as in real GRPO batches
+        cost = (torch.randint(8, 200, (B // n + 1,), generator=g)[group]
+                + torch.randint(0, 16, (B,), generator=g)).double()
+        order = balance_rows(cost, group, world)
+        assert sorted(order.tolist()) == list(range(B))
+        assert torch.equal(order, balance_rows(cost, group, world))
+        per_rank = -(-B // world)
+        blocks = order.split(per_rank)
+        loads = [float(cost[b].sum()) for b in blocks]
+        before = [float(c.sum()) for c in cost.split(per_rank)]
+        biggest = max(float(cost[group == k].sum()) for k in group.unique())
+        assert max(loads) - min(loads) <= min(max(before) - min(before), biggest), (B, n, world, loads, before)
+        assert all(torch.equal(b, b.sort().values) for b in blocks)
+        if per_rank % n == 0 and B % n == 0:  # whole groups fit: none is split over ranks
+            assert all(len({int(group[i]) for i in b}) * n == len(b) for b in blocks)
+    # one rank, or nothing to balance: batch order
+    assert balance_rows(torch.tensor([5.0, 1.0, 3.0]), torch.arange(3), 1).tolist() == [0, 1, 2]
+
+
 def test_bucket_length_and_batch_validation(tmp_path):
     from rl_tpu.trainer import TrainerGroup
     from rl_tpu.trainer.ops import bucket_length
@@ -673,6 +700,29 @@ def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
     assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
     assert m_on["actor/skipped_frac"] == pytest.approx(4 / 5)
+
+
+def test_token_balanced_ranks_give_the_same_gradient(group2, cfg, tiny_qwen3):
+    """`trainer.balance_tokens`: two ranks, a GRPO batch whose contiguous halves carry unequal tokens, so
+    balancing moves rows between the ranks; the gradient and loss equal the unbalanced split's (fp32)."""
+    from rl_tpu.trainer.ops import balance_rows
+
+    b = _group_batch(seed=3)
+    group = torch.arange(b.num_seqs) // 4
+    plen = b.prompt_lens.double()  # the trainer's cost: each response, and a quarter of its shared prompt
+    order = balance_rows(b.attention_mask.sum(1) - plen + plen / 4, group, 2)
+    assert order.tolist() != list(range(b.num_seqs))  # the premise: balancing changes which rank runs what
+    got = {}
+    try:
+        for balance in (True, False):
+            group2.restart_from(tiny_qwen3, dataclasses.replace(cfg.trainer, balance_tokens=balance))
+            got[balance] = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
+    finally:
+        group2.restart_from(tiny_qwen3, cfg.trainer)
+    (g_on, m_on), (g_off, m_off) = got[True], got[False]
+    assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
+    assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
+    assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
 
 
 def test_old_log_probs_only_for_the_rows_the_update_runs(group2, cfg, tiny_qwen3):

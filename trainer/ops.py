@@ -6,7 +6,8 @@ Invariants:
   `log_softmax(h @ W.T).gather(targets)` up to fp32 summation order, and so do its gradients.
 - `split_rows` is deterministic and depends only on (B, world_size, micro_batch_size): every rank runs
   the same number of micro-batches (FSDP collectives must match), padding with rows whose
-  response mask is zero, so they add nothing to any loss or count.
+  response mask is zero, so they add nothing to any loss or count. `balance_rows` reorders a batch so
+  those blocks carry near-equal tokens; it too depends only on the batch, so every rank agrees.
 """
 
 from __future__ import annotations
@@ -116,6 +117,34 @@ def split_rows(B: int, world_size: int, rank: int, micro_batch_size: int) -> lis
     rows = torch.arange(rank * per_rank, (rank + 1) * per_rank)
     rows = torch.where(rows < B, rows, torch.full_like(rows, B))
     return list(rows.split(micro_batch_size))
+
+
+def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
+    """An order of B rows whose contiguous blocks (`split_rows`: ceil(B / world) rows per rank) carry
+    near-equal `cost` (tokens): a step waits for its slowest rank. `group[i]` names row i's prompt;
+    rows of one prompt stay on one rank where a rank has room for all of them (their prompt then runs
+    once there: `pack_shared_prompts`). Greedy: groups by cost, largest first, each to the least-loaded
+    rank with room, split over ranks only when no rank has room left for the whole group. Each rank's
+    rows keep batch order. Deterministic (ties by rank, then row), so every rank computes the same."""
+    B = len(cost)
+    per_rank = max(math.ceil(B / world_size), 1)
+    room = [min(per_rank, max(B - r * per_rank, 0)) for r in range(world_size)]
+    load = [0.0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group.tolist()):
+        members.setdefault(g, []).append(i)
+    c = cost.tolist()
+    units = sorted(members.values(), key=lambda rows: (-sum(c[i] for i in rows), rows[0]))
+    for rows in units:
+        while rows:
+            fits = [r for r in range(world_size) if room[r] >= len(rows)] or [r for r in range(world_size) if room[r]]
+            r = min(fits, key=lambda r: (load[r], r))
+            take, rows = rows[: room[r]], rows[room[r]:]
+            owned[r] += take
+            room[r] -= len(take)
+            load[r] += sum(c[i] for i in take)
+    return torch.tensor([i for rows in owned for i in sorted(rows)], dtype=torch.long)
 
 
 def static_buckets(max_len: int, smallest: int = 16) -> list[int]:

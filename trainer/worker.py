@@ -3,7 +3,8 @@ and optional critic, all TorchTitan models whose parameters are DTensors.
 
 Invariants:
 - Every rank receives the WHOLE batch and takes its rows with `ops.split_rows` (deterministic; the
-  same number of micro-batches on every rank, padded with zero-mask rows). Global token/sequence
+  same number of micro-batches on every rank, padded with zero-mask rows), after `ops.balance_rows`
+  has ordered them so every rank runs about the same number of tokens (`trainer.balance_tokens`). Global token/sequence
   counts are therefore computed locally and are identical on all ranks, no all-reduce needed.
 - Gradients are summed across micro-batches and ranks (FSDP sum reduction, see `parallel.py`); each
   micro-batch's loss is its share of the whole mini-batch loss (`global_tokens` / `global_seqs`),
@@ -78,7 +79,7 @@ def _with_pad_row(batch: TrainBatch) -> TrainBatch:
 # rest shapes the processes, the model build or the sharding and is fixed at start
 RESTARTABLE = frozenset({"total_steps", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule", "min_lr_ratio",
                          "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "share_prompts",
-                         "skip_zero_advantage", "test_freq", "seed"})
+                         "skip_zero_advantage", "balance_tokens", "test_freq", "seed"})
 
 
 def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
@@ -234,6 +235,8 @@ class TrainerWorker:
     def _micro_batches(self, padded: TrainBatch, rows: torch.Tensor, micro: int) -> list[torch.Tensor]:
         """Global row indices (B = the pad row) of this rank's micro-batches over `rows`."""
         B = padded.num_seqs - 1
+        if self.tc.balance_tokens and self.world_size > 1 and len(rows) > self.world_size:
+            rows = rows[ops.balance_rows(*self._row_costs(padded, rows), self.world_size)]
         ext = torch.cat([rows, torch.tensor([B])])
         out = []
         for local in ops.split_rows(len(rows), self.world_size, self.rank, micro):
@@ -242,6 +245,18 @@ class TrainerWorker:
                 idx = torch.cat([idx, torch.full((micro - len(idx),), B)])
             out.append(idx)
         return out
+
+    def _row_costs(self, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens each of `rows` puts through the model, and its prompt's group id (`ops.balance_rows`).
+        Where prompts are shared a group's prompt runs once, so each member carries its share of it."""
+        ids, plen = batch.input_ids[rows], batch.prompt_lens[rows]
+        keys: dict[tuple[int, ...], int] = {}
+        group = torch.tensor([keys.setdefault(tuple(ids[i, :p].tolist()), len(keys))
+                              for i, p in enumerate(plen.tolist())], dtype=torch.long)
+        cost = batch.attention_mask[rows].sum(1).to(torch.float64)
+        if self.tc.share_prompts and self.can_share_prompts:
+            cost = cost - plen + plen / torch.bincount(group)[group]
+        return cost, group
 
     def _padded(self, batch: TrainBatch) -> TrainBatch:
         """`batch` plus the pad row, its sequence and response lengths padded to their buckets (static shapes)."""

@@ -19,6 +19,9 @@ hits every variant alike; each variant's ratio is against the same transformers 
     bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
         --alike-groups 0.5 --variant skip="--trainer.skip_zero_advantage=true" \
         --variant all="--trainer.skip_zero_advantage=false"
+    bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
+        --response-len 256 --response-len-min 16 --lengths-by-group \
+        --variant balanced="--trainer.balance_tokens=true" --variant blocks="--trainer.balance_tokens=false"
 
 `--old-log-probs` also times the loop's separate old-log-prob pass before each step (what several
 mini-batches or epochs need), over the rows the loop asks for (`loop.old_log_prob_rows`), e.g. the
@@ -39,17 +42,23 @@ import torch
 
 
 def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1,
-               response_len_min: int | None = None, alike_groups: float = 0.0):
+               response_len_min: int | None = None, alike_groups: float = 0.0, lengths_by_group: bool = False):
     """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group);
-    response lengths uniform in [response_len_min, response_len] (all response_len by default); a random
-    `alike_groups` share of the groups has advantage 0 (samples that all scored the same)."""
+    response lengths uniform in [response_len_min, response_len] (all response_len by default), or with
+    `lengths_by_group` in [response_len_min, L] for a length L drawn per group from that range (some
+    prompts draw long answers, some short, as in real GRPO batches); a random `alike_groups` share of the
+    groups has advantage 0 (samples that all scored the same)."""
     from rl_tpu.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))]
     P = [prompts[i // group_size] for i in range(batch)]
     lo = response_len if response_len_min is None else response_len_min
-    lens = torch.randint(lo, response_len + 1, (batch,), generator=g).tolist()
+    if lengths_by_group:
+        top = torch.randint(lo, response_len + 1, (len(prompts),), generator=g)
+        lens = [int(torch.randint(lo, int(top[i // group_size]) + 1, (1,), generator=g)) for i in range(batch)]
+    else:
+        lens = torch.randint(lo, response_len + 1, (batch,), generator=g).tolist()
     R = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
     adv = torch.randn(batch, generator=g)
     n_groups = len(prompts)
@@ -102,6 +111,8 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=64)
     ap.add_argument("--response-len-min", type=int, default=None,
                     help="responses of uniform random length in [this, --response-len] (default: all --response-len)")
+    ap.add_argument("--lengths-by-group", action="store_true",
+                    help="each group draws its own longest response in [--response-len-min, --response-len]")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=1,
                     help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)")
@@ -137,7 +148,7 @@ def main() -> None:
 
         batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len,
                            group_size=args.group_size, response_len_min=args.response_len_min,
-                           alike_groups=args.alike_groups)
+                           alike_groups=args.alike_groups, lengths_by_group=args.lengths_by_group)
         tokens = float(batch.attention_mask.sum())
 
         hf_s = None

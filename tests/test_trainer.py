@@ -161,7 +161,7 @@ def test_split_rows_covers_each_row_once_with_equal_micro_batch_counts():
 
 def test_balance_rows_deals_each_rank_about_the_same_tokens():
     """`ops.balance_rows`: a permutation whose `split_rows` blocks carry near-equal cost, a prompt's rows on
-    one rank where they fit, each rank's rows in batch order, the same answer every call."""
+    one rank where they fit, each rank's groups longest first, the same answer every call."""
     from rl_tpu.trainer.ops import balance_rows
 
     g = torch.Generator().manual_seed(0)
@@ -179,11 +179,13 @@ def test_balance_rows_deals_each_rank_about_the_same_tokens():
         before = [float(c.sum()) for c in cost.split(per_rank)]
         biggest = max(float(cost[group == k].sum()) for k in group.unique())
         assert max(loads) - min(loads) <= min(max(before) - min(before), biggest), (B, n, world, loads, before)
-        assert all(torch.equal(b, b.sort().values) for b in blocks)
+        for b in blocks:  # within a rank: groups contiguous, longest first (micro-batches of like lengths)
+            runs = [int(group[i]) for i in b]
+            assert runs == sorted(runs, key=lambda k: (-float(cost[group == k].max()), k))
         if per_rank % n == 0 and B % n == 0:  # whole groups fit: none is split over ranks
             assert all(len({int(group[i]) for i in b}) * n == len(b) for b in blocks)
-    # one rank, or nothing to balance: batch order
-    assert balance_rows(torch.tensor([5.0, 1.0, 3.0]), torch.arange(3), 1).tolist() == [0, 1, 2]
+    # one rank: every row there, longest group first
+    assert balance_rows(torch.tensor([5.0, 1.0, 3.0]), torch.arange(3), 1).tolist() == [0, 2, 1]
 
 
 def test_bucket_length_and_batch_validation(tmp_path):

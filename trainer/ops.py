@@ -124,8 +124,8 @@ def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
     near-equal `cost` (tokens): a step waits for its slowest rank. `group[i]` names row i's prompt;
     rows of one prompt stay on one rank where a rank has room for all of them (their prompt then runs
     once there: `pack_shared_prompts`). Greedy: groups by cost, largest first, each to the least-loaded
-    rank with room, split over ranks only when no rank has room left for the whole group. Each rank's
-    rows keep batch order. Deterministic (ties by rank, then row), so every rank computes the same."""
+    rank with room, split over ranks only when no rank has room left for the whole group. Each rank runs
+    its groups longest first. Deterministic (ties by rank, then row), so every rank computes the same."""
     B = len(cost)
     per_rank = max(math.ceil(B / world_size), 1)
     room = [min(per_rank, max(B - r * per_rank, 0)) for r in range(world_size)]
@@ -144,7 +144,12 @@ def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
             owned[r] += take
             room[r] -= len(take)
             load[r] += sum(c[i] for i in take)
-    return torch.tensor([i for rows in owned for i in sorted(rows)], dtype=torch.long)
+    # within a rank, groups longest first: a micro-batch's response slots pad to its longest response, so
+    # groups of like lengths share micro-batches
+    longest = {g: max(c[i] for i in rows) for g, rows in members.items()}
+    gid = group.tolist()
+    return torch.tensor([i for rows in owned for i in sorted(rows, key=lambda i: (-longest[gid[i]], gid[i], i))],
+                        dtype=torch.long)
 
 
 def static_buckets(max_len: int, smallest: int = 16) -> list[int]:

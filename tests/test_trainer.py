@@ -682,6 +682,19 @@ def test_onednn_linears_equal_aten_in_the_trainer(ray_session, group1, cfg, tiny
         aten.shutdown()
 
 
+def _grads_switched(group, model_path: str, cfg, batch: TrainBatch, switch: str):
+    """`policy_grads` (with metrics) of `batch` with the trainer's boolean `switch` on, then off, each from
+    `model_path`'s weights; the group is left restarted on `cfg.trainer`."""
+    got = {}
+    try:
+        for on in (True, False):
+            group.restart_from(model_path, dataclasses.replace(cfg.trainer, **{switch: on}))
+            got[on] = group.policy_grads(batch, cfg.algorithm, with_metrics=True)
+    finally:
+        group.restart_from(model_path, cfg.trainer)
+    return got[True], got[False]
+
+
 def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     """Two ranks, one of five sequences with an advantage: rank 0 runs it, rank 1 only a padding row; the
     gradient and loss equal running all five (fp32)."""
@@ -690,14 +703,7 @@ def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     # a ratio of exp(0.1), inside the clip range, so the one sequence with an advantage has a gradient
     b = b.replace(advantages=b.advantages * torch.tensor([0.0, 0, 0, 0, 1])[:, None],
                   old_log_probs=group2.compute_log_probs(b) - 0.1 * b.response_mask)
-    got = {}
-    try:
-        for skip in (True, False):
-            group2.restart_from(tiny_qwen3, dataclasses.replace(cfg.trainer, skip_zero_advantage=skip))
-            got[skip] = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
-    finally:
-        group2.restart_from(tiny_qwen3, cfg.trainer)
-    (g_on, m_on), (g_off, m_off) = got[True], got[False]
+    (g_on, m_on), (g_off, m_off) = _grads_switched(group2, tiny_qwen3, cfg, b, "skip_zero_advantage")
     assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
     assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
     assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
@@ -714,14 +720,7 @@ def test_token_balanced_ranks_give_the_same_gradient(group2, cfg, tiny_qwen3):
     plen = b.prompt_lens.double()  # the trainer's cost: each response, and a quarter of its shared prompt
     order = balance_rows(b.attention_mask.sum(1) - plen + plen / 4, group, 2)
     assert order.tolist() != list(range(b.num_seqs))  # the premise: balancing changes which rank runs what
-    got = {}
-    try:
-        for balance in (True, False):
-            group2.restart_from(tiny_qwen3, dataclasses.replace(cfg.trainer, balance_tokens=balance))
-            got[balance] = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
-    finally:
-        group2.restart_from(tiny_qwen3, cfg.trainer)
-    (g_on, m_on), (g_off, m_off) = got[True], got[False]
+    (g_on, m_on), (g_off, m_off) = _grads_switched(group2, tiny_qwen3, cfg, b, "balance_tokens")
     assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
     assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
     assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)

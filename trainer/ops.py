@@ -119,6 +119,22 @@ def split_rows(B: int, world_size: int, rank: int, micro_batch_size: int) -> lis
     return list(rows.split(micro_batch_size))
 
 
+def prompt_groups(input_ids: Tensor, prompt_lens: Tensor) -> Tensor:
+    """Group id of each row `[b]`: rows whose prompt tokens are equal share one, numbered 0, 1, ... in
+    order of first appearance (a GRPO group's samples; what `pack_shared_prompts` runs once)."""
+    keys: dict[tuple[int, ...], int] = {}
+    return torch.tensor([keys.setdefault(tuple(input_ids[i, :p].tolist()), len(keys))
+                         for i, p in enumerate(prompt_lens.tolist())], dtype=torch.long)
+
+
+def _members(group: list[int]) -> dict[int, list[int]]:
+    """Row indices of each group id, in order of first appearance."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group):
+        members.setdefault(g, []).append(i)
+    return members
+
+
 def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
     """An order of B rows whose contiguous blocks (`split_rows`: ceil(B / world) rows per rank) carry
     near-equal `cost` (tokens): a step waits for its slowest rank. `group[i]` names row i's prompt;
@@ -131,9 +147,8 @@ def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
     room = [min(per_rank, max(B - r * per_rank, 0)) for r in range(world_size)]
     load = [0.0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group.tolist()):
-        members.setdefault(g, []).append(i)
+    gid = group.tolist()
+    members = _members(gid)
     c = cost.tolist()
     units = sorted(members.values(), key=lambda rows: (-sum(c[i] for i in rows), rows[0]))
     for rows in units:
@@ -147,7 +162,6 @@ def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
     # within a rank, groups longest first: a micro-batch's response slots pad to its longest response, so
     # groups of like lengths share micro-batches
     longest = {g: max(c[i] for i in rows) for g, rows in members.items()}
-    gid = group.tolist()
     return torch.tensor([i for rows in owned for i in sorted(rows, key=lambda i: (-longest[gid[i]], gid[i], i))],
                         dtype=torch.long)
 
@@ -220,9 +234,7 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
     b = input_ids.shape[0]
     plen = prompt_lens.tolist()
     rlen = (attention_mask.sum(1) - prompt_lens).clamp(min=0).tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i in range(b):
-        groups.setdefault(tuple(input_ids[i, : plen[i]].tolist()), []).append(i)
+    groups = _members(prompt_groups(input_ids, prompt_lens).tolist())
     if len(groups) * min_repeat > b:
         return None
     G, P, R = len(groups), max(plen), max(max(r - 1 for r in rlen), 1)

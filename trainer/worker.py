@@ -4,8 +4,9 @@ and optional critic, all TorchTitan models whose parameters are DTensors.
 Invariants:
 - Every rank receives the WHOLE batch and takes its rows with `ops.split_rows` (deterministic; the
   same number of micro-batches on every rank, padded with zero-mask rows), after `ops.balance_rows`
-  has ordered them so every rank runs about the same number of tokens (`trainer.balance_tokens`). Global token/sequence
-  counts are therefore computed locally and are identical on all ranks, no all-reduce needed.
+  has ordered them so every rank runs about the same number of tokens (`trainer.balance_tokens`).
+  Global token/sequence counts are therefore computed locally and are identical on all ranks, no
+  all-reduce needed.
 - Gradients are summed across micro-batches and ranks (FSDP sum reduction, see `parallel.py`); each
   micro-batch's loss is its share of the whole mini-batch loss (`global_tokens` / `global_seqs`),
   so N ranks x M micro-batches give the same update as one rank with one micro-batch.
@@ -249,10 +250,8 @@ class TrainerWorker:
     def _row_costs(self, batch: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens each of `rows` puts through the model, and its prompt's group id (`ops.balance_rows`).
         Where prompts are shared a group's prompt runs once, so each member carries its share of it."""
-        ids, plen = batch.input_ids[rows], batch.prompt_lens[rows]
-        keys: dict[tuple[int, ...], int] = {}
-        group = torch.tensor([keys.setdefault(tuple(ids[i, :p].tolist()), len(keys))
-                              for i, p in enumerate(plen.tolist())], dtype=torch.long)
+        plen = batch.prompt_lens[rows]
+        group = ops.prompt_groups(batch.input_ids[rows], plen)
         cost = batch.attention_mask[rows].sum(1).to(torch.float64)
         if self.tc.share_prompts and self.can_share_prompts:
             cost = cost - plen + plen / torch.bincount(group)[group]

@@ -11,7 +11,7 @@
 (b) raw parts, back to back in one process with the same thread count (`OMP_NUM_THREADS`, which vLLM
     keeps): `vllm.LLM.generate` (in-process engine, the same sampling parameters and prompts), then a
     TorchTitan forward/backward/AdamW step on those tokens with the same PPO-clip loss and micro-batches
-    (the bare TorchTitan model: no FSDP, no Ray; its linears on oneDNN like ours, `trainer.cpu_matmul`),
+    (the bare TorchTitan model: no FSDP, no Ray; its linears on the same kernels as ours, `trainer.cpu_matmul`),
     then the new weights into the engine through vLLM's own loader (its layerwise reload fed the full HF
     state dict: the plain copy a user without resharding would do). Advantages are group-normalised random scores (rewards cost ~5 ms in (a)).
 
@@ -61,7 +61,7 @@ def raw_worker(a: argparse.Namespace) -> None:
     from rl_tpu.data.loader import PromptLoader, build_datasets, encode_prompts
     from rl_tpu.rollout.engine import build_engine, rollout_device, sampling_params
     from rl_tpu.trainer import model as tmodel
-    from rl_tpu.trainer import onednn, ops
+    from rl_tpu.trainer import cpu_matmul, ops
     from rl_tpu.types import TrainBatch
 
     torch.set_num_threads(a.threads)
@@ -79,8 +79,7 @@ def raw_worker(a: argparse.Namespace) -> None:
     titan.load_state_dict(tmodel.hf_to_titan(spec, tmodel.load_hf_state_dict(a.model)))
     titan.train()
     tc = cfg.trainer
-    if tc.cpu_matmul == "onednn" and onednn.available():  # the same matmul kernels as ours
-        onednn.install(titan)
+    cpu_matmul.install_mode(titan, tc.cpu_matmul)  # the same matmul kernels as ours
     opt = torch.optim.AdamW(titan.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     g = torch.Generator().manual_seed(a.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

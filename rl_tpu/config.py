@@ -76,9 +76,11 @@ class TrainerConfig:
     # stays sharded). "auto": replicated up to 500M parameters (docs/decisions.md)
     fsdp_step: Literal["auto", "sharded", "replicated"] = "auto"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
-    # float32 matmuls of the model's linears and log-prob head on CPU: "onednn" (trainer/onednn.py; ~2x MKL's
-    # rate on AMD CPUs, bench/RESULTS.md) or "aten" (torch's default, MKL's sgemm). Other devices: aten
-    cpu_matmul: Literal["onednn", "aten"] = "onednn"
+    # float32 matmuls of the model's linears and log-prob head on CPU (trainer/cpu_matmul.py): "auto" times
+    # MKL (aten) and oneDNN on the model's shapes at start and runs each matmul on the faster (cached per
+    # CPU model, torch and thread count, so a machine keeps its choice); "onednn" (~2x MKL on a Zen 5 box,
+    # bench/RESULTS.md) or "aten" (torch's default, MKL's sgemm) pin one. Other devices and bf16: aten
+    cpu_matmul: Literal["auto", "onednn", "aten"] = "auto"
     # a micro-batch's samples of one prompt run packed: the prompt once, each response at its own length
     # attending to it (trainer/attention.py); same log-probs and gradients, fewer positions. Off on
     # static-shape devices

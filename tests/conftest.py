@@ -1,6 +1,9 @@
 """Shared test setup: CPU engine environment defaults and locally built tiny models (no network)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +13,10 @@ from rl_tpu.devices import get_device
 get_device("cpu").apply_env()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub download in a test is a bug
+# trainer.cpu_matmul=auto's kernel choices: timed once per test session, not read from the user's cache
+if "RL_TPU_CACHE_DIR" not in os.environ:
+    os.environ["RL_TPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="rl_tpu_cache_")
+    atexit.register(shutil.rmtree, os.environ["RL_TPU_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")

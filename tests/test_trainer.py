@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -660,26 +661,44 @@ def test_replicated_step_equals_sharded_step(ray_session, group2, cfg, tiny_qwen
         sharded.shutdown()
 
 
-def test_onednn_linears_equal_aten_in_the_trainer(ray_session, group1, cfg, tiny_qwen3):
-    """`trainer.cpu_matmul`: the default routes the model's float32 matmuls to oneDNN (trainer/onednn.py);
-    log-probs and gradients equal those of torch's own matmuls (MKL) up to float32 summation order."""
+def test_matmul_kernels_agree_in_the_trainer(ray_session, group1, cfg, tiny_qwen3):
+    """`trainer.cpu_matmul`: the default ("auto") resolves a kernel for each matmul of each float32 linear
+    shape (trainer/cpu_matmul.py); another kernel choice gives the same log-probs and gradients up to
+    float32 summation order."""
     from rl_tpu.trainer import TrainerGroup
 
-    aten = TrainerGroup(load_config(None, OVERRIDES + ["--trainer.cpu_matmul=aten"]), tiny_qwen3, world_size=1)
+    (info,) = group1.info
+    assert info["matmul"] in ("aten", "onednn") or "/" in info["matmul"]
+    other = "aten" if info["matmul"] == "onednn" else "onednn"  # a different set of kernels from group1's
+    pinned = TrainerGroup(load_config(None, OVERRIDES + [f"--trainer.cpu_matmul={other}"]), tiny_qwen3, world_size=1)
     try:
-        assert [i["matmul"] for i in group1.info] == ["onednn"]
-        assert [i["matmul"] for i in aten.info] == ["aten"]
+        assert [i["matmul"] for i in pinned.info] == [other]
         group1.restart_from(tiny_qwen3)
         b = _batch(seed=6)
-        lp, lp_aten = group1.compute_log_probs(b), aten.compute_log_probs(b)
-        assert _masked_max_diff(lp, lp_aten, b.response_mask) <= 1e-6
-        b = b.replace(old_log_probs=lp_aten - 0.1 * b.response_mask)
-        got, want = group1.policy_grads(b, cfg.algorithm), aten.policy_grads(b, cfg.algorithm)
+        lp, lp_other = group1.compute_log_probs(b), pinned.compute_log_probs(b)
+        assert _masked_max_diff(lp, lp_other, b.response_mask) <= 1e-6
+        b = b.replace(old_log_probs=lp_other - 0.1 * b.response_mask)
+        got, want = group1.policy_grads(b, cfg.algorithm), pinned.policy_grads(b, cfg.algorithm)
         assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
         assert max(v.abs().max().item() for v in want.values()) > 1e-4
-        assert any(not torch.equal(got[k], want[k]) for k in want)  # two kernels, not one path run twice
+        assert any(not torch.equal(got[k], want[k]) for k in want)  # two kernel sets, not one path run twice
     finally:
-        aten.shutdown()
+        pinned.shutdown()
+
+
+def test_auto_matmuls_cover_every_linear_and_agree_over_ranks(group2, tiny_qwen3):
+    """Both ranks hold the same kernel table (decided on times summed over ranks), covering the model's
+    linears, the log-prob head's vocabulary chunks (100 wide here) and the critic's value head."""
+    import json
+
+    hf = json.loads((Path(tiny_qwen3) / "config.json").read_text())
+    d, heads, kv, head_dim = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    want = {(d, heads * head_dim), (heads * head_dim, d), (d, kv * head_dim), (d, hf["intermediate_size"]),
+            (hf["intermediate_size"], d), (d, hf["vocab_size"]), (d, 100), (d, 1)}
+    tables = [i["matmul_table"] for i in group2.info]
+    assert tables[0] == tables[1]
+    assert set(tables[0]) == {f"{k},{n}" for k, n in want}
+    assert all(set(t) == {"fwd", "dgrad", "wgrad"} and set(t.values()) <= {"aten", "onednn"} for t in tables[0].values())
 
 
 def _grads_switched(group, model_path: str, cfg, batch: TrainBatch, switch: str):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,14 +27,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
     tensors of its own: never views, which FSDP2 warns about on a module's outputs."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm_t):
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: "Matmuls"):
         shape, acc = targets.shape, torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
         m = torch.full(shape, -math.inf, dtype=acc, device=h.device)
         s = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m)
         t = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m) * z
         tgt = torch.zeros(shape, dtype=acc, device=h.device)
         for lo in range(0, w.shape[0], chunk):
-            z = mm_t(h, w[lo: lo + chunk]).to(acc)
+            z = mm.fwd(h, w[lo: lo + chunk]).to(acc)
             m_new = torch.maximum(m, z.max(dim=-1).values)
             scale = torch.exp(m - m_new)
             e = torch.exp(z - m_new[..., None])
@@ -45,13 +47,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse = m + torch.log(s)
         ez = t / s  # E_p[z]
         ctx.save_for_backward(h, w, targets, lse, ez)
-        ctx.chunk, ctx.mm_t = chunk, mm_t
+        ctx.chunk, ctx.mm = chunk, mm
         return tgt - lse, lse - ez  # log p(target), entropy
 
     @staticmethod
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
         h, w, targets, lse, ez = ctx.saved_tensors
-        chunk, mm_t = ctx.chunk, ctx.mm_t
+        chunk, mm = ctx.chunk, ctx.mm
         acc = lse.dtype
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(acc)
         grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
@@ -59,7 +61,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         h2 = h.reshape(-1, h.shape[-1])
         for lo in range(0, w.shape[0], chunk):
             wc = w[lo: lo + chunk]
-            z = mm_t(h, wc).to(acc)
+            z = mm.fwd(h, wc).to(acc)
             p = torch.exp(z - lse[..., None])
             dz = -g_lp[..., None] * p  # d log p_t / dz_k = 1[k = t] - p_k
             inside = (targets >= lo) & (targets < lo + z.shape[-1])
@@ -68,8 +70,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if g_ent is not None:  # d H / dz_k = p_k (E_p[z] - z_k)
                 dz = dz + g_ent.to(acc)[..., None] * p * (ez[..., None] - z)
             dz = dz.to(h.dtype)
-            grad_h += mm_t(dz, wc.T)
-            grad_w[lo: lo + chunk] = mm_t(dz.reshape(-1, dz.shape[-1]).T, h2.T)
+            grad_h += mm.dgrad(dz, wc.T)
+            grad_w[lo: lo + chunk] = mm.wgrad(dz.reshape(-1, dz.shape[-1]).T, h2.T)
         return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None, None
 
 
@@ -78,13 +80,23 @@ def mm_t(a: Tensor, b: Tensor) -> Tensor:
     return a @ b.T
 
 
-def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm_t=mm_t) -> tuple[Tensor, Tensor]:
+class Matmuls(NamedTuple):
+    """The kernels of a linear map's three matmuls, each `(a, b) -> a @ b.T`: the forward `x @ W.T`, the
+    input gradient `gy @ W` and the weight gradient `gy.T @ x` (trainer/cpu_matmul.py picks them on CPU)."""
+
+    fwd: Callable[[Tensor, Tensor], Tensor] = mm_t
+    dgrad: Callable[[Tensor, Tensor], Tensor] = mm_t
+    wgrad: Callable[[Tensor, Tensor], Tensor] = mm_t
+
+
+def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: Matmuls = Matmuls()
+                      ) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` `[...]` and entropy `[...]` under logits `h @ w.T`, `h` `[..., D]`, `w`
-    `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V)). `mm_t(a, b)`
-    computes `a @ b.T` (trainer/onednn.py's on CPU)."""
+    `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V)), with
+    `mm`'s kernels."""
     if targets.numel() == 0:
         return h.new_zeros(targets.shape, dtype=torch.float32), h.new_zeros(targets.shape, dtype=torch.float32)
-    return _ChunkedLogProbs.apply(h, w, targets, int(chunk), mm_t)
+    return _ChunkedLogProbs.apply(h, w, targets, int(chunk), mm)
 
 
 def response_index(prompt_lens: Tensor, T: int, L: int) -> tuple[Tensor, Tensor]:

@@ -40,12 +40,12 @@ from torch.distributed.tensor import DTensor
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig, resolved_dtype
 from rl_tpu.devices import get_device
 from rl_tpu.trainer import model as tmodel
-from rl_tpu.trainer import onednn, ops, parallel
+from rl_tpu.trainer import cpu_matmul, ops, parallel
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
 
 
-def _install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm_t=ops.mm_t) -> None:
+def _install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm: ops.Matmuls = ops.Matmuls()) -> None:
     """Make the lm_head return (log-probs, entropy) `[b, T]` of the response tokens instead of logits.
 
     The decoder calls it inside its own forward (so FSDP's grouped norm+lm_head unit sees a normal
@@ -60,7 +60,7 @@ def _install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm_t=ops.mm_t) -
         # verl scores tokens at the sampling temperature (logits / t); (h / t) @ W.T is the same thing
         if lm_head.rl_temperature != 1.0:
             hs = hs / lm_head.rl_temperature
-        return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk, mm_t)  # [b, T] each, not views
+        return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk, mm)  # [b, T] each, not views
 
     lm_head.rl_index = None
     lm_head.rl_temperature = 1.0
@@ -118,7 +118,11 @@ class TrainerWorker:
         # shared-prompt rows have data-dependent shapes: not on static-shape devices
         self.can_share_prompts = not self.buckets and self.spec.shares_prompts
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
-        self.onednn = tc.cpu_matmul == "onednn" and self.local.type == "cpu" and onednn.available()
+        # float32 CPU linears: kernels per (shape, matmul) from trainer.cpu_matmul (trainer/cpu_matmul.py)
+        self.tune_matmuls = (tc.cpu_matmul != "aten" and self.local.type == "cpu" and cpu_matmul.available()
+                             and resolved_dtype(tc.param_dtype, self.cfg) == "float32")
+        self.matmul_table: dict[str, dict[str, str]] = {}
+        self.matmul_cached = True
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
 
@@ -141,19 +145,45 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ construction
 
-    def _parallel_model(self, spec) -> torch.nn.Module:
+    def _parallel_model(self, spec, extra_shapes: tuple[tuple[int, int], ...] = ()) -> torch.nn.Module:
         m = parallel.build_parallel_model(spec, self.pdims, self.device,
                                           param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
                                           reduce_dtype=self.tc.reduce_dtype,
                                           reshard_after_forward="never" if self.replicated_step else "default")
-        if self.onednn:
-            onednn.install(m)
+        if self.tune_matmuls:
+            self._resolve_matmuls(cpu_matmul.linear_shapes(m) | set(extra_shapes))
+            cpu_matmul.install(m, self._matmuls)
         return m
 
+    def _resolve_matmuls(self, shapes: set[tuple[int, int]]) -> None:
+        """Fill `matmul_table` for `shapes` (collective: every rank builds the same models in the same order,
+        so with "auto" all ranks read the same cache entries or time the same shapes and agree)."""
+        todo = sorted(s for s in shapes if f"{s[0]},{s[1]}" not in self.matmul_table)
+        if not todo:
+            return
+        if self.tc.cpu_matmul == "onednn":
+            self.matmul_table.update({f"{k},{n}": dict.fromkeys(cpu_matmul.OPS, "onednn") for k, n in todo})
+            return
+
+        def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
+
+        table, cached = cpu_matmul.choose(todo, torch.get_num_threads(),
+                                          sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0)
+        self.matmul_table.update(table)
+        self.matmul_cached = self.matmul_cached and cached
+
+    def _matmuls(self, k: int, n: int) -> ops.Matmuls:
+        """The kernels of a `[.., k] -> [.., n]` linear (aten's when not tuned)."""
+        table = self.matmul_table.get(f"{k},{n}")
+        return cpu_matmul.matmuls(table) if table else ops.Matmuls()
+
     def _build(self, spec, titan_sd) -> torch.nn.Module:
-        m = self._parallel_model(spec)
+        head = (spec.config.dim, min(self.tc.logprob_chunk_size, spec.config.vocab_size))  # log-prob head's matmuls
+        m = self._parallel_model(spec, (head,))
         parallel.load_full_state_dict(m, titan_sd)
-        _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size, onednn.mm_t if self.onednn else ops.mm_t)
+        _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size, self._matmuls(*head))
         return m
 
     def _build_critic(self, titan_sd) -> torch.nn.Module:
@@ -189,7 +219,9 @@ class TrainerWorker:
                 "params": sum(p.numel() for p in self.model.parameters()),
                 # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
                 "fsdp_step": "unsharded" if self.pdims is None else "replicated" if self.replicated_step else "sharded",
-                "matmul": "onednn" if self.onednn else "aten"}  # what `trainer.cpu_matmul` resolved to
+                # what `trainer.cpu_matmul` resolved to: a kernel, or how many matmuls each runs; its table
+                "matmul": cpu_matmul.summary(self.matmul_table) if self.matmul_table else "aten",
+                "matmul_table": self.matmul_table, "matmul_cached": self.matmul_cached}
 
     # ------------------------------------------------------------------ forward helpers
 

@@ -158,7 +158,9 @@ def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = Non
     values["stop_token_ids"] = list(values["stop_token_ids"]) or None
     if seed is not None and engine_traits(device).per_request_seed:
         values["seed"] = seed
-    return SamplingParams(logprobs=0 if rc.calculate_log_probs else None, **values)
+    # vLLM turns each new token into text as it goes (and each log-prob's token too): stop strings need
+    # that, nothing else does; without them `to_completions` decodes the finished responses in one batch
+    return SamplingParams(logprobs=0 if rc.calculate_log_probs else None, detokenize=bool(values["stop"]), **values)
 
 
 def request_seed(base: int, call: int, prompt: int) -> int:
@@ -166,13 +168,35 @@ def request_seed(base: int, call: int, prompt: int) -> int:
     return (base * 1_000_003 + call * 65_537 + prompt) % (2**31 - 1)
 
 
+def response_texts(tokenizer: Any, prompt_ids: Sequence[int], responses: Sequence[Any]) -> list[str]:
+    """The text vLLM's own detokenizer gives each of one prompt's `CompletionOutput`s, decoded after the
+    fact (for outputs generated with `detokenize=False`): special tokens skipped, a stop token that ended
+    the response left out, each response decoded after its prompt (so a tokenizer that drops a leading
+    space at the start of a text keeps it, as vLLM's prompt-primed stream does), trailing bytes of an
+    unfinished UTF-8 character left out (the stream holds them back)."""
+    kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    prompt = list(prompt_ids)
+    kept = [list(o.token_ids)[:-1] if str(o.finish_reason) == "stop" else list(o.token_ids) for o in responses]
+    head = tokenizer.decode(prompt, **kw)
+    texts = []
+    for ids, full in zip(kept, tokenizer.batch_decode([prompt + ids for ids in kept], **kw)):
+        text = full[len(head):] if full.startswith(head) else tokenizer.decode(ids, **kw)
+        texts.append(text.rstrip("\ufffd"))
+    return texts
+
+
 def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy_version: int,
-                   worker: int = 0) -> list[list[Completion]]:
-    """vLLM `RequestOutput`s (one per prompt) -> per prompt, its samples ordered by sample index."""
+                   worker: int = 0, tokenizer: Any = None) -> list[list[Completion]]:
+    """vLLM `RequestOutput`s (one per prompt) -> per prompt, its samples ordered by sample index. With
+    `tokenizer`, outputs vLLM did not detokenize (no text, see `sampling_params`) get `response_texts`."""
     result = []
     for out, p in zip(outputs, prompt_indices, strict=True):
         group = []
-        for o in sorted(out.outputs, key=lambda o: o.index):
+        samples = sorted(out.outputs, key=lambda o: o.index)
+        texts = [o.text for o in samples]
+        if tokenizer is not None and not any(texts):
+            texts = response_texts(tokenizer, out.prompt_token_ids, samples)
+        for o, text in zip(samples, texts):
             ids = list(o.token_ids)
             if o.logprobs is not None and len(o.logprobs) != len(ids):
                 raise RuntimeError(f"engine returned {len(o.logprobs)} logprobs for {len(ids)} tokens "
@@ -180,7 +204,7 @@ def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy
             group.append(Completion(
                 prompt_index=p, sample_index=o.index, prompt_ids=list(out.prompt_token_ids),
                 response_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o.logprobs else [],
-                finish_reason=str(o.finish_reason), text=o.text, policy_version=policy_version,
+                finish_reason=str(o.finish_reason), text=text, policy_version=policy_version,
                 extra={"worker": worker, "stop_reason": o.stop_reason},
             ))
         result.append(group)
@@ -221,4 +245,4 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         from rl_tpu.weight_sync import vllm_compat
 
         vllm_compat.release_engine(llm)
-    return [c for group in to_completions(outs, range(len(ids)), policy_version=0) for c in group]
+    return [c for group in to_completions(outs, range(len(ids)), policy_version=0, tokenizer=tok) for c in group]

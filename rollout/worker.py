@@ -195,7 +195,8 @@ class RolloutWorker:
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                  use_tqdm=False)
         dt = time.perf_counter() - t
-        result = to_completions(outs, prompt_indices, self.version, worker=self.index)
+        result = to_completions(outs, prompt_indices, self.version, worker=self.index,
+                                tokenizer=self.llm.get_tokenizer())
         for group in result:
             for c in group:
                 c.extra["generate_s"] = dt

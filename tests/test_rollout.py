@@ -6,6 +6,7 @@ Engines started in the default run: two groups (2 workers and 1 worker) and one 
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -174,6 +175,31 @@ def test_stop_token_ids_and_stop_strings(group1, prompts, tok):
     if stop_str.strip() and stop_str in base.text:
         (s,) = group1.generate([prompts[0]], n=1, temperature=0.0, stop=[stop_str])[0]
         assert s.finish_reason == "stop" and stop_str not in s.text and base.text.startswith(s.text)
+
+
+def test_texts_decoded_after_generation_equal_vllm_own(group1, prompts, tok):
+    """Without stop strings vLLM does not detokenize (`sampling_params`); `response_texts` then gives each
+    response the text vLLM's own incremental detokenizer would. Checked against vLLM's on sampled outputs
+    it did detokenize (a stop string that never occurs turns that on): random byte tokens, responses
+    ended by a stop token (left out of the text) and by the length limit."""
+    from types import SimpleNamespace
+
+    from rl_tpu.devices import get_device
+    from rl_tpu.rollout.engine import response_texts, sampling_params
+
+    assert not sampling_params(_cfg().rollout, get_device("cpu")).detokenize
+    assert sampling_params(_cfg("--rollout.stop=['.']").rollout, get_device("cpu")).detokenize
+    first = group1.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS)
+    counts = collections.Counter(t for g in first for c in g for t in c.response_ids)
+    stop_ids = [t for t, _ in counts.most_common(3)]  # likely again: some responses end on a stop token
+    out = group1.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS, stop=["\x00never\x00"],
+                          stop_token_ids=stop_ids)
+    finishes = set()
+    for g in out:
+        outputs = [SimpleNamespace(token_ids=c.response_ids, finish_reason=c.finish_reason) for c in g]
+        assert response_texts(tok, g[0].prompt_ids, outputs) == [c.text for c in g]
+        finishes |= {c.finish_reason for c in g}
+    assert "stop" in finishes
 
 
 # -- weights -------------------------------------------------------------------------------------------

@@ -41,7 +41,10 @@ median over steps 2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
 
 Order: ours (sync, then async), then TRL, one at a time; the 1-minute load average before and after
-each side is printed, with a warning when other work shared the cores. Our side is rerun (up to
+each side is printed, with a warning when other work shared the cores. `--rounds R` repeats that order R
+times: each round gives its own ratios, and the reported ratio is their median (a 2-vCPU VM's speed can
+drift 20-30 % between runs minutes apart, bench/RESULTS.md session 23; alternating sides spreads the drift
+over both). Our side is rerun (up to
 `--ray-retries`) when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its
 dashboard agent). A side killed at `--timeout` after 2+ steps is reported as "partial".
 If our side fails (the loop is young), the script says so, names the error and the log, and still
@@ -187,6 +190,21 @@ def speedup(trl_s_per_step: float | None, ours_s_per_step: float | None) -> floa
     if not trl_s_per_step or not ours_s_per_step or trl_s_per_step != trl_s_per_step or ours_s_per_step != ours_s_per_step:
         return None
     return trl_s_per_step / ours_s_per_step
+
+
+def round_ratios(rounds: Sequence[dict[str, float | None]]) -> dict[str, Any]:
+    """Per round, TRL s/step ÷ ours for each of our modes ("ratio", "ratio_async", ...), and the median of
+    each over the rounds that have it. A ratio from one round compares sides run minutes apart; the median
+    of several rounds (sides alternating) is what a machine whose speed drifts can quote."""
+    per_round = []
+    for r in rounds:
+        trl = r.get("trl")
+        per_round.append({("ratio" if mode == "sync" else f"ratio_{mode.replace('-', '_')}"): speedup(trl, s)
+                          for mode, s in r.items() if mode != "trl"})
+    keys = sorted({k for pr in per_round for k in pr})
+    medians = {k: median([pr[k] for pr in per_round if pr.get(k) is not None]) if any(
+        pr.get(k) is not None for pr in per_round) else None for k in keys}
+    return {"per_round": per_round, **medians}
 
 
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Exit)\b.*")
@@ -417,6 +435,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
                    "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every side this many times, alternating (ours..., TRL, ours..., TRL); ratios are "
+                        "per round and the reported ratio is their median (for a machine whose speed drifts)")
     p.add_argument("--ours-override", action="append", default=[], metavar="--KEY=VALUE",
                    help="one more `rl-tpu train` override for our side, after the workload's (repeatable), e.g. "
                         "--ours-override=--trainer.share_prompts=false")
@@ -433,6 +454,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     check_workload_args(p, a)
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
     bad = [m for m in a.modes.split(",") if m not in ("sync", "async", "sync-bf16", "async-bf16")]
     if bad:
         p.error(f"--modes: unknown mode(s) {bad}; choose from sync, async, sync-bf16, async-bf16")
@@ -462,30 +485,41 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     loads: dict[str, list[float]] = {}
     trl_out: dict = {}
-    # ours first: its runs are short; TRL's side writes its figures per step, so a timeout loses little
+    rounds: list[dict[str, float | None]] = []
     modes = [] if a.skip_ours else a.modes.split(",")
-    for mode in modes:
-        l0 = load_average()
-        row = run_ours(a, model, a.workdir, mode)
-        rows.append(row)
-        loads[f"ours_{mode}"] = [l0, load_average()]
-        if row["status"] == "FAILED":
-            print(f"OUR SIDE FAILED ({mode}): {row['error']}", flush=True)
-        elif row["error"]:
-            print(f"{row['side']}: {row['status']}: {row['error']}", flush=True)
+    for rnd in range(1, a.rounds + 1):
+        work = a.workdir if a.rounds == 1 else a.workdir / f"round{rnd}"
+        work.mkdir(parents=True, exist_ok=True)
+        tag = "" if a.rounds == 1 else f" [round {rnd}/{a.rounds}]"
+        this: dict[str, float | None] = {}
+        # ours first: its runs are short; TRL's side writes its figures per step, so a timeout loses little
+        for mode in modes:
+            l0 = load_average()
+            row = run_ours(a, model, work, mode)
+            row["side"] += tag
+            rows.append(row)
+            loads[f"ours_{mode}{tag}"] = [l0, load_average()]
+            this[mode] = None if row["status"] == "FAILED" else row.get("s_per_step")
+            if row["status"] == "FAILED":
+                print(f"OUR SIDE FAILED ({mode}){tag}: {row['error']}", flush=True)
+            elif row["error"]:
+                print(f"{row['side']}: {row['status']}: {row['error']}", flush=True)
+            else:
+                print(f"{row['side']}: ok", flush=True)
+        if a.skip_trl:
+            pass
+        elif not have_trl:
+            print("TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
+                  flush=True)
         else:
-            print(f"{row['side']}: ok", flush=True)
-    if a.skip_trl:
-        pass
-    elif not have_trl:
-        print("TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
-              flush=True)
-    else:
-        l0 = load_average()
-        row, trl_out = run_trl(a, model, a.workdir)
-        rows.append(row)
-        loads["trl"] = [l0, load_average()]
-        print(f"{row['side']}: {row['status']} {row['error'] or ''}", flush=True)
+            l0 = load_average()
+            row, trl_out = run_trl(a, model, work)
+            row["side"] += tag
+            rows.append(row)
+            loads[f"trl{tag}"] = [l0, load_average()]
+            this["trl"] = None if row["status"] == "FAILED" else row.get("s_per_step")
+            print(f"{row['side']}: {row['status']} {row['error'] or ''}", flush=True)
+        rounds.append(this)
     vllm_error = None
     if a.trl_vllm_check and have_trl:
         vrow, _ = run_trl(a, model, a.workdir, vllm=True)
@@ -503,8 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     print("load average (1 min) before/after each side: " + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
           + (f"  (WARNING: above {cores} cores: other work shared the CPUs, timings are skewed)"
              if any(max(v) > cores for v in loads.values()) else ""))
-    by = {r["key"]: r for r in rows}
+    by = {r["key"]: r for r in rows}  # the last round's row of each side
     trl_row, sync_row, async_row = by.get("trl"), by.get("ours_sync"), by.get("ours_async")
+    ratios = round_ratios(rounds)
 
     def val(r: dict | None, k: str) -> Any:
         return None if r is None or r["status"] == "FAILED" else r.get(k)
@@ -527,10 +562,15 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {r["side"]: r["error"] for r in rows if r["error"]} or None,
         "trl_vllm_colocate_error": vllm_error,
         "load_avg": {k: [round(x, 2) for x in v] for k, v in loads.items()},
-        "ratio": speedup(val(trl_row, "s_per_step"), val(sync_row, "s_per_step")),
-        "ratio_async": speedup(val(trl_row, "s_per_step"), val(async_row, "s_per_step")),
+        "ratio": ratios.get("ratio"), "ratio_async": ratios.get("ratio_async"),
+        "rounds": a.rounds, "s_per_step_by_round": rounds, "ratios_by_round": ratios["per_round"],
     }
-    for key, r in by.items():  # bf16 sides, beside the fp32 ratios
+    if a.rounds > 1:
+        medians = ", ".join(f"{k} {ratios[k]:.2f}" for k in ratios if k != "per_round" and ratios[k] is not None)
+        print("TRL s/step ÷ ours, by round: " + "; ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in pr.items() if v is not None) for pr in ratios["per_round"])
+              + f" -> median {medians or 'none'}", flush=True)
+    for key, r in by.items():  # bf16 sides, beside the fp32 ratios (last round)
         if key.endswith("-bf16"):
             summary[f"{key.replace('-', '_')}_s_per_step"] = val(r, "s_per_step")
     print(json_line(summary), flush=True)

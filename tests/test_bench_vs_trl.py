@@ -192,3 +192,15 @@ def test_trl_config_kwargs_are_grpo_config_fields():
 
     names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert set(vs_trl.trl_config_kwargs(a, vllm=True)) <= names
+
+
+def test_round_ratios_are_per_round_with_their_median():
+    rounds = [{"sync": 2.0, "async": 4.0, "trl": 6.0}, {"sync": 3.0, "async": None, "trl": 6.0},
+              {"sync": 4.0, "async": 2.0, "trl": 4.0}]
+    got = vs_trl.round_ratios(rounds)
+    assert got["per_round"] == [{"ratio": 3.0, "ratio_async": 1.5}, {"ratio": 2.0, "ratio_async": None},
+                                {"ratio": 1.0, "ratio_async": 2.0}]
+    assert got["ratio"] == 2.0 and got["ratio_async"] == 1.75  # a failed side is left out of its median
+    assert vs_trl.round_ratios([{"sync": 2.0, "trl": None}]) == {"per_round": [{"ratio": None}], "ratio": None}
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--rounds", "0"])

@@ -180,7 +180,8 @@ class TrainerWorker:
         return cpu_matmul.matmuls(table) if table else ops.Matmuls()
 
     def _build(self, spec, titan_sd) -> torch.nn.Module:
-        head = (spec.config.dim, min(self.tc.logprob_chunk_size, spec.config.vocab_size))  # log-prob head's matmuls
+        hf = spec.hf_config  # TorchTitan 0.2.0's configs (titan_compat) name these differently
+        head = (int(hf["hidden_size"]), min(self.tc.logprob_chunk_size, int(hf["vocab_size"])))  # log-prob head's matmuls
         m = self._parallel_model(spec, (head,))
         parallel.load_full_state_dict(m, titan_sd)
         _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size, self._matmuls(*head))

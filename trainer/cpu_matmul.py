@@ -68,10 +68,6 @@ def matmuls(names: dict[str, str]) -> Matmuls:
     return Matmuls(*(KERNELS[names[op]] for op in OPS))
 
 
-def kernel_name(fn: Callable) -> str:
-    return next(k for k, v in KERNELS.items() if v is fn)
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mm: Matmuls) -> torch.Tensor:
@@ -250,17 +246,22 @@ def summary(table: dict[str, dict[str, str]]) -> str:
     return ", ".join(f"{k} {names.count(k)}/{len(names)}" for k in KERNELS)
 
 
-def install_mode(model: torch.nn.Module, mode: str) -> dict[str, dict[str, str]]:
-    """`trainer.cpu_matmul`'s `mode` ("auto", "onednn", "aten") applied to a one-process float32 CPU model
-    (the benches' raw parts, TRL's model in bench/vs_trl.py); returns the kernel table."""
-    shapes = linear_shapes(model)
-    if mode == "aten" or not available():
-        return {f"{k},{n}": dict.fromkeys(OPS, "aten") for k, n in shapes}
-    if mode == "onednn":
-        table = {f"{k},{n}": dict.fromkeys(OPS, "onednn") for k, n in shapes}
-    elif mode == "auto":
-        table, _ = choose(shapes, torch.get_num_threads())
-    else:
+def resolve(mode: str, shapes: Iterable[tuple[int, int]], threads: int,
+            sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            is_writer: bool = True) -> tuple[dict[str, dict[str, str]], bool]:
+    """`trainer.cpu_matmul`'s `mode` ("auto", "onednn", "aten") as a kernel table for `shapes`, and whether
+    it came from the cache (pinned modes always do); "auto" goes through `choose` (same arguments)."""
+    if mode == "auto" and available():
+        return choose(shapes, threads, sum_over_ranks, is_writer)
+    if mode not in ("auto", "onednn", "aten"):
         raise ValueError(f"cpu_matmul = {mode!r}: expected 'auto', 'onednn' or 'aten'")
+    kernel = "onednn" if mode == "onednn" and available() else "aten"
+    return {f"{k},{n}": dict.fromkeys(OPS, kernel) for k, n in shapes}, True
+
+
+def install_mode(model: torch.nn.Module, mode: str) -> dict[str, dict[str, str]]:
+    """`resolve(mode)` installed in a one-process float32 CPU model (the benches' raw parts, TRL's model in
+    bench/vs_trl.py); returns the kernel table."""
+    table, _ = resolve(mode, linear_shapes(model), torch.get_num_threads())
     install(model, lambda k, n: matmuls(table[f"{k},{n}"]))
     return table

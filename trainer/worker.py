@@ -161,16 +161,13 @@ class TrainerWorker:
         todo = sorted(s for s in shapes if f"{s[0]},{s[1]}" not in self.matmul_table)
         if not todo:
             return
-        if self.tc.cpu_matmul == "onednn":
-            self.matmul_table.update({f"{k},{n}": dict.fromkeys(cpu_matmul.OPS, "onednn") for k, n in todo})
-            return
 
         def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(t)
             return t
 
-        table, cached = cpu_matmul.choose(todo, torch.get_num_threads(),
-                                          sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0)
+        table, cached = cpu_matmul.resolve(self.tc.cpu_matmul, todo, torch.get_num_threads(),
+                                           sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0)
         self.matmul_table.update(table)
         self.matmul_cached = self.matmul_cached and cached
 

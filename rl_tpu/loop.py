@@ -391,6 +391,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
     last: dict[str, float] = {}
     step = version = 0
+    hf: str | None = None
     startup_s: float | None = None
     try:
         with ThreadPoolExecutor(max_workers=1) as ex:
@@ -499,6 +500,8 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             own.shutdown()
         elif roles is not None:
             roles.rollout.on_restart = None  # this run's syncer is closed; the caller keeps the roles
+            # and an engine restarted between jobs gets this run's policy (none if the run stopped early)
+            roles.rollout.keep_for_restart(hf, version)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
 

@@ -11,7 +11,10 @@ Invariants:
   (no per-request seeds) only greedy outputs are worker-count independent; see `engine.py`.
 - A worker whose actor died, or that gave no answer within `timeout_s`, is killed and started again in
   its own placement slot (at most `rollout.max_restarts` times per group, counted in `restarts`);
-  `on_restart(worker)` (the loop's weight syncer) then gives it the current policy, and the calls it
+  `on_restart(worker)` (the loop's weight syncer) then gives it the current policy; with no `on_restart`
+  (between the jobs run on shared roles) it gets the file kept by `keep_for_restart` or installed by the
+  last `load_weights_full` on every worker, and where the group holds weights it cannot give back (a job's
+  sync ended without them) the restart raises rather than serve the model folder's weights. The calls it
   lost (its share of a `generate`, a `sleep`) are submitted to it again, with the same prompts and
   seeds, so a batch comes back whole: no completion lost or duplicated. An engine error (a call that
   raised) and a worker lost once the restarts are spent surface as `RolloutWorkerError` naming the
@@ -72,6 +75,9 @@ def assign_prompts(costs: Sequence[float], num_workers: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
+ORIGINAL = ("", 0)  # RolloutGroup._restore: the engines hold the model folder's weights
+
+
 class RolloutGroup:
     """M vLLM engines as Ray actors. `num_workers` defaults to `cfg.rollout.engines`."""
 
@@ -89,6 +95,9 @@ class RolloutGroup:
         self.policy_version = 0
         self.restarts, self.max_restarts = 0, cfg.rollout.max_restarts
         self.on_restart: Callable[[int], None] | None = None  # gives a restarted worker the current policy
+        # without on_restart: (safetensors path, version) a restarted worker is given; ORIGINAL: none needed
+        # (a new engine loads the model folder, as these did); None: not kept, a restart raises
+        self._restore: tuple[Any, int] | None = ORIGINAL
         options = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers
         threads = [cfg.rollout.num_threads] * self.num_workers  # 0: keep Ray's OMP_NUM_THREADS
         if placement is not None:
@@ -171,6 +180,13 @@ class RolloutGroup:
         self._get([self.workers[w].ping.remote()], [w], self.timeout_s)
         if self.on_restart is not None:
             self.on_restart(w)
+        elif self._restore is None:
+            raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
+                                        "and the weights the engines were given are not kept (tensors or bytes "
+                                        "rather than a file, or a run that stopped before exporting): install "
+                                        "weights again with load_weights_full")
+        elif self._restore is not ORIGINAL:
+            self._get([self.workers[w].load_weights.remote(*self._restore)], [w], self.timeout_s)
 
     # -- public -------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int | None = None, *,
@@ -203,17 +219,29 @@ class RolloutGroup:
     def load_weights_full(self, weights: Any, version: int, workers: Sequence[int] | None = None) -> list[dict]:
         """Install full HF-named tensors on every worker (or on `workers`): a dict or (name, tensor) pairs,
         safetensors bytes, or a path to a safetensors file / folder. Then each resets its prefix cache."""
+        path = str(weights) if isinstance(weights, (str, os.PathLike)) else None  # kept for restarts
         if isinstance(weights, dict):
             weights = list(weights.items())
         if isinstance(weights, (list, tuple)):
             weights = [(n, t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in weights]
         ref = ray.put(weights)  # one copy in the object store, shared by all workers
         workers = range(self.num_workers) if workers is None else list(workers)
+        self._restore = None  # until every worker has it: a restart in between must not guess
         stats = self._get([self.workers[w].load_weights.remote(ref, version) for w in workers], workers,
                           self.timeout_s)
         if len(workers) == self.num_workers:
             self.policy_version = version
+            # a path costs nothing to keep; tensors would stay in the object store for the group's life
+            self._restore = None if path is None else (path, version)
         return stats
+
+    def keep_for_restart(self, path: str | os.PathLike | None, version: int = 0) -> None:
+        """The engines hold the weights in the safetensors file or folder at `path`, as policy `version`:
+        what a worker restarted while no `on_restart` is set is given. None: they hold weights that cannot
+        be given back (a restart then raises). The loop calls it when a job on shared roles ends."""
+        self._restore = None if path is None else (str(path), version)
+        if path is not None:
+            self.policy_version = version
 
     def state_dict(self) -> dict:
         """What a resumed run needs to sample as the uninterrupted one would: the call index (seeds

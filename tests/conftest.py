@@ -61,3 +61,24 @@ def engine_snapshot():
         return check
 
     return snapshot
+
+
+@pytest.fixture
+def kill_worker():
+    """`kill_worker(group, w)` kills rollout worker w's actor and returns once a call to it fails (ray.kill
+    is asynchronous: a call made before the kill lands still succeeds)."""
+    import time
+
+    import ray
+
+    def kill(group, w: int) -> None:
+        ray.kill(group.workers[w])
+        for _ in range(300):
+            try:
+                group.workers[w].ping.remote().future().result(timeout=60)
+            except Exception:  # noqa: BLE001 - RayActorError once the kill landed
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker {w} still answers after ray.kill")
+
+    return kill

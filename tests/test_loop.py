@@ -134,11 +134,12 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     assert hf_a == hf_b
 
 
-def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files):
+def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files, kill_worker):
     """`train(cfg, roles=...)` on a trainer and an engine that already ran another job (other lr, other
     step count: trained weights, Adam moments, a used call counter, other engine weights) logs exactly what
-    a run starting its own actors logs, ends with the same weights, and leaves the roles running. A
-    config the roles cannot serve is refused before anything runs, naming the key."""
+    a run starting its own actors logs, ends with the same weights, and leaves the roles running (an engine
+    restarted after the run gets its policy). A config the roles cannot serve is refused before anything
+    runs, naming the key."""
     from rl_tpu.loop import start_shared_roles, train
 
     fn = f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]"
@@ -158,6 +159,12 @@ def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, re
         hf_a = (tmp_path / "fresh" / "hf" / "model.safetensors").read_bytes()
         assert hf_a == (tmp_path / "again" / "hf" / "model.safetensors").read_bytes()
         assert len(roles.rollout.ping()) == 1 and roles.rollout.on_restart is None
+        # an engine lost between jobs comes back with the last run's policy, not the model folder's weights
+        greedy, prompts = dict(n=1, temperature=0.0, max_tokens=8), [[5, 6, 7, 8], list(range(40, 60))]
+        before = [g[0].response_ids for g in roles.rollout.generate(prompts, **greedy)]
+        kill_worker(roles.rollout, 0)
+        assert [g[0].response_ids for g in roles.rollout.generate(prompts, **greedy)] == before
+        assert roles.rollout.restarts == 1 and roles.rollout.ping()[0]["policy_version"] == 3
         with pytest.raises(ValueError, match=r"rollout\.max_tokens differ"):
             train(_run_cfg(tmp_path, "bad", "--rollout.max_tokens=8", model, fn), roles=roles)
         with pytest.raises(ValueError, match=r"another placement"):

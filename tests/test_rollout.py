@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import os
-import time
 
 import pytest
 import ray
@@ -253,6 +252,7 @@ def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3,
         unchanged()
     group1.load_weights_full(_tensors(tiny_qwen3), version=0)
     unchanged()
+    group1.keep_for_restart(tiny_qwen3, version=0)  # tensors are not kept for a restart; the folder holds them
 
 
 # -- memory and health ---------------------------------------------------------------------------------
@@ -260,17 +260,7 @@ def test_sleep_is_a_reported_noop_on_cpu(group1):
     assert group1.sleep() == [False] and group1.wake_up() == [False]
 
 
-def _wait_dead(group, w):
-    for _ in range(300):  # ray.kill is asynchronous: a call made before the kill lands still succeeds
-        try:
-            group.workers[w].ping.remote().future().result(timeout=60)
-        except Exception:  # noqa: BLE001 - RayActorError once the kill landed
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"worker {w} still answers after ray.kill")
-
-
-def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prompts):
+def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prompts, kill_worker):
     # The worker actor is single-threaded on purpose (a threaded actor made vLLM-CPU ~30 % slower), so a
     # ping submitted during a long generation (~25k tokens) answers only once that generation is done.
     ref = group1.workers[0].generate.remote(prompts * 16, list(range(len(prompts) * 16)), {"max_tokens": 64,
@@ -282,8 +272,7 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
     ray.get(ref)
     before = group1.generate(prompts, n=1, temperature=0.0)
     old_pid = group1.ping()[0]["pid"]
-    ray.kill(group1.workers[0])
-    _wait_dead(group1, 0)
+    kill_worker(group1, 0)
     with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died"):
         group1.ping()
     restarted: list[int] = []
@@ -295,13 +284,38 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
         assert [[c.response_ids for c in g] for g in after] == [[c.response_ids for c in g] for g in before]
         assert [g[0].prompt_index for g in after] == list(range(len(prompts)))
         group1.max_restarts = 1  # spent: the next loss is an error naming the worker and the limit
-        ray.kill(group1.workers[0])
-        _wait_dead(group1, 0)
+        kill_worker(group1, 0)
         with pytest.raises(RolloutWorkerError, match=r"rollout worker 0: actor died.*rollout.max_restarts = 1"):
             group1.generate(prompts[:1], n=1)
     finally:
         group1.on_restart, group1.max_restarts = None, 5
         group1.restart_worker(0, "test cleanup")  # leave a live worker for the module's other tests
+
+
+def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, prompts, tiny_qwen3, tiny_new,
+                                                                       kill_worker):
+    """With no `on_restart` (between the loop's jobs on shared roles) a restarted engine gets the file the
+    group last installed, not the model folder's weights; weights it did not keep make the restart an error."""
+    greedy = dict(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    original = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
+    try:
+        group1.load_weights_full(os.path.join(tiny_new, "model.safetensors"), version=5)
+        new = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
+        assert new != original
+        restarts = group1.restarts
+        kill_worker(group1, 0)
+        assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == new
+        assert group1.restarts == restarts + 1 and group1.ping()[0]["policy_version"] == 5
+        group1.load_weights_full(_tensors(tiny_new), version=6)  # tensors are not kept
+        kill_worker(group1, 0)
+        with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died.*not kept.*load_weights_full"):
+            group1.generate(prompts, **greedy)
+        group1.keep_for_restart(tiny_qwen3, version=7)  # what the loop does when a job ends
+        kill_worker(group1, 0)
+        assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == original
+        assert group1.policy_version == 7 and group1.ping()[0]["policy_version"] == 7
+    finally:
+        group1.load_weights_full(tiny_qwen3, version=0)  # the module's other tests expect the original engine
 
 
 # -- in-process helper ---------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ Order: ours (sync, then async), then TRL, one at a time; the 1-minute load avera
 each side is printed, with a warning when other work shared the cores. `--rounds R` repeats that order R
 times: each round gives its own ratios, and the reported ratio is their median (a 2-vCPU VM's speed can
 drift 20-30 % between runs minutes apart, bench/RESULTS.md session 23; alternating sides spreads the drift
-over both). Our side is rerun (up to
-`--ray-retries`) when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its
+over both); the JSON's per-side figures are then the medians over rounds too (peak memory: the largest),
+and `s_per_step_by_round` / `ratios_by_round` keep every round. Our side is rerun (up to `--ray-retries`) when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its
 dashboard agent). A side killed at `--timeout` after 2+ steps is reported as "partial".
 If our side fails (the loop is young), the script says so, names the error and the log, and still
 reports TRL. The last line is one JSON object; "ratio" = TRL s/step / ours (sync) s/step, "ratio_async"
@@ -190,6 +190,20 @@ def speedup(trl_s_per_step: float | None, ours_s_per_step: float | None) -> floa
     if not trl_s_per_step or not ours_s_per_step or trl_s_per_step != trl_s_per_step or ours_s_per_step != ours_s_per_step:
         return None
     return trl_s_per_step / ours_s_per_step
+
+
+def side_figures(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """One side's figures over its rounds (its rows that did not fail): the median of each rate, as the
+    ratios take the median over rounds, and the largest peak memory."""
+    ok = [r for r in rows if r["status"] != "FAILED"]
+
+    def values(k: str) -> list[float]:
+        return [r[k] for r in ok if r.get(k) is not None]
+
+    out: dict[str, float | None] = {k: median(values(k)) if values(k) else None
+                                    for k in ("s_per_step", "gen_tok_s", "step_tok_s")}
+    out |= {k: max(values(k)) if values(k) else None for k in ("peak_rss_gib", "peak_pss_gib")}
+    return out
 
 
 def round_ratios(rounds: Sequence[dict[str, float | None]]) -> dict[str, Any]:
@@ -537,28 +551,28 @@ def main(argv: list[str] | None = None) -> int:
     print("load average (1 min) before/after each side: " + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
           + (f"  (WARNING: above {cores} cores: other work shared the CPUs, timings are skewed)"
              if any(max(v) > cores for v in loads.values()) else ""))
-    by = {r["key"]: r for r in rows}  # the last round's row of each side
-    trl_row, sync_row, async_row = by.get("trl"), by.get("ours_sync"), by.get("ours_async")
+    # each side over its rounds: medians of the rates (as the ratios), the largest peak memory
+    sides = {key: side_figures([r for r in rows if r["key"] == key]) for key in dict.fromkeys(r["key"] for r in rows)}
     ratios = round_ratios(rounds)
 
-    def val(r: dict | None, k: str) -> Any:
-        return None if r is None or r["status"] == "FAILED" else r.get(k)
+    def val(key: str, k: str) -> Any:
+        return sides.get(key, {}).get(k)
 
     summary = {
         "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,
         "max_tokens": a.max_tokens, "steps": a.steps, "threads": a.threads, "world_size": a.world_size,
         "micro_batch": a.micro_batch, "ours_engine": a.engine, "ours_override": a.ours_override, "trl_version": trl_out.get("trl_version"),
         "trl_generation": "transformers", "trl_matmul": a.trl_matmul,
-        "trl_s_per_step": val(trl_row, "s_per_step"), "ours_sync_s_per_step": val(sync_row, "s_per_step"),
-        "ours_async_s_per_step": val(async_row, "s_per_step"),
-        "trl_gen_tok_s": val(trl_row, "gen_tok_s"), "ours_sync_gen_tok_s": val(sync_row, "gen_tok_s"),
-        "ours_async_gen_tok_s": val(async_row, "gen_tok_s"),
-        "trl_step_tok_s": val(trl_row, "step_tok_s"), "ours_sync_step_tok_s": val(sync_row, "step_tok_s"),
-        "ours_async_step_tok_s": val(async_row, "step_tok_s"),
-        "trl_peak_rss_gib": val(trl_row, "peak_rss_gib"), "ours_sync_peak_rss_gib": val(sync_row, "peak_rss_gib"),
-        "ours_async_peak_rss_gib": val(async_row, "peak_rss_gib"),
-        "trl_peak_pss_gib": val(trl_row, "peak_pss_gib"), "ours_sync_peak_pss_gib": val(sync_row, "peak_pss_gib"),
-        "ours_async_peak_pss_gib": val(async_row, "peak_pss_gib"),
+        "trl_s_per_step": val("trl", "s_per_step"), "ours_sync_s_per_step": val("ours_sync", "s_per_step"),
+        "ours_async_s_per_step": val("ours_async", "s_per_step"),
+        "trl_gen_tok_s": val("trl", "gen_tok_s"), "ours_sync_gen_tok_s": val("ours_sync", "gen_tok_s"),
+        "ours_async_gen_tok_s": val("ours_async", "gen_tok_s"),
+        "trl_step_tok_s": val("trl", "step_tok_s"), "ours_sync_step_tok_s": val("ours_sync", "step_tok_s"),
+        "ours_async_step_tok_s": val("ours_async", "step_tok_s"),
+        "trl_peak_rss_gib": val("trl", "peak_rss_gib"), "ours_sync_peak_rss_gib": val("ours_sync", "peak_rss_gib"),
+        "ours_async_peak_rss_gib": val("ours_async", "peak_rss_gib"),
+        "trl_peak_pss_gib": val("trl", "peak_pss_gib"), "ours_sync_peak_pss_gib": val("ours_sync", "peak_pss_gib"),
+        "ours_async_peak_pss_gib": val("ours_async", "peak_pss_gib"),
         "errors": {r["side"]: r["error"] for r in rows if r["error"]} or None,
         "trl_vllm_colocate_error": vllm_error,
         "load_avg": {k: [round(x, 2) for x in v] for k, v in loads.items()},
@@ -570,9 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         print("TRL s/step ÷ ours, by round: " + "; ".join(
             ", ".join(f"{k} {v:.2f}" for k, v in pr.items() if v is not None) for pr in ratios["per_round"])
               + f" -> median {medians or 'none'}", flush=True)
-    for key, r in by.items():  # bf16 sides, beside the fp32 ratios (last round)
+    for key in sides:  # bf16 sides, beside the fp32 ratios
         if key.endswith("-bf16"):
-            summary[f"{key.replace('-', '_')}_s_per_step"] = val(r, "s_per_step")
+            summary[f"{key.replace('-', '_')}_s_per_step"] = val(key, "s_per_step")
     print(json_line(summary), flush=True)
     return 0
 

@@ -204,3 +204,15 @@ def test_round_ratios_are_per_round_with_their_median():
     assert vs_trl.round_ratios([{"sync": 2.0, "trl": None}]) == {"per_round": [{"ratio": None}], "ratio": None}
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["--rounds", "0"])
+
+
+def test_side_figures_are_medians_over_rounds_and_the_largest_peak():
+    rows = [{"status": "ok", "s_per_step": 4.0, "gen_tok_s": 10.0, "step_tok_s": 1.0, "peak_rss_gib": 2.0, "peak_pss_gib": 1.0},
+            {"status": "FAILED", "s_per_step": 1.0, "gen_tok_s": 99.0, "step_tok_s": 9.0, "peak_rss_gib": 9.0},
+            {"status": "partial", "s_per_step": 6.0, "gen_tok_s": 30.0, "step_tok_s": None, "peak_rss_gib": 3.0,
+             "peak_pss_gib": None},
+            {"status": "ok", "s_per_step": 5.0, "gen_tok_s": 20.0, "step_tok_s": 3.0, "peak_rss_gib": 1.0, "peak_pss_gib": 0.5}]
+    assert vs_trl.side_figures(rows) == {"s_per_step": 5.0, "gen_tok_s": 20.0, "step_tok_s": 2.0,
+                                         "peak_rss_gib": 3.0, "peak_pss_gib": 1.0}
+    assert vs_trl.side_figures(rows[1:2]) == dict.fromkeys(["s_per_step", "gen_tok_s", "step_tok_s", "peak_rss_gib",
+                                                            "peak_pss_gib"])

@@ -126,6 +126,7 @@ def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
                 best_acc, best_step, since_best = acc, step, 0
                 shutil.rmtree(out / "best", ignore_errors=True)
                 (out / "candidate").rename(out / "best")
+                ev.rollout.keep_for_restart(out / "best" / "model.safetensors", ev.version)  # moved with the folder
             else:
                 since_best += 1
             if done or (early_stop and since_best >= plan.sft_patience) or (wall_budget is None and step >= plan.sft_max_steps):

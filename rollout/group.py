@@ -13,8 +13,9 @@ Invariants:
   its own placement slot (at most `rollout.max_restarts` times per group, counted in `restarts`);
   `on_restart(worker)` (the loop's weight syncer) then gives it the current policy; with no `on_restart`
   (between the jobs run on shared roles) it gets the file kept by `keep_for_restart` or installed by the
-  last `load_weights_full` on every worker, and where the group holds weights it cannot give back (a job's
-  sync ended without them) the restart raises rather than serve the model folder's weights. The calls it
+  last `load_weights_full` on every worker, if unchanged since; where the group holds weights it cannot
+  give back (tensors, a run that stopped early, a file changed since) the restart raises rather than
+  serve other weights. The calls it
   lost (its share of a `generate`, a `sleep`) are submitted to it again, with the same prompts and
   seeds, so a batch comes back whole: no completion lost or duplicated. An engine error (a call that
   raised) and a worker lost once the restarts are spent surface as `RolloutWorkerError` naming the
@@ -33,6 +34,7 @@ import heapq
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -75,7 +77,15 @@ def assign_prompts(costs: Sequence[float], num_workers: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
-ORIGINAL = ("", 0)  # RolloutGroup._restore: the engines hold the model folder's weights
+ORIGINAL = ("", 0, ())  # RolloutGroup._restore: the engines hold the model folder's weights
+
+
+def file_stamp(path: str) -> tuple:
+    """(name, size, mtime) of a safetensors file, or of each one in a folder: a file kept for restarts is
+    used only while this is unchanged (overwritten or moved since it was installed: not the same weights)."""
+    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
+    stats = [(f.name, f.stat()) for f in files]
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
 
 
 class RolloutGroup:
@@ -97,7 +107,7 @@ class RolloutGroup:
         self.on_restart: Callable[[int], None] | None = None  # gives a restarted worker the current policy
         # without on_restart: (safetensors path, version) a restarted worker is given; ORIGINAL: none needed
         # (a new engine loads the model folder, as these did); None: not kept, a restart raises
-        self._restore: tuple[Any, int] | None = ORIGINAL
+        self._restore: tuple[str, int, tuple] | None = ORIGINAL  # (path, version, file_stamp)
         options = [dict(num_cpus=num_cpus_per_worker)] * self.num_workers
         threads = [cfg.rollout.num_threads] * self.num_workers  # 0: keep Ray's OMP_NUM_THREADS
         if placement is not None:
@@ -180,13 +190,18 @@ class RolloutGroup:
         self._get([self.workers[w].ping.remote()], [w], self.timeout_s)
         if self.on_restart is not None:
             self.on_restart(w)
-        elif self._restore is None:
-            raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
-                                        "and the weights the engines were given are not kept (tensors or bytes "
-                                        "rather than a file, or a run that stopped before exporting): install "
-                                        "weights again with load_weights_full")
         elif self._restore is not ORIGINAL:
-            self._get([self.workers[w].load_weights.remote(*self._restore)], [w], self.timeout_s)
+            path, version, stamp = self._restore or ("", 0, ())
+            if self._restore is None:
+                kept = ("the weights the engines were given are not kept (tensors or bytes rather than a file, "
+                        "or a run that stopped before exporting)")
+            elif not os.path.exists(path) or file_stamp(path) != stamp:
+                kept = f"{path}, kept as the engines' weights, was changed or moved since it was installed"
+            else:
+                self._get([self.workers[w].load_weights.remote(path, version)], [w], self.timeout_s)
+                return
+            raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
+                                        f"and {kept}: install weights again with load_weights_full")
 
     # -- public -------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int | None = None, *,
@@ -220,6 +235,7 @@ class RolloutGroup:
         """Install full HF-named tensors on every worker (or on `workers`): a dict or (name, tensor) pairs,
         safetensors bytes, or a path to a safetensors file / folder. Then each resets its prefix cache."""
         path = str(weights) if isinstance(weights, (str, os.PathLike)) else None  # kept for restarts
+        stamp = file_stamp(path) if path is not None and os.path.exists(path) else None
         if isinstance(weights, dict):
             weights = list(weights.items())
         if isinstance(weights, (list, tuple)):
@@ -232,14 +248,15 @@ class RolloutGroup:
         if len(workers) == self.num_workers:
             self.policy_version = version
             # a path costs nothing to keep; tensors would stay in the object store for the group's life
-            self._restore = None if path is None else (path, version)
+            self._restore = None if stamp is None else (path, version, stamp)
         return stats
 
     def keep_for_restart(self, path: str | os.PathLike | None, version: int = 0) -> None:
         """The engines hold the weights in the safetensors file or folder at `path`, as policy `version`:
-        what a worker restarted while no `on_restart` is set is given. None: they hold weights that cannot
-        be given back (a restart then raises). The loop calls it when a job on shared roles ends."""
-        self._restore = None if path is None else (str(path), version)
+        what a worker restarted while no `on_restart` is set is given, while the file is unchanged. None:
+        they hold weights that cannot be given back (a restart then raises). The loop calls it when a job
+        on shared roles ends."""
+        self._restore = None if path is None else (str(path), version, file_stamp(str(path)))
         if path is not None:
             self.policy_version = version
 

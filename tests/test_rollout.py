@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 
 import pytest
 import ray
@@ -293,11 +294,13 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
 
 
 def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, prompts, tiny_qwen3, tiny_new,
-                                                                       kill_worker):
+                                                                       kill_worker, tmp_path):
     """With no `on_restart` (between the loop's jobs on shared roles) a restarted engine gets the file the
-    group last installed, not the model folder's weights; weights it did not keep make the restart an error."""
+    group last installed, not the model folder's weights; weights it did not keep, or a kept file changed
+    since, make the restart an error."""
     greedy = dict(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
     original = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
+    max_restarts, group1.max_restarts = group1.max_restarts, group1.restarts + 4  # the four kills below
     try:
         group1.load_weights_full(os.path.join(tiny_new, "model.safetensors"), version=5)
         new = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
@@ -306,6 +309,13 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         kill_worker(group1, 0)
         assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == new
         assert group1.restarts == restarts + 1 and group1.ping()[0]["policy_version"] == 5
+        kept = tmp_path / "w.safetensors"
+        shutil.copyfile(os.path.join(tiny_new, "model.safetensors"), kept)
+        group1.load_weights_full(kept, version=6)
+        os.utime(kept, ns=(kept.stat().st_atime_ns, kept.stat().st_mtime_ns + 10**9))  # rewritten since
+        kill_worker(group1, 0)
+        with pytest.raises(RolloutWorkerError, match="w.safetensors, kept as the engines' weights, was changed"):
+            group1.generate(prompts, **greedy)
         group1.load_weights_full(_tensors(tiny_new), version=6)  # tensors are not kept
         kill_worker(group1, 0)
         with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died.*not kept.*load_weights_full"):
@@ -315,6 +325,7 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == original
         assert group1.policy_version == 7 and group1.ping()[0]["policy_version"] == 7
     finally:
+        group1.max_restarts = max_restarts
         group1.load_weights_full(tiny_qwen3, version=0)  # the module's other tests expect the original engine
 
 

@@ -45,11 +45,12 @@ each side is printed, with a warning when other work shared the cores. `--rounds
 times: each round gives its own ratios, and the reported ratio is their median (a 2-vCPU VM's speed can
 drift 20-30 % between runs minutes apart, bench/RESULTS.md session 23; alternating sides spreads the drift
 over both); the JSON's per-side figures are then the medians over rounds too (peak memory: the largest),
-and `s_per_step_by_round` / `ratios_by_round` keep every round. Our side is rerun (up to `--ray-retries`) when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its
-dashboard agent). A side killed at `--timeout` after 2+ steps is reported as "partial".
-If our side fails (the loop is young), the script says so, names the error and the log, and still
-reports TRL. The last line is one JSON object; "ratio" = TRL s/step / ours (sync) s/step, "ratio_async"
-the same for `cluster.mode=async`: above 1 means ours is faster.
+and `s_per_step_by_round` / `ratios_by_round` keep every round. Our side is rerun (up to `--ray-retries`)
+when Ray itself fails to start on a loaded machine (the raylet gives up waiting for its dashboard agent).
+A side killed at `--timeout` after 2+ steps is reported as "partial". If our side fails (the loop is
+young), the script says so, names the error and the log, and still reports TRL. The last line is one JSON
+object; "ratio" = TRL s/step / ours (sync) s/step, "ratio_async" the same for `cluster.mode=async`: above
+1 means ours is faster.
 """
 
 from __future__ import annotations

@@ -64,21 +64,21 @@ def engine_snapshot():
 
 
 @pytest.fixture
-def kill_worker():
-    """`kill_worker(group, w)` kills rollout worker w's actor and returns once a call to it fails (ray.kill
-    is asynchronous: a call made before the kill lands still succeeds)."""
+def kill_actor():
+    """`kill_actor(actor, probe="ping")` kills a Ray actor and returns once a call of its method `probe`
+    fails (ray.kill is asynchronous: a call made before the kill lands still succeeds)."""
     import time
 
     import ray
 
-    def kill(group, w: int) -> None:
-        ray.kill(group.workers[w])
+    def kill(actor, probe: str = "ping") -> None:
+        ray.kill(actor)
         for _ in range(300):
             try:
-                group.workers[w].ping.remote().future().result(timeout=60)
+                getattr(actor, probe).remote().future().result(timeout=60)
             except Exception:  # noqa: BLE001 - RayActorError once the kill landed
                 return
             time.sleep(0.1)
-        raise AssertionError(f"worker {w} still answers after ray.kill")
+        raise AssertionError(f"{actor} still answers {probe}() after ray.kill")
 
     return kill

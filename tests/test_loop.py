@@ -134,7 +134,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     assert hf_a == hf_b
 
 
-def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files, kill_worker):
+def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files, kill_actor):
     """`train(cfg, roles=...)` on a trainer and an engine that already ran another job (other lr, other
     step count: trained weights, Adam moments, a used call counter, other engine weights) logs exactly what
     a run starting its own actors logs, ends with the same weights, and leaves the roles running (an engine
@@ -162,7 +162,7 @@ def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, re
         # an engine lost between jobs comes back with the last run's policy, not the model folder's weights
         greedy, prompts = dict(n=1, temperature=0.0, max_tokens=8), [[5, 6, 7, 8], list(range(40, 60))]
         before = [g[0].response_ids for g in roles.rollout.generate(prompts, **greedy)]
-        kill_worker(roles.rollout, 0)
+        kill_actor(roles.rollout.workers[0])
         assert [g[0].response_ids for g in roles.rollout.generate(prompts, **greedy)] == before
         assert roles.rollout.restarts == 1 and roles.rollout.ping()[0]["policy_version"] == 3
         with pytest.raises(ValueError, match=r"rollout\.max_tokens differ"):

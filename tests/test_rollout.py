@@ -261,7 +261,7 @@ def test_sleep_is_a_reported_noop_on_cpu(group1):
     assert group1.sleep() == [False] and group1.wake_up() == [False]
 
 
-def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prompts, kill_worker):
+def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prompts, kill_actor):
     # The worker actor is single-threaded on purpose (a threaded actor made vLLM-CPU ~30 % slower), so a
     # ping submitted during a long generation (~25k tokens) answers only once that generation is done.
     ref = group1.workers[0].generate.remote(prompts * 16, list(range(len(prompts) * 16)), {"max_tokens": 64,
@@ -273,7 +273,7 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
     ray.get(ref)
     before = group1.generate(prompts, n=1, temperature=0.0)
     old_pid = group1.ping()[0]["pid"]
-    kill_worker(group1, 0)
+    kill_actor(group1.workers[0])
     with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died"):
         group1.ping()
     restarted: list[int] = []
@@ -285,7 +285,7 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
         assert [[c.response_ids for c in g] for g in after] == [[c.response_ids for c in g] for g in before]
         assert [g[0].prompt_index for g in after] == list(range(len(prompts)))
         group1.max_restarts = 1  # spent: the next loss is an error naming the worker and the limit
-        kill_worker(group1, 0)
+        kill_actor(group1.workers[0])
         with pytest.raises(RolloutWorkerError, match=r"rollout worker 0: actor died.*rollout.max_restarts = 1"):
             group1.generate(prompts[:1], n=1)
     finally:
@@ -294,7 +294,7 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
 
 
 def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, prompts, tiny_qwen3, tiny_new,
-                                                                       kill_worker, tmp_path):
+                                                                       kill_actor, tmp_path):
     """With no `on_restart` (between the loop's jobs on shared roles) a restarted engine gets the file the
     group last installed, not the model folder's weights; weights it did not keep, or a kept file changed
     since, make the restart an error."""
@@ -306,22 +306,22 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         new = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
         assert new != original
         restarts = group1.restarts
-        kill_worker(group1, 0)
+        kill_actor(group1.workers[0])
         assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == new
         assert group1.restarts == restarts + 1 and group1.ping()[0]["policy_version"] == 5
         kept = tmp_path / "w.safetensors"
         shutil.copyfile(os.path.join(tiny_new, "model.safetensors"), kept)
         group1.load_weights_full(kept, version=6)
         os.utime(kept, ns=(kept.stat().st_atime_ns, kept.stat().st_mtime_ns + 10**9))  # rewritten since
-        kill_worker(group1, 0)
+        kill_actor(group1.workers[0])
         with pytest.raises(RolloutWorkerError, match="w.safetensors, kept as the engines' weights, was changed"):
             group1.generate(prompts, **greedy)
         group1.load_weights_full(_tensors(tiny_new), version=6)  # tensors are not kept
-        kill_worker(group1, 0)
+        kill_actor(group1.workers[0])
         with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died.*not kept.*load_weights_full"):
             group1.generate(prompts, **greedy)
         group1.keep_for_restart(tiny_qwen3, version=7)  # what the loop does when a job ends
-        kill_worker(group1, 0)
+        kill_actor(group1.workers[0])
         assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == original
         assert group1.policy_version == 7 and group1.ping()[0]["policy_version"] == 7
     finally:

@@ -829,7 +829,7 @@ def test_restart_from_takes_new_optimizer_settings_and_refuses_process_fields(gr
     assert group1.cfg.trainer == cfg.trainer
 
 
-def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_qwen3, tmp_path):
+def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_qwen3, tmp_path, kill_actor):
     from rl_tpu.trainer import TrainerError, TrainerGroup
 
     b = _batch(seed=2)
@@ -849,15 +849,7 @@ def test_checkpoint_resume_in_new_group_continues_identically(group2, cfg, tiny_
         assert len({s["actor/entropy"] for s in straight}) == 3  # the policy does change step to step
         with pytest.raises(TrainerError, match="no dcp"):
             resumed.load_checkpoint(str(tmp_path))
-        import ray
-
-        ray.kill(resumed.actors[1])
-        for _ in range(300):  # ray.kill is asynchronous: a call made before the kill lands still succeeds
-            try:
-                ray.get(resumed.actors[1].param_specs.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                break
-            time.sleep(0.1)
+        kill_actor(resumed.actors[1], "param_specs")
         with pytest.raises(TrainerError, match="rank 1"):
             resumed.param_specs()
     finally:

@@ -143,7 +143,7 @@ class WeightSyncer:
             from rl_tpu.weight_sync import WeightSync
 
             to_hf = functools.partial(titan.titan_to_hf, spec or titan.build_model_spec(model_path))
-            self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout.workers,
+            self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout,
                                         transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
                                         receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
 

@@ -42,7 +42,7 @@ import torch
 
 from rl_tpu.config import Config
 from rl_tpu.rollout.engine import check_prompts, request_seed
-from rl_tpu.rollout.worker import RolloutWorker
+from rl_tpu.rollout.worker import RolloutWorker, WeightsRejected
 from rl_tpu.types import Completion
 
 if TYPE_CHECKING:
@@ -62,6 +62,17 @@ class RolloutWorkerError(RuntimeError):
 def _summary(e: BaseException) -> str:
     """Ray's actor-death message without its indented detail lines (ids, pid, namespace)."""
     return " ".join(line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("\t"))
+
+
+def _refused(ref) -> bool:
+    """Whether a finished `load_weights` call raised WeightsRejected (its engine untouched)."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayTaskError as e:
+        return isinstance(e.cause, WeightsRejected)
+    except Exception:  # lost, or not finished: it may have installed part of the weights
+        return False
+    return False
 
 
 def assign_prompts(costs: Sequence[float], num_workers: int) -> list[list[int]]:
@@ -194,14 +205,15 @@ class RolloutGroup:
             path, version, stamp = self._restore or ("", 0, ())
             if self._restore is None:
                 kept = ("the weights the engines were given are not kept (tensors or bytes rather than a file, "
-                        "or a run that stopped before exporting)")
+                        "a weight sync from a trainer, or a run that stopped before exporting)")
             elif not os.path.exists(path) or file_stamp(path) != stamp:
                 kept = f"{path}, kept as the engines' weights, was changed or moved since it was installed"
             else:
                 self._get([self.workers[w].load_weights.remote(path, version)], [w], self.timeout_s)
                 return
             raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
-                                        f"and {kept}: install weights again with load_weights_full")
+                                        f"and {kept}: install weights again with load_weights_full (or set "
+                                        f"on_restart to sync it, as the training loop does)")
 
     # -- public -------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int | None = None, *,
@@ -242,9 +254,14 @@ class RolloutGroup:
             weights = [(n, t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in weights]
         ref = ray.put(weights)  # one copy in the object store, shared by all workers
         workers = range(self.num_workers) if workers is None else list(workers)
-        self._restore = None  # until every worker has it: a restart in between must not guess
-        stats = self._get([self.workers[w].load_weights.remote(ref, version) for w in workers], workers,
-                          self.timeout_s)
+        kept, self._restore = self._restore, None  # until every worker has it: a restart must not guess
+        refs = [self.workers[w].load_weights.remote(ref, version) for w in workers]
+        try:
+            stats = self._get(refs, workers, self.timeout_s)
+        except RolloutWorkerError:
+            if all(_refused(r) for r in refs):  # no engine was touched: they hold what they held
+                self._restore = kept
+            raise
         if len(workers) == self.num_workers:
             self.policy_version = version
             # a path costs nothing to keep; tensors would stay in the object store for the group's life

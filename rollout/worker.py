@@ -5,7 +5,7 @@ Invariants:
   with a generation: every completion of one `generate` call carries the same policy version.
   `ping` too: it answers between calls (the actor is single-threaded on purpose, see `RolloutGroup`).
 - A weight update validates names and shapes against the model's checkpoint before touching the
-  engine (bad input -> ValueError, engine untouched). If the install itself fails, the engine is
+  engine (bad input -> WeightsRejected, a ValueError; engine untouched). If the install itself fails, the engine is
   restarted from the model folder (policy version back to its initial value) before the error is
   re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
 - After every install the engine's prefix cache is reset, so no KV block computed under old weights
@@ -79,6 +79,10 @@ def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
     if isinstance(payload, (str, os.PathLike)):
         return list(checkpoint_shapes(str(payload)).items())
     return [(n, tuple(t.shape)) for n, t in decode_payload(payload)]
+
+
+class WeightsRejected(ValueError):
+    """Weights refused by their names, shapes or format before the engine was touched."""
 
 
 def check_weights(named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
@@ -206,8 +210,11 @@ class RolloutWorker:
         """Install HF-named full tensors (pairs, a dict, safetensors bytes or a path), reset the prefix
         cache and record `version`. Returns timing and counts."""
         t0 = time.perf_counter()
-        shapes = payload_shapes(payload)
-        check_weights(shapes, self.expected, full)
+        try:
+            shapes = payload_shapes(payload)
+            check_weights(shapes, self.expected, full)
+        except (ValueError, OSError) as e:  # the group keeps what the engine held (see RolloutGroup)
+            raise WeightsRejected(str(e)) from e
         wire, path = self._to_wire(payload)
         try:
             loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))

@@ -296,8 +296,8 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
 def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, prompts, tiny_qwen3, tiny_new,
                                                                        kill_actor, tmp_path):
     """With no `on_restart` (between the loop's jobs on shared roles) a restarted engine gets the file the
-    group last installed, not the model folder's weights; weights it did not keep, or a kept file changed
-    since, make the restart an error."""
+    group last installed, not the model folder's weights (weights the engines refused change nothing);
+    weights it did not keep, or a kept file changed since, make the restart an error."""
     greedy = dict(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
     original = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
     max_restarts, group1.max_restarts = group1.max_restarts, group1.restarts + 4  # the four kills below
@@ -305,6 +305,8 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         group1.load_weights_full(os.path.join(tiny_new, "model.safetensors"), version=5)
         new = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
         assert new != original
+        with pytest.raises(RolloutWorkerError, match="misses .* tensor"):  # refused: the engine holds the file
+            group1.load_weights_full({k: v for k, v in _tensors(tiny_qwen3).items() if "up_proj" not in k}, 9)
         restarts = group1.restarts
         kill_actor(group1.workers[0])
         assert [g[0].response_ids for g in group1.generate(prompts, **greedy)] == new

@@ -89,7 +89,7 @@ def rollout1(ray_session, tiny_qwen3):
 def _weight_sync(trainer, rollout, model_path, transport="shm", bucket_mb=0.25):
     from rl_tpu.weight_sync import WeightSync
 
-    return WeightSync(trainer.param_specs(), _to_hf(model_path), trainer.actors, rollout.workers,
+    return WeightSync(trainer.param_specs(), _to_hf(model_path), trainer.actors, rollout,
                       transport=transport, bucket_mb=bucket_mb, engine_model_dir=model_path)
 
 
@@ -378,7 +378,7 @@ def test_fsdp2_to_two_engines_bit_exact_in_parallel(trained, ray_session, tiny_q
 def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ray_session, tiny_qwen3):
     """The other engine finishes its sync; the dead one is named, its replacement re-derives the same
     layout, takes the dead one's tables and alone receives the weights, bit for bit."""
-    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.rollout import RolloutGroup, RolloutWorkerError
     from rl_tpu.weight_sync import ReceiverLost
 
     g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2, num_cpus_per_worker=0)
@@ -392,6 +392,9 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
                 ws.sync(3, keep_for_verify=True)
         assert lost.value.engines == [1]
         assert ray.get(g.workers[0].policy_version.remote()) == 3  # engine 0 finished its sync
+        # the group was told its engines hold synced weights: with no on_restart, not the model folder's
+        with pytest.raises(RolloutWorkerError, match="not kept .*weight sync from a trainer.*set on_restart"):
+            g.restart_worker(1, "killed by the test")
         synced: list = []
         g.on_restart = lambda e: synced.append(ws.replace_receiver(e, g.workers[e]) or
                                                ws.sync(3, keep_for_verify=True, engines=[e]))

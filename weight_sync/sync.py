@@ -406,13 +406,18 @@ class WeightSync:
     """Plan-based resharding from trainer ranks (senders) into vLLM engines (receivers).
 
     `senders[r]` is trainer rank r and `receivers[e]` engine e: Ray actor handles (`TrainerWorker`,
-    `RolloutWorker`) or local objects with the same `ws_*` methods. `to_hf` is TorchTitan's
-    `StateDictAdapter.to_hf`.
+    `RolloutWorker`) or local objects with the same `ws_*` methods, or a `RolloutGroup` (its workers;
+    the group then knows its engines hold synced weights, which it cannot give an engine it restarts:
+    such a restart is an error until `on_restart` is set, see `replace_receiver`). `to_hf` is
+    TorchTitan's `StateDictAdapter.to_hf`.
     """
 
     def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list, *,
                  transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
                  direct: bool | None = None, receiver_buffers: bool = True, receiver_buffer_mb: float = 4096.0):
+        self.group = None if isinstance(receivers, (list, tuple)) else receivers
+        if self.group is not None:
+            receivers = self.group.workers  # the group's own list: a restart replaces its entry in place
         self.specs, self.to_hf, self.senders, self.receivers = specs, to_hf, senders, receivers
         self.transport, self.bucket_bytes = transport, int(bucket_mb * 2**20)
         # shm routes into a CPU engine rank write straight into its receiver region, up to this size
@@ -510,10 +515,14 @@ class WeightSync:
         plan = self.plan or self.build()
         engines = list(range(len(self.receivers))) if engines is None else engines
         t0 = time.perf_counter()
+        if self.group is not None:  # from here the engines may hold weights no file holds
+            self.group.keep_for_restart(None)
         per_engine = _get_each([_invoke(self.receivers[e], "ws_sync", version, keep_for_verify, self.direct)
                                 for e in engines])
         if len(engines) == len(self.receivers):
             self.version = version
+            if self.group is not None:
+                self.group.policy_version = version
         mine = np.isin(plan.buckets[:, 0], [i for i, (e, _) in enumerate(plan.receivers) if e in engines])
         return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=int(plan.buckets[mine, 2].sum()),
                          buckets=int(mine.sum()), acks=[a for acks in per_engine for a in acks])

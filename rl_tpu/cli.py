@@ -202,7 +202,10 @@ def _console_log() -> None:
     """Our own log lines (an engine restarted, a damaged checkpoint skipped, resumed at step N, ready after
     N s) go to stderr; without a handler Python would show warnings only and drop the rest."""
     log = logging.getLogger("rl_tpu")
-    if not any(getattr(h, "_rl_tpu_console", False) for h in log.handlers):
+    mine = [h for h in log.handlers if getattr(h, "_rl_tpu_console", False)]
+    if mine:  # a later call in the same process (tests, a notebook) writes to today's stderr
+        mine[0].stream = sys.stderr  # not setStream: it flushes the old one, which may be closed
+    else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("rl-tpu: %(message)s"))
         handler._rl_tpu_console = True  # type: ignore[attr-defined]

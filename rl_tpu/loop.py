@@ -370,6 +370,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
     train_set, test_set = build_datasets(cfg.data)
+    if cfg.data.test_files and not cfg.trainer.test_freq:
+        log.warning("data.test_files holds %d held-out prompts, but trainer.test_freq = 0: nothing is evaluated "
+                    "(--trainer.test_freq=N evaluates every N steps and after the last)", len(test_set))
     # A model folder of the user's is checked now (its files); the tokenizer (about 10 s on 2 cores, most
     # of it importing transformers) and the prompt lengths it checks, or the tiny default when it still has
     # to be built, come while Ray starts: a failure there stops Ray again and is reported.

@@ -114,6 +114,16 @@ def test_empty_test_file_is_named(files, tiny_qwen3, capsys):
     _assert_one_line(rc, err, "empty.jsonl", "no rows")
 
 
+def test_test_files_without_test_freq_is_said(files, tiny_qwen3, capsys):
+    # a held-out set that is never evaluated was silent; the missing model folder then stops the run
+    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "good.jsonl"}"]',
+                    f"--model.path={files / 'nonexistent'}")
+    assert rc == 2 and "data.test_files holds 6 held-out prompts, but trainer.test_freq = 0" in err, err
+    _, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "good.jsonl"}"]',
+                   f"--model.path={files / 'nonexistent'}", "--trainer.test_freq=2")
+    assert "test_freq" not in err, err
+
+
 REWARD_CASES = {  # spec -> words the line must hold
     "missing.py:score": ["missing.py", "not found"],
     "no_function.py:score": ["no_function.py", "no attribute 'score'", "other"],

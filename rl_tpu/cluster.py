@@ -15,10 +15,17 @@ log = logging.getLogger("rl_tpu")
 def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> bool:
     """`ray.init(**kwargs)`, retried up to `attempts` times (only on errors whose text contains
     `retry_if`, when given). Returns True if this call started Ray, False if it was already running."""
+    import os
+
     import ray
 
     if ray.is_initialized():
         return False
+    if "address" not in kwargs:
+        # A new Ray prestarts idle default workers for the driver; our actors each ask for their own
+        # environment (threads, devices), so none would ever be used: two processes importing Ray for
+        # nothing (~3 CPU s) while the roles start on a 2-core box.
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     for attempt in range(attempts):
         try:
             ray.init(**kwargs)

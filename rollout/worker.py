@@ -5,9 +5,9 @@ Invariants:
   with a generation: every completion of one `generate` call carries the same policy version.
   `ping` too: it answers between calls (the actor is single-threaded on purpose, see `RolloutGroup`).
 - A weight update validates names and shapes against the model's checkpoint before touching the
-  engine (bad input -> WeightsRejected, a ValueError; engine untouched). If the install itself fails, the engine is
-  restarted from the model folder (policy version back to its initial value) before the error is
-  re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
+  engine (bad input -> WeightsRejected, a ValueError; engine untouched). If the install itself fails,
+  the engine is restarted from the model folder (policy version back to its initial value) before the
+  error is re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
 - After every install the engine's prefix cache is reset, so no KV block computed under old weights
   can be reused.
 - Weights cross vLLM's process boundary (multiprocess engine core, or TP ranks in worker processes)

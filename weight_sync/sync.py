@@ -32,7 +32,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from .rows import as_2d, rows_cols
 from .specs import ParamSpec
 from .transports import InProcess, Region, SharedMemory, get_transport, join_group, leave_group
 from .wire import begin_pack, packed_size
+
+if TYPE_CHECKING:
+    from rl_tpu.rollout import RolloutGroup
 
 
 def _invoke(obj, method: str, *args):
@@ -412,7 +415,7 @@ class WeightSync:
     TorchTitan's `StateDictAdapter.to_hf`.
     """
 
-    def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list, *,
+    def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list | RolloutGroup, *,
                  transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
                  direct: bool | None = None, receiver_buffers: bool = True, receiver_buffer_mb: float = 4096.0):
         self.group = None if isinstance(receivers, (list, tuple)) else receivers

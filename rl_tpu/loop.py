@@ -79,12 +79,6 @@ def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
     return model_path, tok
 
 
-def _model_spec(model_path: str):
-    from rl_tpu.trainer import model as titan
-
-    return titan.build_model_spec(model_path)
-
-
 def start_ray(cfg: Config, plan=None) -> bool:
     """Join `cluster.address`, or start a local Ray advertising `cluster.num_cpus` CPUs (0: all cores,
     and at least what the placement bundles reserve: sync mode runs the roles in turn). True if this
@@ -130,20 +124,17 @@ class WeightSyncer:
     changes the trainer's weights and its version, so that label is never one update behind (async mode
     restarts an engine from the generation thread while the trainer trains)."""
 
-    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path, spec=None):
+    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path):
         self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
         self.lock = threading.Lock()
         self.trainer_version = 0  # the version of the weights the trainer holds now
         self.verified = 0  # engine parameters the last verified sync compared (`sync.verify`)
         self.plan_sync = None
         if cfg.sync.transport != "reload":
-            import functools
-
-            from rl_tpu.trainer import model as titan
             from rl_tpu.weight_sync import WeightSync
 
-            to_hf = functools.partial(titan.titan_to_hf, spec or titan.build_model_spec(model_path))
-            self.plan_sync = WeightSync(trainer.param_specs(), to_hf, trainer.actors, rollout,
+            # names and rows from rank 0's own adapter: the driver needs no TorchTitan (5-12 s to import here)
+            self.plan_sync = WeightSync(trainer.param_specs(), trainer.name_maps(), trainer.actors, rollout,
                                         transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
                                         receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
 
@@ -408,17 +399,14 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
 
                 ray.shutdown()
             raise
-        with ThreadPoolExecutor(max_workers=1) as ex:
-            # the driver's TorchTitan model spec (importing TorchTitan: 5-12 s here) while the roles start
-            spec = ex.submit(_model_spec, model_path) if cfg.sync.transport != "reload" else None
-            if roles is None:
-                own = start_shared_roles(cfg, model_path)
-            else:
-                roles.trainer.restart_from(model_path, cfg.trainer)
-                roles.rollout.load_state_dict({"calls": 0})
-            active = own or roles
-            trainer, rollout = active.trainer, active.rollout
-        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp, spec=spec and spec.result())
+        if roles is None:
+            own = start_shared_roles(cfg, model_path)
+        else:
+            roles.trainer.restart_from(model_path, cfg.trainer)
+            roles.rollout.load_state_dict({"calls": 0})
+        active = own or roles
+        trainer, rollout = active.trainer, active.rollout
+        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
         syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         if roles is not None and resume is None:
             syncer(version)  # the engines hold whatever the caller last gave them

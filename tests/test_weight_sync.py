@@ -142,7 +142,16 @@ def test_fsdp2_to_one_engine_bit_exact_logprob_parity_and_hf_greedy(trained, rol
 
 
 def test_second_sync_reuses_plan_and_moves_new_weights(trained, rollout1, tiny_qwen3):
-    ws = _weight_sync(trained, rollout1, tiny_qwen3, transport="ray", bucket_mb=1.0)
+    from rl_tpu.weight_sync import WeightSync
+    from rl_tpu.weight_sync.names import NameMaps
+
+    # the loop plans with names and rows from rank 0's own adapter: the same as this process's adapter gives
+    maps = trained.name_maps()
+    ref = NameMaps.from_adapter(trained.param_specs(), _to_hf(tiny_qwen3))
+    assert maps.shapes == ref.shapes and sorted(maps.rows) == sorted(ref.rows) and len(ref.rows) > 0
+    assert all(maps.rows[n][0] == ref.rows[n][0] and (maps.rows[n][1] == ref.rows[n][1]).all() for n in ref.rows)
+    ws = WeightSync(trained.param_specs(), maps, trained.actors, rollout1, transport="ray", bucket_mb=1.0,
+                    engine_model_dir=tiny_qwen3)
     ws.sync(2)
     old = trained.hf_state_dict()
     b = _batch(seed=1)

@@ -193,6 +193,15 @@ class TrainerGroup:
     def param_specs(self) -> list[ParamSpec]:
         return self._call("param_specs")[0]
 
+    def name_maps(self):
+        """The weight-sync plan's HF names, shapes and rows, from rank 0's adapter (`NameMaps`)."""
+        import ray
+
+        try:
+            return ray.get(self.actors[0].ws_name_maps.remote())
+        except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
+            raise TrainerError(0, "ws_name_maps", e) from e
+
     def check_alive(self) -> None:
         """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""
         self._call("policy_step")

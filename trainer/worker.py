@@ -28,6 +28,7 @@ Methods that touch parameters are collective: the group calls them on every rank
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 from pathlib import Path
@@ -610,6 +611,13 @@ class TrainerWorker:
 
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec.from_tensor(n, p) for n, p in self.model.named_parameters()]
+
+    def ws_name_maps(self):
+        """HF names, shapes and rows of this model through its own TorchTitan adapter (`NameMaps`): the
+        driver plans the weight sync with them and needs no TorchTitan of its own."""
+        from rl_tpu.weight_sync.names import NameMaps
+
+        return NameMaps.from_adapter(self.param_specs(), functools.partial(tmodel.titan_to_hf, self.spec))
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         """This rank's slice of every parameter and its offset in the global tensor (a CPU copy)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,6 +103,20 @@ def hf_shapes(specs: list[ParamSpec], to_hf: Callable[[dict], dict]) -> dict[str
     """HF name -> shape, as the adapter produces them (meta tensors: no memory)."""
     meta = {s.name: torch.empty(s.shape, device="meta") for s in specs}
     return {n: tuple(t.shape) for n, t in to_hf(meta).items()}
+
+
+@dataclass(frozen=True)
+class NameMaps:
+    """What the plan needs from the adapter: HF name -> shape (`hf_shapes`) and -> rows (`hf_row_map`).
+    Computed where TorchTitan is loaded anyway (a trainer rank, `TrainerWorker.ws_name_maps`), so the
+    driver plans without importing it."""
+
+    shapes: dict[str, tuple[int, ...]]
+    rows: dict[str, tuple[int, np.ndarray]]
+
+    @classmethod
+    def from_adapter(cls, specs: list[ParamSpec], to_hf: Callable[[dict], dict]) -> NameMaps:
+        return cls(hf_shapes(specs, to_hf), hf_row_map(specs, to_hf))
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:

@@ -31,7 +31,7 @@ import concurrent.futures
 import itertools
 import time
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +46,8 @@ from .wire import begin_pack, packed_size
 
 if TYPE_CHECKING:
     from rl_tpu.rollout import RolloutGroup
+
+    from .names import NameMaps
 
 
 def _invoke(obj, method: str, *args):
@@ -412,10 +414,11 @@ class WeightSync:
     `RolloutWorker`) or local objects with the same `ws_*` methods, or a `RolloutGroup` (its workers;
     the group then knows its engines hold synced weights, which it cannot give an engine it restarts:
     such a restart is an error until `on_restart` is set, see `replace_receiver`). `to_hf` is
-    TorchTitan's `StateDictAdapter.to_hf`.
+    TorchTitan's `StateDictAdapter.to_hf`, or the `NameMaps` a trainer rank computed with it.
     """
 
-    def __init__(self, specs: list[ParamSpec], to_hf, senders: list, receivers: list | RolloutGroup, *,
+    def __init__(self, specs: list[ParamSpec], to_hf: Callable[[dict], dict] | NameMaps, senders: list,
+                 receivers: list | RolloutGroup, *,
                  transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
                  direct: bool | None = None, receiver_buffers: bool = True, receiver_buffer_mb: float = 4096.0):
         self.group = None if isinstance(receivers, (list, tuple)) else receivers
@@ -437,14 +440,14 @@ class WeightSync:
 
     def build(self) -> Plan:
         """Check names/shapes against the engine's checkpoint, derive engine layouts, build the plan."""
-        from .names import checkpoint_shapes, hf_row_map, hf_shapes
+        from .names import NameMaps, checkpoint_shapes
 
         t0 = time.perf_counter()
-        trainer_hf = hf_shapes(self.specs, self.to_hf)
+        maps = self.to_hf if isinstance(self.to_hf, NameMaps) else NameMaps.from_adapter(self.specs, self.to_hf)
         if self.engine_model_dir is not None:
-            check_names(trainer_hf, checkpoint_shapes(self.engine_model_dir))
-        self._hf_order = hf_order = sorted(trainer_hf.items())
-        row_map = hf_row_map(self.specs, self.to_hf)
+            check_names(maps.shapes, checkpoint_shapes(self.engine_model_dir))
+        self._hf_order = hf_order = sorted(maps.shapes.items())
+        row_map = maps.rows
         derived = _get([_invoke(r, "ws_derive", hf_order) for r in self.receivers])
         self.layouts = layouts = engine_layouts(derived)  # what each engine's loaders do
         self.plan = plan = build_plan(self.specs, row_map, hf_order, layouts, self.bucket_bytes)

@@ -8,6 +8,7 @@ then, and starting again succeeds. Every place that starts Ray (the loop, tests,
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("rl_tpu")
 
@@ -15,8 +16,6 @@ log = logging.getLogger("rl_tpu")
 def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> bool:
     """`ray.init(**kwargs)`, retried up to `attempts` times (only on errors whose text contains
     `retry_if`, when given). Returns True if this call started Ray, False if it was already running."""
-    import os
-
     import ray
 
     if ray.is_initialized():

@@ -202,15 +202,15 @@ class RolloutGroup:
         if self.on_restart is not None:
             self.on_restart(w)
         elif self._restore is not ORIGINAL:
-            path, version, stamp = self._restore or ("", 0, ())
             if self._restore is None:
                 kept = ("the weights the engines were given are not kept (tensors or bytes rather than a file, "
                         "a weight sync from a trainer, or a run that stopped before exporting)")
-            elif not os.path.exists(path) or file_stamp(path) != stamp:
-                kept = f"{path}, kept as the engines' weights, was changed or moved since it was installed"
             else:
-                self._get([self.workers[w].load_weights.remote(path, version)], [w], self.timeout_s)
-                return
+                path, version, stamp = self._restore
+                if os.path.exists(path) and file_stamp(path) == stamp:
+                    self._get([self.workers[w].load_weights.remote(path, version)], [w], self.timeout_s)
+                    return
+                kept = f"{path}, kept as the engines' weights, was changed or moved since it was installed"
             raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
                                         f"and {kept}: install weights again with load_weights_full (or set "
                                         f"on_restart to sync it, as the training loop does)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -102,11 +103,14 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ fan-out
 
-    def _call(self, method: str, *args, **kwargs) -> list:
+    def _call(self, method: str, *args, ranks: Sequence[int] | None = None, **kwargs) -> list:
+        """`method(*args, **kwargs)` on every rank (or on `ranks`); results in rank order. A rank's failure
+        is raised as `TrainerError` naming it."""
         import ray
 
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        rank_of = {r.hex(): i for i, r in enumerate(refs)}
+        ranks = range(len(self.actors)) if ranks is None else ranks
+        refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
+        rank_of = {ref.hex(): r for ref, r in zip(refs, ranks)}
         pending, results = list(refs), {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -116,7 +120,7 @@ class TrainerGroup:
                     results[rank] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
                     raise TrainerError(rank, method, e) from e
-        return [results[i] for i in range(len(refs))]
+        return [results[r] for r in ranks]
 
     def _put(self, batch: TrainBatch):
         import ray
@@ -195,12 +199,7 @@ class TrainerGroup:
 
     def name_maps(self):
         """The weight-sync plan's HF names, shapes and rows, from rank 0's adapter (`NameMaps`)."""
-        import ray
-
-        try:
-            return ray.get(self.actors[0].ws_name_maps.remote())
-        except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
-            raise TrainerError(0, "ws_name_maps", e) from e
+        return self._call("ws_name_maps", ranks=[0])[0]
 
     def check_alive(self) -> None:
         """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or update .venv with the pinned CPU stack (uv.lock). Idempotent: a second run with nothing
-# changed takes about a second. Extra arguments are passed to `uv sync` (e.g. --extra verl).
+# changed takes a few seconds (checking the compiled bytecode). Extra arguments are passed to `uv sync` (e.g. --extra verl).
 #
 # Role environments (DESIGN.md, "Environments per role"): `scripts/setup.sh --role-env xla` creates or
 # updates .venv-xla from locks/xla.txt (a compiled, hashed requirements file: uv.lock holds one torch per
@@ -26,7 +26,7 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     # one Ray cluster = one Python minor in every environment: the role env uses the controller's 3.11
     [ -x ".venv-$role/bin/python" ] || uv venv --quiet --python 3.11 ".venv-$role"
     # sync, not install: the env holds exactly the lock's set (with hashes checked), nothing left over
-    uv pip sync --quiet --python ".venv-$role/bin/python" --require-hashes "locks/$role.txt"
+    uv pip sync --quiet --compile-bytecode --python ".venv-$role/bin/python" --require-hashes "locks/$role.txt"
     # the actors started in this env import rl_tpu; its dependencies are the lock's, not pyproject's
     uv pip install --quiet --python ".venv-$role/bin/python" --no-deps --editable .
     echo "setup: .venv-$role ready ($(.venv-"$role"/bin/python -c 'import torch; print("torch", torch.__version__)'))"
@@ -56,8 +56,12 @@ MSG
     exit 1
 fi
 
-# --inexact: extras installed earlier (e.g. --extra bench) stay installed
-sync_args=(--inexact --extra cpu --extra test --find-links "$wheel_dir")
+# --inexact: extras installed earlier (e.g. --extra bench) stay installed.
+# --compile-bytecode: every process of a run (driver, engine and trainer actors, tests) imports torch and
+# vLLM; without .pyc files in site-packages each one compiles their sources again, and with
+# PYTHONDONTWRITEBYTECODE set (as on our CI boxes) it never stops doing so. Compiled, `import vllm` takes
+# 12 s instead of 24 s and `import torch` 2 s instead of 4 (bench/RESULTS.md, session 26).
+sync_args=(--inexact --compile-bytecode --extra cpu --extra test --find-links "$wheel_dir")
 if [ "$wheel_dir" = "$LOCKED_WHEEL_DIR" ]; then
     sync_args+=(--locked)   # reproduce uv.lock exactly
 else

@@ -33,36 +33,12 @@ from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
                                    sampling_params, to_completions)
 from rl_tpu.rollout.receiver import decode_payload
+from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
 from rl_tpu.types import Completion
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _header_shapes(header: dict) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _file_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        return _header_shapes(json.loads(fh.read(n)))
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape from the safetensors headers of a file or folder (no tensor data read)."""
-    if os.path.isfile(model_path):
-        return _file_shapes(model_path)
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"weight path {model_path!r} does not exist")
-    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"folder {model_path!r} holds no .safetensors file")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        shapes.update(_file_shapes(os.path.join(model_path, f)))
-    return shapes
 
 
 def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -73,7 +49,7 @@ def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
             raise ValueError("weight bytes are not a safetensors blob (shorter than its 8-byte header size)")
         n = int.from_bytes(raw, "little")
         try:
-            return list(_header_shapes(json.loads(bytes(payload[8:8 + n]))).items())
+            return list(header_shapes(json.loads(bytes(payload[8:8 + n]))).items())
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"weight bytes are not a safetensors blob: {e}") from None
     if isinstance(payload, (str, os.PathLike)):

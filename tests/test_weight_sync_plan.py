@@ -363,3 +363,21 @@ def test_unsupported_placement_is_named():
                        runs={"q": np.array([[0, 0, 6, 4, 0, 0, 0]])})
     with pytest.raises(NotImplementedError, match="wq: placement S\\(1\\)"):
         build_plan(sp, {"q": (0, np.array([[0, 0, 6]]))}, hf_order, [((0, 0), lay)], 1 << 20)
+
+
+def test_checkpoint_shapes_reads_headers_of_a_file_or_a_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    from rl_tpu.rollout.worker import payload_shapes
+    from rl_tpu.weight_sync.names import checkpoint_shapes
+
+    save_file({"a.weight": torch.zeros(3, 2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"b.bias": torch.zeros(5)}, str(tmp_path / "model-2.safetensors"))
+    assert checkpoint_shapes(tmp_path) == {"a.weight": (3, 2), "b.bias": (5,)}
+    assert checkpoint_shapes(tmp_path / "model-2.safetensors") == {"b.bias": (5,)}
+    assert payload_shapes((tmp_path / "model-1.safetensors").read_bytes()) == [("a.weight", (3, 2))]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint_shapes(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .safetensors"):
+        checkpoint_shapes(tmp_path / "empty")

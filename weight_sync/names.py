@@ -119,18 +119,30 @@ class NameMaps:
         return cls(hf_shapes(specs, to_hf), hf_row_map(specs, to_hf))
 
 
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape from the safetensors headers of a model folder (reads headers only)."""
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
+def header_shapes(header: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape from a parsed safetensors header."""
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return header_shapes(json.loads(fh.read(n)))
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape from the safetensors headers of one file or a model folder (no tensor data read)."""
+    path = Path(path)
+    if path.is_file():
+        return _file_shapes(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"weight path {str(path)!r} does not exist")
+    files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(model_dir)!r}")
-    out = {}
+        raise FileNotFoundError(f"folder {str(path)!r} holds no .safetensors file")
+    out: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        out.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        out.update(_file_shapes(f))
     return out
 
 

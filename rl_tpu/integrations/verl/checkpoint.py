@@ -310,23 +310,22 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     """The plan from trainer rank 0's specs and each replica leader's derived layouts; checks names, shapes
     and that every (trainer rank, engine) route stays on one host."""
     from rl_tpu.trainer import model as titan
-    from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
+    from rl_tpu.weight_sync.names import NameMaps
     from rl_tpu.weight_sync.plan import build_plan, check_names
     from rl_tpu.weight_sync.sync import engine_layouts
 
     t0 = trainers[0]
     specs = t0["specs"]
-    to_hf = functools.partial(titan.titan_to_hf, titan.build_model_spec(t0["model_path"]))
-    trainer_hf = hf_shapes(specs, to_hf)
+    maps = NameMaps.from_adapter(specs, functools.partial(titan.titan_to_hf, titan.build_model_spec(t0["model_path"])))
     leaders = [m for m in rollouts if m["leader"]]
     engines = [m["replica"] for m in leaders]
     if not leaders or len(set(engines)) != len(engines):
         raise RuntimeError(f"rl_tpu checkpoint engine: one leading rollout worker per replica expected, got replicas "
                            f"{engines}")
     for m in leaders:
-        check_names(trainer_hf, m["engine_hf"])  # raises naming every missing / extra / mis-shaped tensor
+        check_names(maps.shapes, m["engine_hf"])  # raises naming every missing / extra / mis-shaped tensor
     layouts = engine_layouts([m["layouts"] for m in leaders])
-    plan = build_plan(specs, hf_row_map(specs, to_hf), sorted(trainer_hf.items()), layouts, t0["bucket_size"])
+    plan = build_plan(specs, maps.rows, sorted(maps.shapes.items()), layouts, t0["bucket_size"])
     for r, s, _ in plan.buckets.tolist():
         e = plan.receivers[r][0]
         if trainers[s]["node"] != leaders[e]["node"]:

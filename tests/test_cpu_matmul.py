@@ -150,6 +150,8 @@ def test_choose_times_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert not cached and timed[-1] == [(16, 8)] and both["8,16"] == first["8,16"]
     _, cached = cm.choose([(8, 16)], threads=2)  # another thread count is another machine
     assert not cached and timed[-1] == [(8, 16)]
+    _, cached = cm.choose([(8, 16)], threads=1, ranks=2)  # so are ranks timing at once on its cores
+    assert not cached and timed[-1] == [(8, 16)] and len(timed) == 4
     (tmp_path / "cpu_matmul.json").write_text("not json")  # a damaged cache is measured again, then mended
     _, cached = cm.choose([(8, 16)], threads=1)
     assert not cached and set(cm.read_cache(cm.machine_key(1))["8,16"]) == set(cm.OPS)

@@ -10,8 +10,8 @@ model's own shapes when the trainer starts and keeps the faster per (shape, matm
 float32 (no reduced-precision math mode); results differ by summation order only (~1e-6 of the largest
 value). bfloat16 matmuls already go to oneDNN inside aten, so they are left alone.
 
-Reproducibility: the choice is cached per CPU model, torch version and thread count
-(`cache_path()`), so later runs on the same machine make the same choice and round the same way; a
+Reproducibility: the choice is cached per CPU model, torch version, thread count and number of ranks
+timing at once (they share the cores, so 2 ranks may choose otherwise than 1) (`cache_path()`), so later runs on the same machine make the same choice and round the same way; a
 run that must match another machine's bit for bit pins `aten` or `onednn`.
 
 `install(model, choose)` swaps the forward of every `nn.Linear` for one through `linear`; parameters,
@@ -170,8 +170,9 @@ def cache_path() -> Path:
     return Path(root) / "cpu_matmul.json"
 
 
-def machine_key(threads: int) -> str:
-    """What the choice depends on: the CPU model and features, torch's build, the thread count."""
+def machine_key(threads: int, ranks: int = 1) -> str:
+    """What the choice depends on: the CPU model and features, torch's build, the thread count, and how
+    many ranks time the kernels at once on this machine's cores."""
     info = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -182,7 +183,8 @@ def machine_key(threads: int) -> str:
     except OSError:
         info["processor"] = platform.processor()
     cpu = " / ".join(f"{k} {v}" for k, v in info.items())
-    return f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {threads} threads"
+    return (f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {threads} threads"
+            f" | {ranks} ranks")
 
 
 def read_cache(key: str) -> dict[str, dict[str, str]]:
@@ -212,13 +214,13 @@ def write_cache(key: str, table: dict[str, dict[str, str]]) -> None:
 
 def choose(shapes: Iterable[tuple[int, int]], threads: int,
            sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           is_writer: bool = True) -> tuple[dict[str, dict[str, str]], bool]:
+           is_writer: bool = True, ranks: int = 1) -> tuple[dict[str, dict[str, str]], bool]:
     """The kernel of each matmul for each (in, out) shape, and whether it came from the cache.
 
     Shapes missing from the cache are timed; with `sum_over_ranks` (an all-reduce) every rank times them
     and all decide on the summed times, so all ranks pick the same kernels. Every rank reads the same
     cache: ranks either all find a shape or all time it (the writer writes only after the all-reduce)."""
-    key = machine_key(threads)
+    key = machine_key(threads, ranks)
     cached = read_cache(key)
     wanted = sorted({f"{k},{n}" for k, n in shapes})
     missing = [s for s in wanted if set(cached.get(s, {})) != set(OPS)]
@@ -248,11 +250,11 @@ def summary(table: dict[str, dict[str, str]]) -> str:
 
 def resolve(mode: str, shapes: Iterable[tuple[int, int]], threads: int,
             sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            is_writer: bool = True) -> tuple[dict[str, dict[str, str]], bool]:
+            is_writer: bool = True, ranks: int = 1) -> tuple[dict[str, dict[str, str]], bool]:
     """`trainer.cpu_matmul`'s `mode` ("auto", "onednn", "aten") as a kernel table for `shapes`, and whether
     it came from the cache (pinned modes always do); "auto" goes through `choose` (same arguments)."""
     if mode == "auto" and available():
-        return choose(shapes, threads, sum_over_ranks, is_writer)
+        return choose(shapes, threads, sum_over_ranks, is_writer, ranks)
     if mode not in ("auto", "onednn", "aten"):
         raise ValueError(f"cpu_matmul = {mode!r}: expected 'auto', 'onednn' or 'aten'")
     kernel = "onednn" if mode == "onednn" and available() else "aten"

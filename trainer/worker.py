@@ -168,7 +168,8 @@ class TrainerWorker:
             return t
 
         table, cached = cpu_matmul.resolve(self.tc.cpu_matmul, todo, torch.get_num_threads(),
-                                           sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0)
+                                           sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0,
+                                           ranks=self.world_size)
         self.matmul_table.update(table)
         self.matmul_cached = self.matmul_cached and cached
 

@@ -211,7 +211,9 @@ class ClusterConfig:
     address: str = ""  # Ray address; empty: start a local Ray instance
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = F(1, ge=0)
-    placement: Literal["colocated", "disaggregated"] = "colocated"  # see docs/placement.md
+    # "auto": colocated in sync mode, disaggregated in async mode or where an engine cannot share its
+    # device with a trainer rank (TPU; tensor-parallel engines on an accelerator). See docs/placement.md
+    placement: Literal["auto", "colocated", "disaggregated"] = "auto"
     num_cpus: int = F(0, ge=0)  # for a local Ray instance; 0: enough for the placement bundles, at least all cores
     # Ray custom resource -> amount added to each bundle of that role: {node_a = 0.01} pins the role to
     # the nodes started with --resources='{"node_a": 1}'
@@ -396,7 +398,8 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError("config error: `algorithm.adv_estimator = \"gae\"` needs `trainer.critic = true`")
     if cfg.cluster.mode == "async" and cfg.cluster.placement == "colocated":
         raise ConfigError("config error: `cluster.mode = \"async\"` overlaps generation with training, so the "
-                          "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"`")
+                          "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"` "
+                          "(or \"auto\", which follows the mode)")
     for key in ("trainer_resources", "rollout_resources"):
         reserved = sorted(set(getattr(cfg.cluster, key)) & {"CPU", "GPU", "TPU", "memory", "object_store_memory"})
         if reserved:

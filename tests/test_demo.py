@@ -31,3 +31,44 @@ def test_quick_demo_writes_report_and_curves(tmp_path):
     width, height = struct.unpack(">II", png[16:24])
     assert width >= 800 and height >= 300
     assert "held-out accuracy" in r.stdout and "GRPO (verifier only)" in r.stdout
+
+
+class _FakeSession:
+    """SFT steps with scripted losses; `export` writes an empty folder."""
+
+    def __init__(self, losses):
+        self.losses = iter(losses)
+
+    def step(self, batch):
+        return {"loss/sft": next(self.losses), "time/train": 1.0}
+
+    def export(self, out):
+        out.mkdir(parents=True, exist_ok=True)
+
+
+class _FakeEvaluator:
+    def __init__(self, accuracies):
+        self.accuracies, self.version = iter(accuracies), 0
+        self.rollout = type("R", (), {"keep_for_restart": lambda self, path, version: None})()
+
+    def accuracy(self, path=None):
+        return next(self.accuracies)
+
+
+def test_sft_patience_counts_only_once_the_demonstrations_are_fit(tmp_path):
+    """Early in SFT held-out accuracy is noise near 0: patience must not stop it before the training loss
+    (mean since the last evaluation) is below `sft_fit_loss`."""
+    from rl_tpu.demo import DemoPlan, _sft_phase
+
+    plan = DemoPlan(sft_eval_every=2, sft_patience=2, sft_fit_loss=0.2, sft_max_steps=100)
+    losses = [1.3, 1.2, 1.2, 1.1, 0.9, 0.9, 0.5, 0.3, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05]  # fit from step 10
+    accs = [0.04, 0.015, 0.035, 0.03, 0.3, 0.25, 0.28]  # flat until step 8, peak at 10, then lower twice
+    out = _sft_phase(_FakeSession(losses), list(range(8)), plan, _FakeEvaluator(accs), tmp_path,
+                     wall_budget=None, early_stop=True, log=lambda s: None)
+    assert (out["best_step"], out["best_accuracy"], out["steps"]) == (10, 0.3, 14)
+    assert [round(c["loss"], 3) for c in out["curve"]][:2] == [1.25, 1.15]  # the mean over each window
+    # without the fit rule, patience alone stops at step 6 (two evaluations without beating 0.04)
+    plain = DemoPlan(sft_eval_every=2, sft_patience=2, sft_fit_loss=None, sft_max_steps=100)
+    out = _sft_phase(_FakeSession(losses), list(range(8)), plain, _FakeEvaluator(accs), tmp_path / "plain",
+                     wall_budget=None, early_stop=True, log=lambda s: None)
+    assert (out["best_step"], out["steps"]) == (2, 6)

@@ -59,8 +59,8 @@ class DemoPlan:
     @classmethod
     def quick(cls) -> "DemoPlan":
         return cls(size="tiny", demonstrations=32, train_prompts=200, test_prompts=16, sft_batch=16, sft_warmup=0,
-                   sft_eval_every=2, sft_patience=1, sft_fit_loss=None, sft_max_steps=4, grpo_steps=2, grpo_prompts=4, grpo_n=4,
-                   grpo_eval_every=2)
+                   sft_eval_every=2, sft_patience=1, sft_fit_loss=None, sft_max_steps=4, grpo_steps=2,
+                   grpo_prompts=4, grpo_n=4, grpo_eval_every=2)
 
 
 def demo_config(plan: DemoPlan, out: Path) -> Config:

@@ -11,8 +11,9 @@ float32 (no reduced-precision math mode); results differ by summation order only
 value). bfloat16 matmuls already go to oneDNN inside aten, so they are left alone.
 
 Reproducibility: the choice is cached per CPU model, torch version, thread count and number of ranks
-timing at once (they share the cores, so 2 ranks may choose otherwise than 1) (`cache_path()`), so later runs on the same machine make the same choice and round the same way; a
-run that must match another machine's bit for bit pins `aten` or `onednn`.
+timing at once (they share the cores, so 2 ranks may choose otherwise than 1) (`cache_path()`), so later
+runs on the same machine make the same choice and round the same way; a run that must match another
+machine's bit for bit pins `aten` or `onednn`.
 
 `install(model, choose)` swaps the forward of every `nn.Linear` for one through `linear`; parameters,
 state-dict keys and FSDP2's hooks (which live in `__call__`) are untouched. Each kernel computes

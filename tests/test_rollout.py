@@ -394,3 +394,32 @@ def test_worker_extension_import_asks_linux_for_amx_tiles():
     out = subprocess.run([sys.executable, "-c", AMX_CHECK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"], out.stdout
+
+
+RAY_DEATH = ("The actor died unexpectedly before finishing this task.\n\tclass_name: RolloutWorker\n\tactor_id: 31d0\n"
+             "\tpid: 23972\n\tnamespace: 78f7\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died. "
+             "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error "
+             "code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer due to "
+             "high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to "
+             "SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable "
+             "by checking for OOM in dmesg of the OOMing node), consider enabling resource isolation.")
+
+
+def test_actor_death_summary_is_short_and_names_the_workers_log_and_crash(tmp_path):
+    """Ray's ~900-character actor-death text is cut to its facts; the dead worker's log and the crash
+    line in it (which Ray's text never says) are named when the log is on this node."""
+    from rl_tpu.rollout.group import _summary
+
+    log = tmp_path / "worker-60a9-01000000-23972.err"
+    log.write_text(":actor_name:RolloutWorker\nLoading weights\n\n*** SIGILL received at time=1796400424 on cpu 0 ***\n"
+                   "PC: @ 0x7fb3 cpu_attention::AttentionMainLoop<>::operator()()\n"
+                   "Fatal Python error: Illegal instruction\n\nExtension modules: msgpack\n")
+    (tmp_path / "worker-60a9-01000000-23973.err").write_text("another worker's log\n")
+    short = _summary(RuntimeError(RAY_DEATH), str(tmp_path))
+    assert short.startswith("The actor died unexpectedly before finishing this task. The actor is dead because")
+    assert "Worker exit type: SYSTEM_ERROR" in short and "(out of memory, `ray stop --force` or a crash)" in short
+    assert "OOM killer" not in short and "actor_id" not in short
+    assert short.endswith(f"; its log: {log} (Fatal Python error: Illegal instruction)"), short
+    assert len(short) < len(RAY_DEATH)
+    # no log on this node (a remote worker, or Ray's logs elsewhere): the short text alone
+    assert _summary(RuntimeError(RAY_DEATH), str(tmp_path / "none")).endswith("or a crash)")

@@ -1,14 +1,17 @@
-"""Starting Ray on a busy machine.
+"""Ray at the edges: starting it on a busy machine, and saying why an actor died.
 
 Ray 2.60's raylet waits a fixed 30 s for its agents; a loaded 2-core box misses that deadline now and
 then, and starting again succeeds. Every place that starts Ray (the loop, tests, benches) goes through
-`init_ray` so the retry rule lives in one place.
+`init_ray` so the retry rule lives in one place. `actor_death_summary` shortens Ray's actor-death text
+and adds what only the dead worker's own log says (a fatal signal), for the engine and trainer groups.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+from pathlib import Path
 
 log = logging.getLogger("rl_tpu")
 
@@ -35,3 +38,51 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
                 raise
             log.warning("ray.init failed (%s); retrying", e)
     return False  # attempts < 1: nothing started
+
+
+_RAY_CAUSES = ("Some common causes include", "There are some potential root causes")
+_CRASH = re.compile(r"Fatal Python error: .*|\*\*\* SIG[A-Z]+ received")
+
+
+def actor_death_summary(e: BaseException, logs_dir: str | None = None) -> str:
+    """Ray's actor-death message, short: its sentences without the indented details (ids, namespace) and
+    without Ray's generic list of causes, then the dead worker's log and the crash line in it (SIGILL,
+    SIGSEGV: only the worker's own log says which). `logs_dir`: this Ray session's (default: asked)."""
+    text = str(e)
+    short = " ".join(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("\t"))
+    for marker in _RAY_CAUSES:
+        if marker in short:
+            short = short.split(marker)[0].rstrip() + " (out of memory, `ray stop --force` or a crash)"
+    pid = re.search(r"^\tpid: (\d+)$", text, re.M)
+    worker_log = _worker_log(int(pid.group(1)), logs_dir or _ray_logs_dir()) if pid else None
+    if worker_log is not None:
+        crash = _crash_line(worker_log)
+        short += f"; its log: {worker_log}" + (f" ({crash})" if crash else "")
+    return short
+
+
+def _ray_logs_dir() -> str | None:
+    try:  # Ray keeps no public call for it; the worker's log is on this node only in a local cluster
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path() if _global_node is not None else None
+    except Exception:
+        return None
+
+
+def _worker_log(pid: int, logs_dir: str | None) -> Path | None:
+    """The stderr log Ray keeps for worker process `pid` (`worker-<id>-<job>-<pid>.err`), if on this node."""
+    logs = sorted(Path(logs_dir).glob(f"worker-*-{pid}.err")) if logs_dir else []
+    return logs[-1] if logs else None
+
+
+def _crash_line(log: Path, tail_bytes: int = 65536) -> str | None:
+    """The last line in the log's tail saying how the process died (a fatal signal, Python's fatal error)."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = _CRASH.findall(text)
+    return found[-1].strip() if found else None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
+from rl_tpu.cluster import actor_death_summary
 from rl_tpu.config import Config
 from rl_tpu.rollout.engine import check_prompts, request_seed
 from rl_tpu.rollout.worker import RolloutWorker, WeightsRejected
@@ -58,54 +58,6 @@ class RolloutWorkerError(RuntimeError):
     def __init__(self, worker: int, message: str):
         super().__init__(f"rollout worker {worker}: {message}")
         self.worker = worker
-
-
-_RAY_CAUSES = ("Some common causes include", "There are some potential root causes")
-_CRASH = re.compile(r"Fatal Python error: .*|\*\*\* SIG[A-Z]+ received")
-
-
-def _summary(e: BaseException, logs_dir: str | None = None) -> str:
-    """Ray's actor-death message, short: its sentences without the indented details (ids, namespace) and
-    without Ray's generic list of causes, then the dead worker's log and the crash line in it (SIGILL,
-    SIGSEGV: only the worker's own log says which). `logs_dir`: this Ray session's (default: asked)."""
-    text = str(e)
-    short = " ".join(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("\t"))
-    for marker in _RAY_CAUSES:
-        if marker in short:
-            short = short.split(marker)[0].rstrip() + " (out of memory, `ray stop --force` or a crash)"
-    pid = re.search(r"^\tpid: (\d+)$", text, re.M)
-    log = _worker_log(int(pid.group(1)), logs_dir or _ray_logs_dir()) if pid else None
-    if log is not None:
-        crash = _crash_line(log)
-        short += f"; its log: {log}" + (f" ({crash})" if crash else "")
-    return short
-
-
-def _ray_logs_dir() -> str | None:
-    try:  # Ray keeps no public call for it; the worker's log is on this node only in a local cluster
-        from ray._private.worker import _global_node
-
-        return _global_node.get_logs_dir_path() if _global_node is not None else None
-    except Exception:
-        return None
-
-
-def _worker_log(pid: int, logs_dir: str | None) -> Path | None:
-    """The stderr log Ray keeps for worker process `pid` (`worker-<id>-<job>-<pid>.err`), if on this node."""
-    logs = sorted(Path(logs_dir).glob(f"worker-*-{pid}.err")) if logs_dir else []
-    return logs[-1] if logs else None
-
-
-def _crash_line(log: Path, tail_bytes: int = 65536) -> str | None:
-    """The last line in the log's tail saying how the process died (a fatal signal, Python's fatal error)."""
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
-            text = fh.read().decode(errors="replace")
-    except OSError:
-        return None
-    found = _CRASH.findall(text)
-    return found[-1].strip() if found else None
 
 
 def _refused(ref) -> bool:
@@ -209,7 +161,7 @@ class RolloutGroup:
                     continue
                 raise RolloutWorkerError(w, f"call failed: {e.cause!r}") from e.cause
             except ray.exceptions.RayActorError as e:
-                lost[w] = f"actor died: {_summary(e)}"
+                lost[w] = f"actor died: {actor_death_summary(e)}"
         return out, lost
 
     def _get(self, refs: list, workers: Sequence[int], timeout: float) -> list:

@@ -408,18 +408,28 @@ RAY_DEATH = ("The actor died unexpectedly before finishing this task.\n\tclass_n
 def test_actor_death_summary_is_short_and_names_the_workers_log_and_crash(tmp_path):
     """Ray's ~900-character actor-death text is cut to its facts; the dead worker's log and the crash
     line in it (which Ray's text never says) are named when the log is on this node."""
-    from rl_tpu.rollout.group import _summary
+    from rl_tpu.cluster import actor_death_summary
 
     log = tmp_path / "worker-60a9-01000000-23972.err"
     log.write_text(":actor_name:RolloutWorker\nLoading weights\n\n*** SIGILL received at time=1796400424 on cpu 0 ***\n"
                    "PC: @ 0x7fb3 cpu_attention::AttentionMainLoop<>::operator()()\n"
                    "Fatal Python error: Illegal instruction\n\nExtension modules: msgpack\n")
     (tmp_path / "worker-60a9-01000000-23973.err").write_text("another worker's log\n")
-    short = _summary(RuntimeError(RAY_DEATH), str(tmp_path))
+    short = actor_death_summary(RuntimeError(RAY_DEATH), str(tmp_path))
     assert short.startswith("The actor died unexpectedly before finishing this task. The actor is dead because")
     assert "Worker exit type: SYSTEM_ERROR" in short and "(out of memory, `ray stop --force` or a crash)" in short
     assert "OOM killer" not in short and "actor_id" not in short
     assert short.endswith(f"; its log: {log} (Fatal Python error: Illegal instruction)"), short
     assert len(short) < len(RAY_DEATH)
     # no log on this node (a remote worker, or Ray's logs elsewhere): the short text alone
-    assert _summary(RuntimeError(RAY_DEATH), str(tmp_path / "none")).endswith("or a crash)")
+    assert actor_death_summary(RuntimeError(RAY_DEATH), str(tmp_path / "none")).endswith("or a crash)")
+
+
+def test_a_dead_trainer_rank_gets_the_same_short_message():
+    from rl_tpu.trainer.group import TrainerError
+
+    ActorDiedError = type("ActorDiedError", (Exception,), {})  # Ray's class name is what TrainerError reads
+    msg = str(TrainerError(1, "train_step", ActorDiedError(RAY_DEATH)))
+    assert msg.startswith("trainer rank 1 died in train_step(): The actor died unexpectedly before finishing")
+    assert "OOM killer" not in msg and "actor_id" not in msg and "or a crash)" in msg
+    assert str(TrainerError(0, "ready", ValueError("bad"))) == "trainer rank 0 failed in ready(): bad"

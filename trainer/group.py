@@ -37,8 +37,12 @@ class TrainerError(RuntimeError):
     def __init__(self, rank: int, method: str, cause: BaseException):
         self.rank, self.method, self.cause = rank, method, cause
         died = type(cause).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-        what = "died" if died else "failed"
-        super().__init__(f"trainer rank {rank} {what} in {method}(): {cause}")
+        if died:
+            from rl_tpu.cluster import actor_death_summary
+
+            super().__init__(f"trainer rank {rank} died in {method}(): {actor_death_summary(cause)}")
+        else:
+            super().__init__(f"trainer rank {rank} failed in {method}(): {cause}")
 
 
 _PORT_ATTEMPTS = 3

@@ -170,23 +170,16 @@ def choose_placement(requested: str, *, mode: str, accelerator: str | None, tp: 
     return "colocated" if mode == "sync" and shareable else "disaggregated"
 
 
-def placement_of(cfg: Any) -> str:
-    """`choose_placement` for a `Config`: the placement the loop runs."""
-    from rl_tpu.devices import get_device
-
-    return choose_placement(cfg.cluster.placement, mode=cfg.cluster.mode,
-                            accelerator=get_device(cfg.trainer.device).ray_resource,
-                            tp=cfg.rollout.tensor_parallel_size)
-
-
 def plan_from_config(cfg: Any, cores: int) -> Plan:
-    """`plan_placement` for a `Config`; `cores` sizes `rollout.num_threads = 0` (auto)."""
+    """`plan_placement` for a `Config` (`cluster.placement = "auto"` resolved by `choose_placement`);
+    `cores` sizes `rollout.num_threads = 0` (auto)."""
     from rl_tpu.devices import get_device
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
-    placement = placement_of(cfg)
+    accelerator = get_device(t.device).ray_resource
+    placement = choose_placement(c.placement, mode=c.mode, accelerator=accelerator, tp=r.tensor_parallel_size)
     return plan_placement(
-        placement=placement, accelerator=get_device(t.device).ray_resource, world_size=t.world_size,
+        placement=placement, accelerator=accelerator, world_size=t.world_size,
         trainer_threads=t.num_threads, engines=r.engines, tp=r.tensor_parallel_size,
         rollout_threads=rollout_threads(r.num_threads, placement, cores, r.engines, r.tensor_parallel_size,
                                         t.world_size * t.num_threads),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rl_tpu.cluster import actor_death_summary
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device
 from rl_tpu.placement import PlacementGroups, plan_trainers
@@ -37,12 +38,8 @@ class TrainerError(RuntimeError):
     def __init__(self, rank: int, method: str, cause: BaseException):
         self.rank, self.method, self.cause = rank, method, cause
         died = type(cause).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-        if died:
-            from rl_tpu.cluster import actor_death_summary
-
-            super().__init__(f"trainer rank {rank} died in {method}(): {actor_death_summary(cause)}")
-        else:
-            super().__init__(f"trainer rank {rank} failed in {method}(): {cause}")
+        what, detail = ("died", actor_death_summary(cause)) if died else ("failed", cause)
+        super().__init__(f"trainer rank {rank} {what} in {method}(): {detail}")
 
 
 _PORT_ATTEMPTS = 3

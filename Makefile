@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all lint format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,9 +19,22 @@ test:
 	@bash scripts/setup.sh --extra verl
 	@if [ "$$(df -Pk . | awk 'NR==2 {print $$4}')" -ge 20971520 ]; then bash scripts/setup.sh --role-env xla; \
 	else echo "make test: under 20 GB free, .venv-xla not made; the xla trainer tests will skip"; fi
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
 	.venv/bin/pytest $(PYTEST_ARGS)
 
 test-all: test
+
+# ruff (pinned in the `test` extra, configured in pyproject.toml): `make test` checks, `make format` fixes
+lint:
+	@bash scripts/setup.sh --extra verl
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
+
+format:
+	@bash scripts/setup.sh --extra verl
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
 
 clean:
 	rm -rf .venv runs .pytest_cache

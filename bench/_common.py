@@ -44,7 +44,7 @@ def _parent_pids() -> dict[int, int]:
         except OSError:  # the process ended while we looked
             continue
         # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         out[int(entry.name)] = int(fields[1])
     return out
 
@@ -107,7 +107,12 @@ class TreeMemoryMonitor:
         while True:
             rss, pss, n = tree_memory(self.root)
             p = self.peak
-            p.rss, p.pss, p.processes, p.samples = max(p.rss, rss), max(p.pss, pss), max(p.processes, n), p.samples + 1
+            p.rss, p.pss, p.processes, p.samples = (
+                max(p.rss, rss),
+                max(p.pss, pss),
+                max(p.processes, n),
+                p.samples + 1,
+            )
             if self._stop.wait(self.interval):
                 return
 
@@ -128,8 +133,15 @@ class RunResult:
     tail: list[str] = field(default_factory=list)  # last lines of the log
 
 
-def run_measured(cmd: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 timeout: float | None = None, interval: float | None = 1.0, cwd: str | Path | None = None) -> RunResult:
+def run_measured(
+    cmd: Sequence[str],
+    log_path: str | Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    interval: float | None = 1.0,
+    cwd: str | Path | None = None,
+) -> RunResult:
     """Run `cmd` with stdout+stderr to `log_path`, measuring the peak memory of its process tree every
     `interval` seconds; `interval=None`: no memory sampling (it is not free: walking /proc and reading
     every process's smaps_rollup costs ~0.1 core with Ray's dozen processes, and locks each one's memory
@@ -188,8 +200,12 @@ def load_average() -> float:
 def add_workload_args(p: argparse.ArgumentParser, *, threads_help: str, engine_help: str) -> None:
     """The GRPO workload flags bench/vs_trl.py and bench/overhead.py share: one place, so the two
     scripts' defaults (and so their numbers) cannot drift apart."""
-    p.add_argument("--size", choices=["tiny", "small"], default="small",
-                   help="make_tiny_model size (default small, ~13M)")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "small"],
+        default="small",
+        help="make_tiny_model size (default small, ~13M)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (data.batch_size)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (rollout.n = num_generations)")
     p.add_argument("--max-tokens", type=int, default=64, help="max completion tokens (rollout.max_tokens)")
@@ -202,8 +218,12 @@ def add_workload_args(p: argparse.ArgumentParser, *, threads_help: str, engine_h
     p.add_argument("--engine", choices=["compiled", "eager"], default="compiled", help=engine_help)
     p.add_argument("--train-size", type=int, default=2048, help="synthetic arithmetic train set size")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per side before it is killed")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="where model, logs and run folders go (default: a new temp dir)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where model, logs and run folders go (default: a new temp dir)",
+    )
 
 
 def check_workload_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

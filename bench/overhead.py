@@ -13,7 +13,8 @@
     TorchTitan forward/backward/AdamW step on those tokens with the same PPO-clip loss and micro-batches
     (the bare TorchTitan model: no FSDP, no Ray; its linears on the same kernels as ours, `trainer.cpu_matmul`),
     then the new weights into the engine through vLLM's own loader (its layerwise reload fed the full HF
-    state dict: the plain copy a user without resharding would do). Advantages are group-normalised random scores (rewards cost ~5 ms in (a)).
+    state dict: the plain copy a user without resharding would do). Advantages are group-normalised random
+    scores (rewards cost ~5 ms in (a)).
 
 Both run steps 1..N; step 1 is warm-up and the median of steps 2..N is reported. `ratio` = ours s/step ÷
 raw s/step (1.0: no overhead of ours beyond the parts; the issue's target is ≤ 1.15), with the per-phase
@@ -60,8 +61,8 @@ def raw_worker(a: argparse.Namespace) -> None:
     from rl_tpu.config import engine_config, load_config
     from rl_tpu.data.loader import PromptLoader, build_datasets, encode_prompts
     from rl_tpu.rollout.engine import build_engine, rollout_device, sampling_params
-    from rl_tpu.trainer import model as tmodel
     from rl_tpu.trainer import cpu_matmul, ops
+    from rl_tpu.trainer import model as tmodel
     from rl_tpu.types import TrainBatch
 
     torch.set_num_threads(a.threads)
@@ -101,8 +102,9 @@ def raw_worker(a: argparse.Namespace) -> None:
             hidx, tidx = ops.response_index(mb.prompt_lens, mb.response_len, mb.input_ids.shape[1])
             lp = logits.gather(1, hidx[..., None].expand(-1, -1, logits.shape[-1])).float().log_softmax(-1)
             lp = lp.gather(-1, mb.input_ids.gather(1, tidx)[..., None])[..., 0]
-            loss, _ = compute_policy_loss(cfg.algorithm, lp, lp.detach(), mb.advantages, mb.response_mask,
-                                          global_tokens=tokens)
+            loss, _ = compute_policy_loss(
+                cfg.algorithm, lp, lp.detach(), mb.advantages, mb.response_mask, global_tokens=tokens
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(titan.parameters(), tc.grad_clip)
         opt.step()
@@ -111,8 +113,20 @@ def raw_worker(a: argparse.Namespace) -> None:
         hf_sd = tmodel.titan_to_hf(spec, {k: v.detach() for k, v in titan.state_dict().items()})
         llm.collective_rpc(_reload_weights, args=(hf_sd,))
         t3 = time.perf_counter()
-        print("RAW " + json.dumps({"step": step, "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                                   "time/step": t3 - t0, "tokens": sum(map(len, R))}), flush=True)
+        print(
+            "RAW "
+            + json.dumps(
+                {
+                    "step": step,
+                    "time/rollout": t1 - t0,
+                    "time/train": t2 - t1,
+                    "time/sync": t3 - t2,
+                    "time/step": t3 - t0,
+                    "tokens": sum(map(len, R)),
+                }
+            ),
+            flush=True,
+        )
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -125,8 +139,11 @@ def summarize(rows: list[dict]) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, threads_help="CPU threads, both sides",
-                      engine_help="vLLM engine on both sides: compiled (rollout.enforce_eager=false) or eager")
+    add_workload_args(
+        p,
+        threads_help="CPU threads, both sides",
+        engine_help="vLLM engine on both sides: compiled (rollout.enforce_eager=false) or eager",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -144,31 +161,63 @@ def main(argv: list[str] | None = None) -> int:
     a.workdir = Path(a.workdir or tempfile.mkdtemp(prefix="overhead_")).resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
     a.model = str(make_tiny_model(a.workdir / "model", "qwen3", a.size, seed=a.seed))
-    print(f"overhead: Qwen3 {a.size}, {a.prompts} prompts x {a.n} samples x {a.max_tokens} tokens, {a.steps} steps "
-          f"(step 1 = warm-up), {a.threads} threads; work dir {a.workdir}", flush=True)
+    print(
+        f"overhead: Qwen3 {a.size}, {a.prompts} prompts x {a.n} samples x {a.max_tokens} tokens, {a.steps} steps "
+        f"(step 1 = warm-up), {a.threads} threads; work dir {a.workdir}",
+        flush=True,
+    )
 
     loads = {"ours": [load_average()]}
     run_dir = a.workdir / "ours"
-    res = run_measured([sys.executable, "-m", "rl_tpu.cli", "train", *ours_overrides(a, a.model, "sync", str(run_dir))],
-                       a.workdir / "ours.log", timeout=a.timeout, interval=None)  # no memory sampling: it taxes our Ray tree
+    res = run_measured(
+        [sys.executable, "-m", "rl_tpu.cli", "train", *ours_overrides(a, a.model, "sync", str(run_dir))],
+        a.workdir / "ours.log",
+        timeout=a.timeout,
+        interval=None,
+    )  # no memory sampling: it taxes our Ray tree
     loads["ours"].append(load_average())
     ours_rows = read_jsonl(run_dir / "metrics.jsonl")
     if res.returncode != 0 or len(ours_rows) < 2:
-        print(f"OUR SIDE FAILED (exit {res.returncode}); log {a.workdir / 'ours.log'}:\n" + "\n".join(res.tail))
+        print(
+            f"OUR SIDE FAILED (exit {res.returncode}); log {a.workdir / 'ours.log'}:\n" + "\n".join(res.tail)
+        )
         return 1
 
     loads["raw"] = [load_average()]
     env = os.environ | {"OMP_NUM_THREADS": str(a.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    argv_raw = [sys.executable, __file__, "--worker", "--model", a.model, "--workdir", str(a.workdir),
-                *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                  ("prompts", "n", "max_tokens", "steps", "lr", "threads", "world_size", "micro_batch", "seed",
-                   "train_size", "engine"))]
+    argv_raw = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--model",
+        a.model,
+        "--workdir",
+        str(a.workdir),
+        *(
+            f"--{k.replace('_', '-')}={getattr(a, k)}"
+            for k in (
+                "prompts",
+                "n",
+                "max_tokens",
+                "steps",
+                "lr",
+                "threads",
+                "world_size",
+                "micro_batch",
+                "seed",
+                "train_size",
+                "engine",
+            )
+        ),
+    ]
     res = run_measured(argv_raw, a.workdir / "raw.log", env=env, timeout=a.timeout, interval=None)
     loads["raw"].append(load_average())
     log = (a.workdir / "raw.log").read_text(errors="replace").splitlines()
     raw_rows = [json.loads(x[4:]) for x in log if x.startswith("RAW ")]
     if res.returncode != 0 or len(raw_rows) < 2:
-        print(f"RAW SIDE FAILED (exit {res.returncode}); log {a.workdir / 'raw.log'}:\n" + "\n".join(res.tail))
+        print(
+            f"RAW SIDE FAILED (exit {res.returncode}); log {a.workdir / 'raw.log'}:\n" + "\n".join(res.tail)
+        )
         return 1
 
     ours, raw = summarize(ours_rows), summarize(raw_rows)
@@ -178,13 +227,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<10}{ours[k]:>10.3f}{raw[k]:>10.3f}{r:>10.2f}")
     ratio = ours["step"] / raw["step"]
     print(f"ratio (ours s/step / raw parts s/step): {ratio:.3f}   (target <= 1.15)")
-    print("load average (1 min) before/after: " + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
-          + ("  WARNING: above the core count, timings skewed" if max(max(v) for v in loads.values()) > (os.cpu_count() or 1) else ""))
-    print(json_line({"bench": "overhead", "size": a.size, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
-                     "steps": a.steps, "threads": a.threads, "world_size": a.world_size, "engine": a.engine,
-                     "ratio": round(ratio, 3),
-                     "ours": {k: round(v, 3) for k, v in ours.items()}, "raw": {k: round(v, 3) for k, v in raw.items()},
-                     "load_avg": loads}))
+    print(
+        "load average (1 min) before/after: "
+        + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
+        + (
+            "  WARNING: above the core count, timings skewed"
+            if max(max(v) for v in loads.values()) > (os.cpu_count() or 1)
+            else ""
+        )
+    )
+    print(
+        json_line(
+            {
+                "bench": "overhead",
+                "size": a.size,
+                "prompts": a.prompts,
+                "n": a.n,
+                "max_tokens": a.max_tokens,
+                "steps": a.steps,
+                "threads": a.threads,
+                "world_size": a.world_size,
+                "engine": a.engine,
+                "ratio": round(ratio, 3),
+                "ours": {k: round(v, 3) for k, v in ours.items()},
+                "raw": {k: round(v, 3) for k, v in raw.items()},
+                "load_avg": loads,
+            }
+        )
+    )
     return 0
 
 

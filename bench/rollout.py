@@ -36,10 +36,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads of each engine, both sides (0: this process's torch.get_num_threads())")
-    ap.add_argument("--engine", default="eager", choices=["eager", "compiled"],
-                    help="rollout.enforce_eager true (eager) or false (compiled, as bench/vs_trl.py runs it)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of each engine, both sides (0: this process's torch.get_num_threads())",
+    )
+    ap.add_argument(
+        "--engine",
+        default="eager",
+        choices=["eager", "compiled"],
+        help="rollout.enforce_eager true (eager) or false (compiled, as bench/vs_trl.py runs it)",
+    )
     args = ap.parse_args()
 
     import ray
@@ -56,16 +64,25 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # the raw engine takes this process's count when it starts
     # the actor gets the same count: left at 0 it keeps Ray's OMP_NUM_THREADS (1 per num_cpus)
-    cfg = load_config(None, [f"--rollout.n={args.n}", f"--rollout.max_tokens={args.max_tokens}",
-                             "--rollout.temperature=1.0", "--rollout.max_model_len=256",
-                             f"--rollout.num_threads={threads}",
-                             f"--rollout.enforce_eager={str(args.engine == 'eager').lower()}"])
+    cfg = load_config(
+        None,
+        [
+            f"--rollout.n={args.n}",
+            f"--rollout.max_tokens={args.max_tokens}",
+            "--rollout.temperature=1.0",
+            "--rollout.max_model_len=256",
+            f"--rollout.num_threads={threads}",
+            f"--rollout.enforce_eager={str(args.engine == 'eager').lower()}",
+        ],
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 500) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     # ignore_eos is not a config knob; fixed-length outputs come from a vocabulary-wide random model
     # rarely hitting EOS, and both sides count the tokens they actually produced.
 
-    init_ray(attempts=3, num_cpus=max(4, threads * args.workers), include_dashboard=False, log_to_driver=False)
+    init_ray(
+        attempts=3, num_cpus=max(4, threads * args.workers), include_dashboard=False, log_to_driver=False
+    )
     try:
         llm = build_engine(engine_config(cfg), rollout_device(cfg), model)
         sp = sampling_params(cfg.rollout, rollout_device(cfg))
@@ -104,11 +121,24 @@ def main() -> None:
     print(f"ratio group/raw       : {group_tps / raw_tps:.3f}")
     share = statistics.median(engine_share[1:])
     print(f"engine time / group wall time (1 - Ray and conversion overhead): {share:.3f}")
-    print(json.dumps({"bench": "rollout", "model_size": args.size, "prompts": args.prompts, "n": args.n,
-                      "threads": threads, "engine": args.engine,
-                      "max_tokens": args.max_tokens, "workers": args.workers, "raw_tok_s": round(raw_tps, 1),
-                      "group_tok_s": round(group_tps, 1),
-                      "engine_share_of_group_wall": round(share, 4), "ratio": round(group_tps / raw_tps, 3)}))
+    print(
+        json.dumps(
+            {
+                "bench": "rollout",
+                "model_size": args.size,
+                "prompts": args.prompts,
+                "n": args.n,
+                "threads": threads,
+                "engine": args.engine,
+                "max_tokens": args.max_tokens,
+                "workers": args.workers,
+                "raw_tok_s": round(raw_tps, 1),
+                "group_tok_s": round(group_tps, 1),
+                "engine_share_of_group_wall": round(share, 4),
+                "ratio": round(group_tps / raw_tps, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

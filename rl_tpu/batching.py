@@ -47,5 +47,11 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
     token_scores[rows, last] = score_t * (lengths > 0)
     group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
     versions = torch.tensor([c.policy_version for c in flat], dtype=torch.long)
-    return RolloutBatch(batch=batch, group_index=group_index, scores=score_t, token_level_scores=token_scores,
-                        response_lengths=lengths, policy_versions=versions)
+    return RolloutBatch(
+        batch=batch,
+        group_index=group_index,
+        scores=score_t,
+        token_level_scores=token_scores,
+        response_lengths=lengths,
+        policy_versions=versions,
+    )

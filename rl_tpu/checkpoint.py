@@ -38,8 +38,9 @@ import logging
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rl_tpu.errors import UserError
 
@@ -66,13 +67,24 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     # `step_<digits>` only: a `.tmp` is a save in progress (or a crashed one), and a user may move a
     # damaged checkpoint aside as `step_000004.bad`. With a manifest but no state.json it is damaged,
     # and listed so that resume says so.
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
-             and ((p / STATE).is_file() or (p / MANIFEST).is_file())]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith("step_")
+        and p.name[5:].isdigit()
+        and ((p / STATE).is_file() or (p / MANIFEST).is_file())
+    ]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
-                    write_trainer: Callable[[Path], None], keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    write_trainer: Callable[[Path], None],
+    keep_last: int,
+) -> Path:
     """Write a checkpoint atomically; `write_trainer(folder)` saves the trainer's sharded state."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -112,7 +124,9 @@ def _fsync(path: Path) -> None:
 def write_manifest(folder: Path) -> Path:
     """List every file under `folder` (but the manifest) with its size and checksum."""
     files = {}
-    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST):
+    for f in sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST
+    ):
         files[f.relative_to(folder).as_posix()] = {"bytes": f.stat().st_size, "checksum": _checksum(f)}
     path = folder / MANIFEST
     path.write_text(json.dumps({"checksum": CHECKSUM, "files": files}, indent=1))
@@ -153,8 +167,10 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     each that does not); a path -> that checkpoint, or CheckpointError if it does not match."""
     if not resume:
         return None
-    unchecked = (f"checkpoint %s has no {MANIFEST} (written by an older version), so it could not be checked: "
-                 "using it as is")
+    unchecked = (
+        f"checkpoint %s has no {MANIFEST} (written by an older version), so it could not be checked: "
+        "using it as is"
+    )
     if resume == "auto":
         found = complete_checkpoints(run_dir)
         for folder in reversed(found):
@@ -173,7 +189,9 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if problems:
         raise CheckpointError(f"checkpoint.resume = {resume!r} is damaged: {_summary(problems)}")
     if not (path / STATE).is_file():
-        raise FileNotFoundError(f"checkpoint.resume = {resume!r} is not a complete checkpoint folder (no {STATE})")
+        raise FileNotFoundError(
+            f"checkpoint.resume = {resume!r} is not a complete checkpoint folder (no {STATE})"
+        )
     if problems is None:
         log.warning(unchecked, path)
     return path

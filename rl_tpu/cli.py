@@ -22,7 +22,9 @@ from rl_tpu.errors import UserError
 def _split_overrides(extra: list[str]) -> list[str]:
     bad = [x for x in extra if not x.startswith("--") or "=" not in x]
     if bad:
-        raise ConfigError(f"config error: unrecognised argument(s) {bad}; overrides look like --section.key=value")
+        raise ConfigError(
+            f"config error: unrecognised argument(s) {bad}; overrides look like --section.key=value"
+        )
     return extra
 
 
@@ -55,9 +57,15 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     args.verbose = cfg.logging.verbose or args.verbose
     model_path = cfg.model.path
     if model_path:
-        check_model_folder(model_path, trainer=False)  # vLLM serves more architectures than the trainer builds
+        check_model_folder(
+            model_path, trainer=False
+        )  # vLLM serves more architectures than the trainer builds
     else:
-        model_path = str(make_tiny_model(Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed))
+        model_path = str(
+            make_tiny_model(
+                Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed
+            )
+        )
     prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
     for prompt, c in zip(prompts, generate_text(model_path, prompts, cfg)):
         print(f"{prompt!r} -> {c.text!r} ({len(c.response_ids)} tokens, {c.finish_reason})")
@@ -75,8 +83,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg.logging.verbose = args.verbose = cfg.logging.verbose or args.verbose
     out = train(cfg)
     final = out["final"]
-    shown = {k: final[k] for k in ("reward/mean", "eval/accuracy", "loss/policy", "mismatch/kl", "time/step")
-             if k in final}
+    shown = {
+        k: final[k]
+        for k in ("reward/mean", "eval/accuracy", "loss/policy", "mismatch/kl", "time/step")
+        if k in final
+    }
     print(f"trained {out['steps']} steps; last step: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
     print(f"metrics: {out['run_dir']}/metrics.jsonl   policy (HF folder): {out['hf']}")
     return 0
@@ -121,7 +132,9 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray.")
+    p = argparse.ArgumentParser(
+        prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("make-tiny-model", help="write a tiny Hugging Face model folder built locally")
@@ -167,9 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("doctor", help="which device rows and role environments are usable here, and why not")
-    s.add_argument("--json", action="store_true", help='one JSON object: name -> {"usable": bool, "reason": str}')
-    s.add_argument("--env", action="append", default=[],
-                   help="a role environment (folder or interpreter) to examine besides ./.venv-* (repeatable)")
+    s.add_argument(
+        "--json", action="store_true", help='one JSON object: name -> {"usable": bool, "reason": str}'
+    )
+    s.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="a role environment (folder or interpreter) to examine besides ./.venv-* (repeatable)",
+    )
     s.set_defaults(fn=cmd_doctor)
     return p
 

@@ -126,13 +126,19 @@ class RolloutConfig:
     # cache holds it); true keeps starts and tests fast (bench/RESULTS.md, session 12).
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
-    num_threads: int = F(0, ge=0)  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
+    num_threads: int = F(
+        0, ge=0
+    )  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # engine dtype; auto: model.dtype
     # the engine's log-prob of each sampled token: feeds `mismatch/kl` and `algorithm.rollout_is`; false
     # skips it (verl's key; about a quarter of generation time for a small model on CPU)
     calculate_log_probs: bool = True
-    max_restarts: int = F(3, ge=0)  # engines that die or hang are restarted and re-synced, this many times per run
-    python: str = ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
+    max_restarts: int = F(
+        3, ge=0
+    )  # engines that die or hang are restarted and re-synced, this many times per run
+    python: str = (
+        ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
+    )
     # the engines' device row; empty: trainer.device. `cpu` under an `xla` trainer on the PJRT CPU device
     # (there is no XLA vLLM engine on CPU; docs/devices.md)
     device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
@@ -157,7 +163,9 @@ class AlgorithmConfig:
     kl_loss_coef: float = F(0.001, ge=0)
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # estimator for the in-reward KL (verl: "kl" = k1)
+    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl"] = (
+        "k1"  # estimator for the in-reward KL (verl: "kl" = k1)
+    )
     kl_coef: float = F(0.001, ge=0)
     entropy_coeff: float = F(0.0, ge=0)
     rollout_is: Literal["none", "token", "sequence"] = "none"  # truncated IS, inference vs trainer
@@ -214,7 +222,9 @@ class ClusterConfig:
     # "auto": colocated in sync mode, disaggregated in async mode or where an engine cannot share its
     # device with a trainer rank (TPU; tensor-parallel engines on an accelerator). See docs/placement.md
     placement: Literal["auto", "colocated", "disaggregated"] = "auto"
-    num_cpus: int = F(0, ge=0)  # for a local Ray instance; 0: enough for the placement bundles, at least all cores
+    num_cpus: int = F(
+        0, ge=0
+    )  # for a local Ray instance; 0: enough for the placement bundles, at least all cores
     # Ray custom resource -> amount added to each bundle of that role: {node_a = 0.01} pins the role to
     # the nodes started with --resources='{"node_a": 1}'
     trainer_resources: dict[str, float] = F({}, ge=0)
@@ -277,8 +287,10 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
             try:
                 _check_value(key, item_tp, value, None, where)  # the item's type alone, without its range
             except ConfigError:
-                raise bad(f"must be a list (or a single {_type_name(item_tp)}), "
-                          f"got {type(value).__name__} {value!r}") from None
+                raise bad(
+                    f"must be a list (or a single {_type_name(item_tp)}), "
+                    f"got {type(value).__name__} {value!r}"
+                ) from None
             return [_check_value(key, item_tp, value, meta, where)]  # a range error names the key
         return [_check_value(f"{key}[{i}]", item_tp, v, meta, where) for i, v in enumerate(value)]
     if origin is dict:
@@ -395,23 +407,33 @@ def _check_cross_fields(cfg: Config) -> None:
     if not r.functions:
         raise ConfigError("config error: `reward.functions` is empty; name at least one `module:function`")
     if cfg.algorithm.adv_estimator == "gae" and not cfg.trainer.critic:
-        raise ConfigError("config error: `algorithm.adv_estimator = \"gae\"` needs `trainer.critic = true`")
+        raise ConfigError('config error: `algorithm.adv_estimator = "gae"` needs `trainer.critic = true`')
     if cfg.cluster.mode == "async" and cfg.cluster.placement == "colocated":
-        raise ConfigError("config error: `cluster.mode = \"async\"` overlaps generation with training, so the "
-                          "engines cannot sleep while the trainer runs: set `cluster.placement = \"disaggregated\"` "
-                          "(or \"auto\", which follows the mode)")
+        raise ConfigError(
+            'config error: `cluster.mode = "async"` overlaps generation with training, so the '
+            'engines cannot sleep while the trainer runs: set `cluster.placement = "disaggregated"` '
+            '(or "auto", which follows the mode)'
+        )
     for key in ("trainer_resources", "rollout_resources"):
-        reserved = sorted(set(getattr(cfg.cluster, key)) & {"CPU", "GPU", "TPU", "memory", "object_store_memory"})
+        reserved = sorted(
+            set(getattr(cfg.cluster, key)) & {"CPU", "GPU", "TPU", "memory", "object_store_memory"}
+        )
         if reserved:
-            raise ConfigError(f"config error: `cluster.{key}` names Ray's built-in resource(s) {reserved}; "
-                              "CPUs follow trainer.num_threads / rollout.num_threads and accelerators trainer.device")
+            raise ConfigError(
+                f"config error: `cluster.{key}` names Ray's built-in resource(s) {reserved}; "
+                "CPUs follow trainer.num_threads / rollout.num_threads and accelerators trainer.device"
+            )
     if cfg.algorithm.rollout_is != "none" and not cfg.rollout.calculate_log_probs:
-        raise ConfigError(f"config error: `algorithm.rollout_is = \"{cfg.algorithm.rollout_is}\"` corrects with the "
-                          "engine's log-probs: set `rollout.calculate_log_probs = true`")
+        raise ConfigError(
+            f'config error: `algorithm.rollout_is = "{cfg.algorithm.rollout_is}"` corrects with the '
+            "engine's log-probs: set `rollout.calculate_log_probs = true`"
+        )
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")
     if cfg.algorithm.use_kl_in_reward and not cfg.trainer.reference:
-        raise ConfigError("config error: `algorithm.use_kl_in_reward = true` needs `trainer.reference = true`")
+        raise ConfigError(
+            "config error: `algorithm.use_kl_in_reward = true` needs `trainer.reference = true`"
+        )
 
 
 def resolved_dtype(value: str, cfg: Config) -> str:
@@ -451,4 +473,3 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(type(v))
-

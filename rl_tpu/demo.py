@@ -57,32 +57,59 @@ class DemoPlan:
     max_tokens: int = 8
 
     @classmethod
-    def quick(cls) -> "DemoPlan":
-        return cls(size="tiny", demonstrations=32, train_prompts=200, test_prompts=16, sft_batch=16, sft_warmup=0,
-                   sft_eval_every=2, sft_patience=1, sft_fit_loss=None, sft_max_steps=4, grpo_steps=2,
-                   grpo_prompts=4, grpo_n=4, grpo_eval_every=2)
+    def quick(cls) -> DemoPlan:
+        return cls(
+            size="tiny",
+            demonstrations=32,
+            train_prompts=200,
+            test_prompts=16,
+            sft_batch=16,
+            sft_warmup=0,
+            sft_eval_every=2,
+            sft_patience=1,
+            sft_fit_loss=None,
+            sft_max_steps=4,
+            grpo_steps=2,
+            grpo_prompts=4,
+            grpo_n=4,
+            grpo_eval_every=2,
+        )
 
 
 def demo_config(plan: DemoPlan, out: Path) -> Config:
-    return load_config(None, [
-        f"--model.size={plan.size}", "--trainer.world_size=2", f"--trainer.micro_batch_size={plan.grpo_prompts * plan.grpo_n}",
-        "--trainer.grad_clip=1.0", "--rollout.engines=1", f"--rollout.n={plan.grpo_n}",
-        f"--rollout.max_tokens={plan.max_tokens}", "--rollout.temperature=1.0",
-        # neither GRPO (one on-policy update: old log-probs come from its own forward) nor the greedy
-        # evaluations need the engine's log-probs, which cost about a quarter of generation on CPU
-        "--rollout.calculate_log_probs=false",
-        # the demo's SFT (lr 6e-3 on a 0.5 M model) amplifies float32 rounding into a different run: with
-        # oneDNN's matmuls SFT peaked at 0.445, GRPO 0.740, the control 0.625 (+11.5; torch's own: 0.545,
-        # 0.870, 0.615-0.690, docs/demo.md). Its recorded outcome keeps torch's kernels (oneDNN would save a few s)
-        "--trainer.cpu_matmul=aten",
-        # for the same reason the ranks keep contiguous blocks of rows: token balancing reorders the
-        # gradient's sums, and with 8-token answers the ranks' loads hardly differ anyway
-        "--trainer.balance_tokens=false",
-        "--data.synthetic=arithmetic", f"--data.synthetic_train_size={plan.train_prompts}",
-        f"--data.synthetic_test_size={plan.test_prompts}", f"--data.batch_size={plan.grpo_prompts}",
-        "--reward.functions=[\"rl_tpu.rewards.arithmetic:compute_score\"]", "--reward.workers=1",
-        f"--logging.run_dir={out}", "--logging.tensorboard=false", "--checkpoint.every=0", "--checkpoint.keep_last=1",
-    ])
+    return load_config(
+        None,
+        [
+            f"--model.size={plan.size}",
+            "--trainer.world_size=2",
+            f"--trainer.micro_batch_size={plan.grpo_prompts * plan.grpo_n}",
+            "--trainer.grad_clip=1.0",
+            "--rollout.engines=1",
+            f"--rollout.n={plan.grpo_n}",
+            f"--rollout.max_tokens={plan.max_tokens}",
+            "--rollout.temperature=1.0",
+            # neither GRPO (one on-policy update: old log-probs come from its own forward) nor the greedy
+            # evaluations need the engine's log-probs, which cost about a quarter of generation on CPU
+            "--rollout.calculate_log_probs=false",
+            # the demo's SFT (lr 6e-3 on a 0.5 M model) amplifies float32 rounding into a different run: with
+            # oneDNN's matmuls SFT peaked at 0.445, GRPO 0.740, the control 0.625 (+11.5; torch's own: 0.545,
+            # 0.870, 0.615-0.690, docs/demo.md). Its recorded outcome keeps torch's kernels (oneDNN would save a few s)
+            "--trainer.cpu_matmul=aten",
+            # for the same reason the ranks keep contiguous blocks of rows: token balancing reorders the
+            # gradient's sums, and with 8-token answers the ranks' loads hardly differ anyway
+            "--trainer.balance_tokens=false",
+            "--data.synthetic=arithmetic",
+            f"--data.synthetic_train_size={plan.train_prompts}",
+            f"--data.synthetic_test_size={plan.test_prompts}",
+            f"--data.batch_size={plan.grpo_prompts}",
+            '--reward.functions=["rl_tpu.rewards.arithmetic:compute_score"]',
+            "--reward.workers=1",
+            f"--logging.run_dir={out}",
+            "--logging.tensorboard=false",
+            "--checkpoint.every=0",
+            "--checkpoint.keep_last=1",
+        ],
+    )
 
 
 class Evaluator:
@@ -107,8 +134,17 @@ class Evaluator:
         self.pool.close()
 
 
-def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
-               wall_budget: float | None, early_stop: bool, log) -> dict[str, Any]:
+def _sft_phase(
+    session,
+    demos,
+    plan: DemoPlan,
+    ev: Evaluator,
+    out: Path,
+    *,
+    wall_budget: float | None,
+    early_stop: bool,
+    log,
+) -> dict[str, Any]:
     """SFT steps of `session` over `demos` (cycling); evaluates every `sft_eval_every` steps; keeps the
     best export. Stops on patience (early_stop; counted once the training loss is below `sft_fit_loss`) or
     when `wall_budget` seconds of training have been spent."""
@@ -133,21 +169,34 @@ def _sft_phase(session, demos, plan: DemoPlan, ev: Evaluator, out: Path, *,
                 best_acc, best_step, since_best = acc, step, 0
                 shutil.rmtree(out / "best", ignore_errors=True)
                 (out / "candidate").rename(out / "best")
-                ev.rollout.keep_for_restart(out / "best" / "model.safetensors", ev.version)  # moved with the folder
+                ev.rollout.keep_for_restart(
+                    out / "best" / "model.safetensors", ev.version
+                )  # moved with the folder
             elif plan.sft_fit_loss is None or loss < plan.sft_fit_loss:
                 since_best += 1
-            if done or (early_stop and since_best >= plan.sft_patience) or (wall_budget is None and step >= plan.sft_max_steps):
+            if (
+                done
+                or (early_stop and since_best >= plan.sft_patience)
+                or (wall_budget is None and step >= plan.sft_max_steps)
+            ):
                 break
-    return {"best_accuracy": best_acc, "best_step": best_step, "steps": step, "train_seconds": spent,
-            "curve": curve, "model": str(out / "best")}
+    return {
+        "best_accuracy": best_acc,
+        "best_step": best_step,
+        "steps": step,
+        "train_seconds": spent,
+        "curve": curve,
+        "model": str(out / "best"),
+    }
 
 
-def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None,
-             verbose: bool = False) -> dict:
+def run_demo(
+    out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None, verbose: bool = False
+) -> dict:
     from rl_tpu.data import make_synthetic
     from rl_tpu.loop import start_ray, start_shared_roles, train
-    from rl_tpu.model_folder import load_tokenizer
     from rl_tpu.metrics import read_metrics
+    from rl_tpu.model_folder import load_tokenizer
     from rl_tpu.sft import SFTSession
     from rl_tpu.tiny_model import make_tiny_model
 
@@ -164,14 +213,22 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
     cfg = demo_config(plan, out / "logs")
     cfg.logging.verbose = verbose
     train_set, test_set = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
-    demos = train_set[:plan.demonstrations]
-    log(f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations, {len(test_set)} held-out prompts")
+    demos = train_set[: plan.demonstrations]
+    log(
+        f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations, {len(test_set)} held-out prompts"
+    )
     with ThreadPoolExecutor(max_workers=1) as ex:  # the model is built while Ray starts
         built = ex.submit(make_tiny_model, out / "model", "qwen3", plan.size, 0)
         start_ray(cfg)
         base = str(built.result())
-    sft_cfg = with_overrides(cfg, [f"--trainer.lr={plan.sft_lr}", f"--trainer.micro_batch_size={plan.sft_batch}",
-                                   f"--trainer.warmup_steps={plan.sft_warmup}"])
+    sft_cfg = with_overrides(
+        cfg,
+        [
+            f"--trainer.lr={plan.sft_lr}",
+            f"--trainer.micro_batch_size={plan.sft_batch}",
+            f"--trainer.warmup_steps={plan.sft_warmup}",
+        ],
+    )
     # One trainer group and one engine, in the GRPO loop's placement, for the whole demo: SFT, GRPO
     # (`train(roles=)`), the control and every evaluation run on them, each phase restarting the trainer
     # from its checkpoint with its own optimizer settings, as a new trainer would start. Nothing starts twice.
@@ -191,9 +248,16 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
         log(f"SFT best held-out accuracy {acc_sft:.3f} at step {sft['best_step']}")
 
         log("GRPO from the SFT checkpoint: prompts and the verifier only")
-        grpo_cfg = with_overrides(cfg, [f"--model.path={sft['model']}", f"--logging.run_dir={out / 'grpo'}",
-                         f"--trainer.total_steps={plan.grpo_steps}", f"--trainer.lr={plan.grpo_lr}",
-                         f"--trainer.test_freq={plan.grpo_eval_every}"])
+        grpo_cfg = with_overrides(
+            cfg,
+            [
+                f"--model.path={sft['model']}",
+                f"--logging.run_dir={out / 'grpo'}",
+                f"--trainer.total_steps={plan.grpo_steps}",
+                f"--trainer.lr={plan.grpo_lr}",
+                f"--trainer.test_freq={plan.grpo_eval_every}",
+            ],
+        )
         grpo = train(grpo_cfg, roles=roles)
         rows = read_metrics(out / "grpo")
         grpo_seconds = sum(r["time/step"] for r in rows)
@@ -202,8 +266,9 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
 
         log(f"control: more SFT on the same demonstrations for the same {_secs(grpo_seconds)}")
         session.restart_from(sft["model"])
-        control = _sft_phase(session, demos, plan, ev, out / "control", wall_budget=grpo_seconds,
-                             early_stop=False, log=log)
+        control = _sft_phase(
+            session, demos, plan, ev, out / "control", wall_budget=grpo_seconds, early_stop=False, log=log
+        )
         acc_control = control["curve"][-1]["accuracy"] if control["curve"] else acc_sft
     finally:
         if ev is not None:
@@ -212,11 +277,19 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan 
 
     tokens_per_s = sum(r["throughput/tokens_per_s"] for r in rows) / max(len(rows), 1)
     report = {
-        "accuracy_base": acc_base, "accuracy_sft": acc_sft, "accuracy_rl": acc_rl, "accuracy_control": acc_control,
-        "rl_gain_over_sft": acc_rl - acc_sft, "rl_gain_over_control": acc_rl - acc_control,
-        "steps": len(rows), "grpo_seconds": grpo_seconds, "control_seconds": control["train_seconds"],
-        "wall_seconds": time.time() - t_start, "tokens_per_s": tokens_per_s,
-        "sft": {k: v for k, v in sft.items() if k != "model"}, "control": {k: v for k, v in control.items() if k != "model"},
+        "accuracy_base": acc_base,
+        "accuracy_sft": acc_sft,
+        "accuracy_rl": acc_rl,
+        "accuracy_control": acc_control,
+        "rl_gain_over_sft": acc_rl - acc_sft,
+        "rl_gain_over_control": acc_rl - acc_control,
+        "steps": len(rows),
+        "grpo_seconds": grpo_seconds,
+        "control_seconds": control["train_seconds"],
+        "wall_seconds": time.time() - t_start,
+        "tokens_per_s": tokens_per_s,
+        "sft": {k: v for k, v in sft.items() if k != "model"},
+        "control": {k: v for k, v in control.items() if k != "model"},
         "grpo_curve": _grpo_curve(rows),
         "plan": asdict(plan),
     }
@@ -236,7 +309,9 @@ def _grpo_curve(rows: list[dict]) -> list[dict]:
     out, spent = [], 0.0
     for r in rows:
         spent += r["time/step"]
-        out.append({"train_seconds": spent, **{k: r[k] for k in ("step", "reward/mean", "eval/accuracy") if k in r}})
+        out.append(
+            {"train_seconds": spent, **{k: r[k] for k in ("step", "reward/mean", "eval/accuracy") if k in r}}
+        )
     return out
 
 
@@ -250,7 +325,9 @@ def plot_demo(report: dict, path: Path) -> Path:
     curve = report["grpo_curve"]
     ax1.plot([r["step"] for r in curve], [r["reward/mean"] for r in curve], label="GRPO train reward")
     evals = [r for r in curve if "eval/accuracy" in r]
-    ax1.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="GRPO held-out accuracy")
+    ax1.plot(
+        [r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="GRPO held-out accuracy"
+    )
     ax1.axhline(report["accuracy_sft"], color="gray", ls="--", label="SFT (start)")
     ax1.set_xlabel("GRPO step")
     ax1.set_ylim(-0.02, 1.02)

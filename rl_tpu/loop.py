@@ -36,10 +36,15 @@ from typing import Any
 
 import torch
 
-from rl_tpu.algorithms import apply_kl_in_reward, compute_advantages, keep_groups_with_variance, overlong_penalty
+from rl_tpu.algorithms import (
+    apply_kl_in_reward,
+    compute_advantages,
+    keep_groups_with_variance,
+    overlong_penalty,
+)
 from rl_tpu.batching import RolloutBatch, build_rollout_batch
-from rl_tpu.cluster import init_ray
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
+from rl_tpu.cluster import init_ray
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.metrics import MetricsLogger
@@ -95,9 +100,12 @@ def start_ray(cfg: Config, plan=None) -> bool:
     # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
     verbose = cfg.logging.verbose
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=verbose,
-                                  logging_level=logging.INFO if verbose else logging.ERROR,
-                                  runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}})
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=verbose,
+        logging_level=logging.INFO if verbose else logging.ERROR,
+        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}},
+    )
     if cfg.cluster.address:
         kwargs["address"] = cfg.cluster.address
     else:
@@ -133,9 +141,16 @@ class WeightSyncer:
             from rl_tpu.weight_sync import WeightSync
 
             # names and rows from rank 0's own adapter: the driver needs no TorchTitan (5-12 s to import here)
-            self.plan_sync = WeightSync(trainer.param_specs(), trainer.name_maps(), trainer.actors, rollout,
-                                        transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
-                                        receiver_buffer_mb=cfg.sync.receiver_buffer_mb, engine_model_dir=model_path)
+            self.plan_sync = WeightSync(
+                trainer.param_specs(),
+                trainer.name_maps(),
+                trainer.actors,
+                rollout,
+                transport=cfg.sync.transport,
+                bucket_mb=cfg.sync.bucket_mb,
+                receiver_buffer_mb=cfg.sync.receiver_buffer_mb,
+                engine_model_dir=model_path,
+            )
 
     def __call__(self, version: int) -> dict[str, float]:
         """Every engine gets the trainer's weights as `version`."""
@@ -178,7 +193,9 @@ class WeightSyncer:
             if self.plan_sync is not None:
                 self.plan_sync.replace_receiver(engine, self.rollout.workers[engine])
             self._sync(self.trainer_version, engines=[engine])
-            log.info("rollout worker %d restarted and synced to policy version %d", engine, self.trainer_version)
+            log.info(
+                "rollout worker %d restarted and synced to policy version %d", engine, self.trainer_version
+            )
 
     def build(self) -> None:
         if self.plan_sync is not None:
@@ -205,17 +222,27 @@ class Scored:
     metrics: dict[str, float]
 
 
-def score_groups(pool: RewardPool, examples: list[Example], groups: list[list[Completion]]) -> tuple[list[float], dict]:
+def score_groups(
+    pool: RewardPool, examples: list[Example], groups: list[list[Completion]]
+) -> tuple[list[float], dict]:
     inputs = [
-        RewardInput(sample_id=f"{ex.uid}#{c.sample_index}", data_source=ex.data_source, solution_str=c.text,
-                    ground_truth=ex.ground_truth, extra_info=ex.extra_info)
-        for ex, group in zip(examples, groups) for c in group
+        RewardInput(
+            sample_id=f"{ex.uid}#{c.sample_index}",
+            data_source=ex.data_source,
+            solution_str=c.text,
+            ground_truth=ex.ground_truth,
+            extra_info=ex.extra_info,
+        )
+        for ex, group in zip(examples, groups)
+        for c in group
     ]
     result = pool.score(inputs)
     return result.scores, result.metrics()
 
 
-def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok) -> tuple[Scored, dict]:
+def generate_and_score(
+    cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok
+) -> tuple[Scored, dict]:
     """One step's data. With DAPO dynamic sampling, groups whose rewards do not vary are dropped and
     more prompts are drawn (up to `algorithm.max_refill_rounds` extra rounds)."""
     timings = {"time/rollout": 0.0, "time/generate": 0.0, "time/reward": 0.0}
@@ -229,7 +256,9 @@ def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoa
         groups = rollout.generate(prompts)
         timings["time/rollout"] += time.perf_counter() - t
         # the engines' own generate time (the slowest engine's): time/rollout minus this is our overhead
-        timings["time/generate"] += max((c.extra.get("generate_s", 0.0) for g in groups for c in g), default=0.0)
+        timings["time/generate"] += max(
+            (c.extra.get("generate_s", 0.0) for g in groups for c in g), default=0.0
+        )
         t = time.perf_counter()
         scores, metrics = score_groups(pool, examples, groups)
         timings["time/reward"] += time.perf_counter() - t
@@ -248,7 +277,7 @@ def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoa
             if keep[offset]:
                 kept.examples.append(ex)
                 kept.groups.append(g)
-                kept.scores += scores[offset:offset + len(g)]
+                kept.scores += scores[offset : offset + len(g)]
             offset += len(g)
         rounds += 1
         if len(kept.groups) >= cfg.data.batch_size or rounds > cfg.algorithm.max_refill_rounds:
@@ -257,7 +286,7 @@ def generate_and_score(cfg: Config, rollout, pool: RewardPool, loader: PromptLoa
     if not kept.groups:  # every group was uniform: nothing to learn from, train on the last draw as is
         kept = Scored(examples, groups, scores, kept.metrics)
     per = len(kept.groups[0])
-    kept = Scored(kept.examples[:n], kept.groups[:n], kept.scores[:n * per], kept.metrics)
+    kept = Scored(kept.examples[:n], kept.groups[:n], kept.scores[: n * per], kept.metrics)
     kept.metrics["dynamic_sampling/kept_groups"] = float(len(kept.groups))
     kept.metrics["dynamic_sampling/drawn_groups"] = float(drawn_groups)
     return kept, timings
@@ -279,7 +308,9 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
     rb = build_rollout_batch(data.groups, scores, tok.pad_token_id)
     metrics: dict[str, float] = {}
     if a.overlong_buffer_len > 0:
-        pen = overlong_penalty(rb.response_lengths, cfg.rollout.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor)
+        pen = overlong_penalty(
+            rb.response_lengths, cfg.rollout.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor
+        )
         rb = build_rollout_batch(data.groups, (rb.scores + pen).tolist(), tok.pad_token_id)
         metrics["reward/overlong_penalty"] = pen.mean().item()
     batch = rb.batch
@@ -290,8 +321,14 @@ def prepare_batch(cfg: Config, data: Scored, trainer, tok) -> tuple[RolloutBatch
         batch = batch.replace(values=trainer.compute_values(batch))
     token_rewards = rb.token_level_scores
     if a.use_kl_in_reward:
-        token_rewards, kl_metrics = apply_kl_in_reward(token_rewards, batch.old_log_probs, batch.ref_log_probs,
-                                                       batch.response_mask, a.kl_coef, a.kl_penalty)
+        token_rewards, kl_metrics = apply_kl_in_reward(
+            token_rewards,
+            batch.old_log_probs,
+            batch.ref_log_probs,
+            batch.response_mask,
+            a.kl_coef,
+            a.kl_penalty,
+        )
         metrics |= kl_metrics
     adv, returns = compute_advantages(a, token_rewards, batch.response_mask, rb.group_index, batch.values)
     batch = batch.replace(advantages=adv, returns=returns)
@@ -337,7 +374,10 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
     prompts = encode_prompts(tok, test_set, cfg.data.max_prompt_length, cfg.data.truncation)
     groups = rollout.generate(prompts, n=1, temperature=0.0)
     scores, _ = score_groups(pool, test_set, groups)
-    return {"eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores), "eval/reward_mean": sum(scores) / len(scores)}
+    return {
+        "eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
+        "eval/reward_mean": sum(scores) / len(scores),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -358,11 +398,16 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     (run_dir / "config.toml").write_text(to_toml(cfg))
     # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
     # rather than after the trainer and the engines have started (minutes on a CPU box).
-    resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops the run at once
+    resume = resolve_resume(
+        run_dir, cfg.checkpoint.resume
+    )  # first: a damaged checkpoint stops the run at once
     train_set, test_set = build_datasets(cfg.data)
     if cfg.data.test_files and not cfg.trainer.test_freq:
-        log.warning("data.test_files holds %d held-out prompts, but trainer.test_freq = 0: nothing is evaluated "
-                    "(--trainer.test_freq=N evaluates every N steps and after the last)", len(test_set))
+        log.warning(
+            "data.test_files holds %d held-out prompts, but trainer.test_freq = 0: nothing is evaluated "
+            "(--trainer.test_freq=N evaluates every N steps and after the last)",
+            len(test_set),
+        )
     # A model folder of the user's is checked now (its files); the tokenizer (about 10 s on 2 cores, most
     # of it importing transformers) and the prompt lengths it checks, or the tiny default when it still has
     # to be built, come while Ray starts: a failure there stops Ray again and is reported.
@@ -426,7 +471,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             syncer(version)  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
-        startup_s = time.perf_counter() - t_start  # Ray, reward workers, trainer, engines, plan: ready for step 1
+        startup_s = (
+            time.perf_counter() - t_start
+        )  # Ray, reward workers, trainer, engines, plan: ready for step 1
         log.info("ready for the first step after %.1f s", startup_s)
         bar = _progress(cfg, step)
         while step < cfg.trainer.total_steps:
@@ -461,7 +508,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             metrics |= syncer(version)
             timings["time/sync"] = metrics["sync/seconds"]
             # 4. evaluation, logging, checkpoint
-            if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+            if cfg.trainer.test_freq and (
+                step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps
+            ):
                 metrics |= evaluate(cfg, rollout, pool, test_set, tok)
             metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
             timings["time/step"] = time.perf_counter() - t_step
@@ -473,13 +522,17 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             logger.log_samples(step, _samples(data, cfg.logging.samples_per_step))
             last = metrics
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['throughput/tokens_per_s']:.0f}"
+            )
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.trainer.total_steps:
                 # async: the next step's prompts are already drawn; a resume draws them again (and
                 # samples them with the newer weights, so async resumes are not bit-reproducible)
                 data_state = pending_data_state if pending is not None else loader.state_dict()
                 state = {"version": version, "data": data_state, "rollout": rollout.state_dict()}
-                save_checkpoint(run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last)
+                save_checkpoint(
+                    run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last
+                )
         hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
     finally:
         pipeline.shutdown(wait=True, cancel_futures=True)
@@ -528,9 +581,11 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
     from rl_tpu.trainer.worker import restart_conflicts
 
     if roles.groups.plan != plan:
-        raise ValueError("train: the roles were started for another placement (trainer.world_size / num_threads, "
-                         "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this "
-                         "config")
+        raise ValueError(
+            "train: the roles were started for another placement (trainer.world_size / num_threads, "
+            "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this "
+            "config"
+        )
     started = roles.rollout.cfg
     have = to_dict(started.rollout)
     differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if have[k] != v]
@@ -538,9 +593,11 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
     if cfg.model.dtype != started.model.dtype or cfg.model.dtype != roles.trainer.cfg.model.dtype:
         differ.append("model.dtype")
     if differ:
-        raise ValueError(f"train: {', '.join(differ)} differ from what the roles were started with (fixed when "
-                         "their processes start: the engines' sampling, the trainer's shape): start them with this "
-                         "config")
+        raise ValueError(
+            f"train: {', '.join(differ)} differ from what the roles were started with (fixed when "
+            "their processes start: the engines' sampling, the trainer's shape): start them with this "
+            "config"
+        )
 
 
 def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
@@ -549,8 +606,10 @@ def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
-    return start_side_by_side(lambda: TrainerGroup(cfg, model_path, placement=groups),
-                              lambda: RolloutGroup(cfg, model_path, placement=groups))
+    return start_side_by_side(
+        lambda: TrainerGroup(cfg, model_path, placement=groups),
+        lambda: RolloutGroup(cfg, model_path, placement=groups),
+    )
 
 
 def start_side_by_side(*makers: Callable[[], Any]) -> tuple:
@@ -591,14 +650,27 @@ def _samples(data: Scored, k: int) -> list[dict[str, Any]]:
         for c in group:
             s = next(flat_scores)
             if len(out) < k:
-                out.append({"uid": ex.uid, "sample": c.sample_index, "text": c.text, "reward": s,
-                            "policy_version": c.policy_version, "ground_truth": str(ex.ground_truth)})
+                out.append(
+                    {
+                        "uid": ex.uid,
+                        "sample": c.sample_index,
+                        "text": c.text,
+                        "reward": s,
+                        "policy_version": c.policy_version,
+                        "ground_truth": str(ex.ground_truth),
+                    }
+                )
     return out
 
 
 def _progress(cfg: Config, start: int):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.trainer.total_steps, initial=start, desc="rl-tpu", unit="step",
-                disable=not cfg.logging.progress, dynamic_ncols=True)
-
+    return tqdm(
+        total=cfg.trainer.total_steps,
+        initial=start,
+        desc="rl-tpu",
+        unit="step",
+        disable=not cfg.logging.progress,
+        dynamic_ncols=True,
+    )

@@ -19,7 +19,9 @@ from rl_tpu.config import LoggingConfig
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, cfg: LoggingConfig, *, resume_step: int = 0, config: dict | None = None):
+    def __init__(
+        self, run_dir: str | Path, cfg: LoggingConfig, *, resume_step: int = 0, config: dict | None = None
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -36,8 +38,12 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError("logging.wandb = true needs the wandb package: uv pip install wandb") from None
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.run_dir), config=config, resume="allow")
+                raise RuntimeError(
+                    "logging.wandb = true needs the wandb package: uv pip install wandb"
+                ) from None
+            self._wandb = wandb.init(
+                project=cfg.wandb_project, dir=str(self.run_dir), config=config, resume="allow"
+            )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step} | {k: _plain(v) for k, v in sorted(metrics.items()) if k != "step"}
@@ -77,7 +83,9 @@ def _truncate_after(path: Path, step: int) -> None:
     """Keep only rows with row['step'] <= step (rows written by an earlier, interrupted run)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
     path.write_text("".join(line + "\n" for line in kept))
 
 

@@ -42,8 +42,10 @@ def check_model_folder(path: str | Path, *, trainer: bool, key: str = "model.pat
         if not any(folder.glob("*.safetensors")):
             raise ModelError(f"{where} has no *.safetensors weights (the trainer loads safetensors only)")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
-                         "tokenizer files of the model it was made from")
+        raise ModelError(
+            f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the model it was made from"
+        )
     return hf
 
 
@@ -55,8 +57,12 @@ def load_tokenizer(path: str | Path, *, chat_template: bool = False, key: str = 
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:  # what transformers raises for unusable or missing tokenizer files
-        raise ModelError(f"{key} = {str(path)!r}: its tokenizer cannot be loaded: {type(e).__name__}: {e}") from e
+        raise ModelError(
+            f"{key} = {str(path)!r}: its tokenizer cannot be loaded: {type(e).__name__}: {e}"
+        ) from e
     if chat_template and not getattr(tok, "chat_template", None):
-        raise ModelError(f"{key} = {str(path)!r}: the tokenizer has no chat template (prompts are chat "
-                         "messages); add `chat_template` to tokenizer_config.json or a chat_template.jinja")
+        raise ModelError(
+            f"{key} = {str(path)!r}: the tokenizer has no chat template (prompts are chat "
+            "messages); add `chat_template` to tokenizer_config.json or a chat_template.jinja"
+        )
     return tok

@@ -86,8 +86,9 @@ class Plan:
 # pure bundle math
 
 
-def rollout_threads(requested: int, placement: str, cores: int, engines: int, tp: int,
-                    trainer_cpus: int) -> int:
+def rollout_threads(
+    requested: int, placement: str, cores: int, engines: int, tp: int, trainer_cpus: int
+) -> int:
     """Threads per engine TP rank: `requested`, or (0) the cores of this machine shared by all TP ranks
     of all engines; `disaggregated` first leaves the trainer its CPUs (both run at once there)."""
     if requested > 0:
@@ -106,59 +107,130 @@ def _bundle(cpus: float, accel: str | None, amount: float, *extras: dict[str, fl
     return b
 
 
-def plan_placement(*, placement: str, accelerator: str | None, world_size: int, trainer_threads: int,
-                   engines: int, tp: int, rollout_threads: int, trainer_resources: dict[str, float] | None = None,
-                   rollout_resources: dict[str, float] | None = None) -> Plan:
+def plan_placement(
+    *,
+    placement: str,
+    accelerator: str | None,
+    world_size: int,
+    trainer_threads: int,
+    engines: int,
+    tp: int,
+    rollout_threads: int,
+    trainer_resources: dict[str, float] | None = None,
+    rollout_resources: dict[str, float] | None = None,
+) -> Plan:
     """Bundles and slots for `world_size` trainer ranks and `engines` engines of `tp` ranks each."""
     tres, rres = dict(trainer_resources or {}), dict(rollout_resources or {})
     if min(world_size, trainer_threads, engines, tp, rollout_threads) < 1:
-        raise PlacementError("placement needs trainer.world_size, trainer.num_threads, rollout.engines, "
-                             "rollout.tensor_parallel_size and rollout threads >= 1")
+        raise PlacementError(
+            "placement needs trainer.world_size, trainer.num_threads, rollout.engines, "
+            "rollout.tensor_parallel_size and rollout threads >= 1"
+        )
     slots: list[Slot] = []
     if placement == "disaggregated":
-        trainers = plan_trainers(accelerator=accelerator, world_size=world_size, trainer_threads=trainer_threads,
-                                 trainer_resources=tres)
-        bundles = {**trainers.bundles,
-                   "rollout": [_bundle(rollout_threads * tp, accelerator, tp, rres) for _ in range(engines)]}
+        trainers = plan_trainers(
+            accelerator=accelerator,
+            world_size=world_size,
+            trainer_threads=trainer_threads,
+            trainer_resources=tres,
+        )
+        bundles = {
+            **trainers.bundles,
+            "rollout": [_bundle(rollout_threads * tp, accelerator, tp, rres) for _ in range(engines)],
+        }
         acc_r = {accelerator: float(tp)} if accelerator else {}
         slots += trainers.slots
-        slots += [Slot(role="rollout", index=e, group="rollout", bundle=e, num_cpus=rollout_threads * tp,
-                       accelerator=acc_r, threads=rollout_threads) for e in range(engines)]
+        slots += [
+            Slot(
+                role="rollout",
+                index=e,
+                group="rollout",
+                bundle=e,
+                num_cpus=rollout_threads * tp,
+                accelerator=acc_r,
+                threads=rollout_threads,
+            )
+            for e in range(engines)
+        ]
         return Plan(placement=placement, bundles=bundles, slots=slots)
     if placement != "colocated":
         raise PlacementError(f"cluster.placement must be 'colocated' or 'disaggregated', got {placement!r}")
     if accelerator == "TPU":
-        raise PlacementError("cluster.placement = 'colocated' is not available on TPU (an engine cannot share "
-                             "a chip with the trainer): set cluster.placement = 'disaggregated'")
+        raise PlacementError(
+            "cluster.placement = 'colocated' is not available on TPU (an engine cannot share "
+            "a chip with the trainer): set cluster.placement = 'disaggregated'"
+        )
     if accelerator and tp > 1:
-        raise PlacementError(f"cluster.placement = 'colocated' shares one {accelerator} between a trainer rank "
-                             f"and an engine, so rollout.tensor_parallel_size must be 1 (got {tp}); "
-                             "set cluster.placement = 'disaggregated' for tensor-parallel engines")
+        raise PlacementError(
+            f"cluster.placement = 'colocated' shares one {accelerator} between a trainer rank "
+            f"and an engine, so rollout.tensor_parallel_size must be 1 (got {tp}); "
+            "set cluster.placement = 'disaggregated' for tensor-parallel engines"
+        )
     bundles = {"shared": []}
     for i in range(max(world_size, engines)):
         cpus = (trainer_threads if i < world_size else 0) + (rollout_threads * tp if i < engines else 0)
         extras = ([tres] if i < world_size else []) + ([rres] if i < engines else [])
         bundles["shared"].append(_bundle(cpus, accelerator, 1, *extras))
     half = {accelerator: 0.5} if accelerator else {}
-    slots += [Slot(role="trainer", index=r, group="shared", bundle=r, num_cpus=trainer_threads,
-                   accelerator=half, threads=trainer_threads) for r in range(world_size)]
-    slots += [Slot(role="rollout", index=e, group="shared", bundle=e, num_cpus=rollout_threads * tp,
-                   accelerator=half, threads=rollout_threads) for e in range(engines)]
+    slots += [
+        Slot(
+            role="trainer",
+            index=r,
+            group="shared",
+            bundle=r,
+            num_cpus=trainer_threads,
+            accelerator=half,
+            threads=trainer_threads,
+        )
+        for r in range(world_size)
+    ]
+    slots += [
+        Slot(
+            role="rollout",
+            index=e,
+            group="shared",
+            bundle=e,
+            num_cpus=rollout_threads * tp,
+            accelerator=half,
+            threads=rollout_threads,
+        )
+        for e in range(engines)
+    ]
     return Plan(placement=placement, bundles=bundles, slots=slots)
 
 
-def plan_trainers(*, accelerator: str | None, world_size: int, trainer_threads: int,
-                  trainer_resources: dict[str, float] | None = None) -> Plan:
+def plan_trainers(
+    *,
+    accelerator: str | None,
+    world_size: int,
+    trainer_threads: int,
+    trainer_resources: dict[str, float] | None = None,
+) -> Plan:
     """The trainer's own placement group: one bundle per rank (a `TrainerGroup` started without the
     loop's placement reserves this, so Ray starts all its ranks or none)."""
     if min(world_size, trainer_threads) < 1:
         raise PlacementError("placement needs trainer.world_size and trainer.num_threads >= 1")
     acc = {accelerator: 1.0} if accelerator else {}
-    return Plan(placement="disaggregated",
-                bundles={"trainer": [_bundle(trainer_threads, accelerator, 1, trainer_resources or {})
-                                     for _ in range(world_size)]},
-                slots=[Slot(role="trainer", index=r, group="trainer", bundle=r, num_cpus=trainer_threads,
-                            accelerator=acc, threads=trainer_threads) for r in range(world_size)])
+    return Plan(
+        placement="disaggregated",
+        bundles={
+            "trainer": [
+                _bundle(trainer_threads, accelerator, 1, trainer_resources or {}) for _ in range(world_size)
+            ]
+        },
+        slots=[
+            Slot(
+                role="trainer",
+                index=r,
+                group="trainer",
+                bundle=r,
+                num_cpus=trainer_threads,
+                accelerator=acc,
+                threads=trainer_threads,
+            )
+            for r in range(world_size)
+        ],
+    )
 
 
 def choose_placement(requested: str, *, mode: str, accelerator: str | None, tp: int) -> str:
@@ -179,11 +251,18 @@ def plan_from_config(cfg: Any, cores: int) -> Plan:
     accelerator = get_device(t.device).ray_resource
     placement = choose_placement(c.placement, mode=c.mode, accelerator=accelerator, tp=r.tensor_parallel_size)
     return plan_placement(
-        placement=placement, accelerator=accelerator, world_size=t.world_size,
-        trainer_threads=t.num_threads, engines=r.engines, tp=r.tensor_parallel_size,
-        rollout_threads=rollout_threads(r.num_threads, placement, cores, r.engines, r.tensor_parallel_size,
-                                        t.world_size * t.num_threads),
-        trainer_resources=c.trainer_resources, rollout_resources=c.rollout_resources)
+        placement=placement,
+        accelerator=accelerator,
+        world_size=t.world_size,
+        trainer_threads=t.num_threads,
+        engines=r.engines,
+        tp=r.tensor_parallel_size,
+        rollout_threads=rollout_threads(
+            r.num_threads, placement, cores, r.engines, r.tensor_parallel_size, t.world_size * t.num_threads
+        ),
+        trainer_resources=c.trainer_resources,
+        rollout_resources=c.rollout_resources,
+    )
 
 
 _KEYS = {  # (role, resource kind) -> the config keys that size it
@@ -213,17 +292,22 @@ def check_fits(plan: Plan, nodes: list[dict[str, float]]) -> None:
                 most = max((n.get(k, 0.0) for n in nodes), default=0.0)
                 if most < v:
                     have = "no node has it" if most == 0 else f"the largest node has {most:g}"
-                    raise PlacementError(f"{group} bundle {i} {b} needs {k} = {v:g} but {have}: change "
-                                         f"{_keys(group, k)} (or the cluster's resources)")
-            raise PlacementError(f"{group} bundle {i} {b}: no single node has all of these resources at "
-                                 f"once; check {_keys(group, 'custom')}")
+                    raise PlacementError(
+                        f"{group} bundle {i} {b} needs {k} = {v:g} but {have}: change "
+                        f"{_keys(group, k)} (or the cluster's resources)"
+                    )
+            raise PlacementError(
+                f"{group} bundle {i} {b}: no single node has all of these resources at "
+                f"once; check {_keys(group, 'custom')}"
+            )
     for k, v in plan.totals().items():
         total = sum(n.get(k, 0.0) for n in nodes)
         if total < v:
             keys = " or ".join(dict.fromkeys(_keys(g, k) for g in plan.bundles))
-            raise PlacementError(f"the placement needs {k} = {v:g} in all, the cluster has {total:g}: lower "
-                                 f"{keys}"
-                                 + (" or raise cluster.num_cpus" if k == "CPU" else ""))
+            raise PlacementError(
+                f"the placement needs {k} = {v:g} in all, the cluster has {total:g}: lower "
+                f"{keys}" + (" or raise cluster.num_cpus" if k == "CPU" else "")
+            )
 
 
 def omp_threads(value: str | None) -> int:
@@ -244,24 +328,37 @@ def apply_threads(threads: int, *, cpu_tp_engine: bool = False) -> None:
     torch.set_num_threads(threads)
 
 
-def placement_record(plan: Plan, bundle_nodes: dict[tuple[str, int], str], node_ips: dict[str, str],
-                     reports: dict[tuple[str, int], dict] | None = None) -> list[dict[str, Any]]:
+def placement_record(
+    plan: Plan,
+    bundle_nodes: dict[tuple[str, int], str],
+    node_ips: dict[str, str],
+    reports: dict[tuple[str, int], dict] | None = None,
+) -> list[dict[str, Any]]:
     """One entry per actor for placement.json. `bundle_nodes`: (group, bundle) -> node id from Ray's
     placement-group table; `reports`: (role, index) -> what the actor said about itself (node_id,
     node_ip, threads, pid), which wins over the table where given."""
     out = []
     for s in sorted(plan.slots, key=lambda s: (s.role != "trainer", s.index)):
         node = bundle_nodes.get((s.group, s.bundle), "")
-        entry = {"role": s.role, "index": s.index, "node_id": node, "node_ip": node_ips.get(node, ""),
-                 "bundle": s.bundle, "group": s.group, "resources": plan.bundles[s.group][s.bundle],
-                 "threads": s.threads}
+        entry = {
+            "role": s.role,
+            "index": s.index,
+            "node_id": node,
+            "node_ip": node_ips.get(node, ""),
+            "bundle": s.bundle,
+            "group": s.group,
+            "resources": plan.bundles[s.group][s.bundle],
+            "threads": s.threads,
+        }
         rep = (reports or {}).get((s.role, s.index), {})
         entry.update({k: rep[k] for k in ("node_id", "node_ip", "threads", "pid") if k in rep})
         out.append(entry)
     return out
 
 
-def write_placement(path: str | Path, placement: str, actors: list[dict[str, Any]], sync_routes: list[Any]) -> Path:
+def write_placement(
+    path: str | Path, placement: str, actors: list[dict[str, Any]], sync_routes: list[Any]
+) -> Path:
     path = Path(path)
     record = {"placement": placement, "actors": actors, "sync_routes": list(sync_routes)}
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -289,28 +386,40 @@ class PlacementGroups:
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             self.remove()
-            total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith(("node:", "memory",
-                                                                                             "object_store"))}
+            total = {
+                k: v
+                for k, v in ray.cluster_resources().items()
+                if not k.startswith(("node:", "memory", "object_store"))
+            }
             free = {k: round(ray.available_resources().get(k, 0.0), 3) for k in total}
             raise PlacementError(
                 f"Ray did not reserve the placement bundles {plan.bundles} within {timeout_s:g} s: the cluster "
                 f"has {total}, free {free}; the rest is held by live actors or placement groups (engines, other "
                 "trainer groups: shut those down), or check cluster.trainer_resources / cluster.rollout_resources "
-                "and the thread counts")
+                "and the thread counts"
+            )
 
     def options(self, slot: Slot) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         acc = dict(slot.accelerator)
-        return dict(num_cpus=slot.num_cpus, num_gpus=acc.pop("GPU", 0), resources=acc,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.groups[slot.group], placement_group_bundle_index=slot.bundle))
+        return dict(
+            num_cpus=slot.num_cpus,
+            num_gpus=acc.pop("GPU", 0),
+            resources=acc,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.groups[slot.group], placement_group_bundle_index=slot.bundle
+            ),
+        )
 
     def bundle_nodes(self) -> dict[tuple[str, int], str]:
         from ray.util import placement_group_table
 
-        return {(name, int(i)): node for name, pg in self.groups.items()
-                for i, node in placement_group_table(pg)["bundles_to_node_id"].items()}
+        return {
+            (name, int(i)): node
+            for name, pg in self.groups.items()
+            for i, node in placement_group_table(pg)["bundles_to_node_id"].items()
+        }
 
     def remove(self) -> None:
         from ray.util import remove_placement_group

@@ -11,7 +11,10 @@ PANELS = [
     ("policy loss", ["loss/policy", "loss/kl"]),
     ("actor", ["actor/entropy", "actor/clipfrac", "actor/grad_norm"]),
     ("response length", ["response/length_mean"]),
-    ("seconds per step", ["time/rollout", "time/generate", "time/reward", "time/train", "time/sync", "time/step"]),
+    (
+        "seconds per step",
+        ["time/rollout", "time/generate", "time/reward", "time/train", "time/sync", "time/step"],
+    ),
     ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
 ]
 
@@ -39,7 +42,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(str(run_dir))
     fig.tight_layout()

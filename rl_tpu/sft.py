@@ -25,9 +25,13 @@ def demonstration(ex: Example) -> str:
 
 def sft_batch(tok, examples: list[Example], cfg: Config) -> TrainBatch:
     prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
-    responses = [tok(demonstration(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in examples]
+    responses = [
+        tok(demonstration(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in examples
+    ]
     zeros = [[0.0] * len(r) for r in responses]
-    return TrainBatch.from_sequences(prompts, responses, tok.pad_token_id, advantages=zeros, old_log_probs=zeros)
+    return TrainBatch.from_sequences(
+        prompts, responses, tok.pad_token_id, advantages=zeros, old_log_probs=zeros
+    )
 
 
 class SFTSession:
@@ -51,8 +55,11 @@ class SFTSession:
     def step(self, examples: list[Example]) -> dict[str, float]:
         t = time.perf_counter()
         metrics = self.trainer.train_step(sft_batch(self.tok, examples, self.cfg), self.algo)
-        return {"loss/sft": metrics.get("loss/policy", float("nan")), "time/train": time.perf_counter() - t,
-                "actor/grad_norm": metrics.get("actor/grad_norm", float("nan"))}
+        return {
+            "loss/sft": metrics.get("loss/policy", float("nan")),
+            "time/train": time.perf_counter() - t,
+            "actor/grad_norm": metrics.get("actor/grad_norm", float("nan")),
+        }
 
     def restart_from(self, model_path: str) -> None:
         """Continue from `model_path`'s weights with a fresh optimizer and schedule, as a new session
@@ -91,4 +98,3 @@ def run_sft(cfg: Config) -> dict[str, Any]:
         logger.close()
         session.shutdown()
     return {"run_dir": str(run_dir), "hf": out, "steps": cfg.trainer.total_steps}
-

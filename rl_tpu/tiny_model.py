@@ -30,12 +30,30 @@ CHAT_TEMPLATE = (
 
 SIZES = {
     #            hidden layers heads kv_heads intermediate vocab
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=384, vocab_size=512),
-    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=768, vocab_size=512),
-    "small": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
-                  intermediate_size=1024, vocab_size=512),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        vocab_size=512,
+    ),
+    "mini": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        vocab_size=512,
+    ),
+    "small": dict(
+        hidden_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab_size=512,
+    ),
 }
 
 _WORDS = (
@@ -80,8 +98,13 @@ def build_tokenizer(vocab_size: int):
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None, unk_token=None,
-        clean_up_tokenization_spaces=False, model_max_length=4096,
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -92,8 +115,14 @@ def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int
 
     dims = dict(SIZES[size], vocab_size=vocab_size)
     common = dict(
-        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, torch_dtype="float32",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        torch_dtype="float32",
         head_dim=dims["hidden_size"] // dims["num_attention_heads"],
     )
     if arch == "qwen3":
@@ -116,9 +145,16 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", size: str = "tiny", se
     config = build_config(arch, size, vocab, tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    meta = {"arch": arch, "size": size, "seed": seed, "parameters": sum(p.numel() for p in model.parameters())}
+    meta = {
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     (out / "rl_tpu_tiny.json").write_text(json.dumps(meta, indent=1) + "\n")
     return out

@@ -35,16 +35,16 @@ class TrainBatch:
     stage that fills them (rollout, reference, critic, advantage estimator) has run.
     """
 
-    input_ids: "torch.Tensor"  # [B, L] int64
-    attention_mask: "torch.Tensor"  # [B, L] 1 on real tokens
-    prompt_lens: "torch.Tensor"  # [B] int64
-    response_mask: "torch.Tensor"  # [B, T] float32
-    old_log_probs: "torch.Tensor | None" = None  # [B, T] trainer log-probs before the update
-    ref_log_probs: "torch.Tensor | None" = None  # [B, T] frozen reference model
-    rollout_log_probs: "torch.Tensor | None" = None  # [B, T] inference engine's log-probs
-    advantages: "torch.Tensor | None" = None  # [B, T]
-    returns: "torch.Tensor | None" = None  # [B, T] critic targets (GAE)
-    values: "torch.Tensor | None" = None  # [B, T] critic values before the update
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] 1 on real tokens
+    prompt_lens: torch.Tensor  # [B] int64
+    response_mask: torch.Tensor  # [B, T] float32
+    old_log_probs: torch.Tensor | None = None  # [B, T] trainer log-probs before the update
+    ref_log_probs: torch.Tensor | None = None  # [B, T] frozen reference model
+    rollout_log_probs: torch.Tensor | None = None  # [B, T] inference engine's log-probs
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T] critic targets (GAE)
+    values: torch.Tensor | None = None  # [B, T] critic values before the update
 
     @property
     def num_seqs(self) -> int:
@@ -54,20 +54,22 @@ class TrainBatch:
     def response_len(self) -> int:
         return int(self.response_mask.shape[1])
 
-    def tensor_fields(self) -> dict[str, "torch.Tensor"]:
+    def tensor_fields(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
-    def select(self, rows) -> "TrainBatch":
+    def select(self, rows) -> TrainBatch:
         """Rows `rows` (index tensor, list or slice) of every field."""
         return TrainBatch(**{k: v[rows] for k, v in self.tensor_fields().items()})
 
-    def pad_to(self, L: int, T: int, pad_id: int) -> "TrainBatch":
+    def pad_to(self, L: int, T: int, pad_id: int) -> TrainBatch:
         """The same rows right-padded to `L` tokens and `T` response positions (static shapes): new
         tokens are `pad_id` with attention 0, new per-token entries 0 (masked out of every loss)."""
         import torch.nn.functional as F
 
         if L < self.input_ids.shape[1] or T < self.response_len:
-            raise ValueError(f"pad_to({L}, {T}) is smaller than the batch ({self.input_ids.shape[1]}, {self.response_len})")
+            raise ValueError(
+                f"pad_to({L}, {T}) is smaller than the batch ({self.input_ids.shape[1]}, {self.response_len})"
+            )
         out = {}
         for k, v in self.tensor_fields().items():
             if k == "input_ids":
@@ -80,13 +82,13 @@ class TrainBatch:
                 out[k] = F.pad(v, (0, T - v.shape[1]))
         return TrainBatch(**out)
 
-    def replace(self, **fields) -> "TrainBatch":
+    def replace(self, **fields) -> TrainBatch:
         return TrainBatch(**{**self.__dict__, **fields})
 
     @classmethod
     def from_sequences(
         cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, **per_token: list[list[float]]
-    ) -> "TrainBatch":
+    ) -> TrainBatch:
         """Right-pad token lists into a batch; `per_token` lists (e.g. `rollout_log_probs=`,
         `advantages=`) are padded to `[B, T]` with zeros. A scalar per row broadcasts over its tokens."""
         import torch
@@ -118,8 +120,15 @@ class TrainBatch:
                     t[i, : len(r)] = float(row)
                 else:
                     if len(row) != len(r):
-                        raise ValueError(f"TrainBatch: `{name}`[{i}] has {len(row)} values for {len(r)} tokens")
+                        raise ValueError(
+                            f"TrainBatch: `{name}`[{i}] has {len(row)} values for {len(r)} tokens"
+                        )
                     t[i, : len(r)] = torch.tensor(row, dtype=torch.float32)
             extra[name] = t
-        return cls(input_ids=ids, attention_mask=attn, prompt_lens=torch.tensor([len(p) for p in prompts]),
-                   response_mask=mask, **extra)
+        return cls(
+            input_ids=ids,
+            attention_mask=attn,
+            prompt_lens=torch.tensor([len(p) for p in prompts]),
+            response_mask=mask,
+            **extra,
+        )

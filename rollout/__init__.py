@@ -8,5 +8,12 @@ from rl_tpu.rollout.engine import ENGINE_TRAITS, generate_text, sampling_params
 from rl_tpu.rollout.group import RolloutGroup, RolloutWorkerError, assign_prompts
 from rl_tpu.rollout.worker import RolloutWorker
 
-__all__ = ["ENGINE_TRAITS", "RolloutGroup", "RolloutWorker", "RolloutWorkerError", "assign_prompts",
-           "generate_text", "sampling_params"]
+__all__ = [
+    "ENGINE_TRAITS",
+    "RolloutGroup",
+    "RolloutWorker",
+    "RolloutWorkerError",
+    "assign_prompts",
+    "generate_text",
+    "sampling_params",
+]

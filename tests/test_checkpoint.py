@@ -27,7 +27,9 @@ def _save(run_dir: Path, *steps: int) -> list[Path]:
 @pytest.fixture
 def warnings(caplog):
     caplog.set_level(logging.WARNING, logger="rl_tpu")
-    return lambda: [r.getMessage() for r in caplog.records if r.name == "rl_tpu" and r.levelno == logging.WARNING]
+    return lambda: [
+        r.getMessage() for r in caplog.records if r.name == "rl_tpu" and r.levelno == logging.WARNING
+    ]
 
 
 def test_manifest_lists_every_file_with_size_and_checksum(tmp_path, warnings):
@@ -68,12 +70,17 @@ def test_every_file_reaches_the_disk_before_the_rename(tmp_path, monkeypatch):
 
     events = []
     real_fsync, real_rename = os.fsync, os.rename
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd)))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))
+    )
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), real_rename(a, b)))
     (folder,) = _save(tmp_path, 3)
     renamed = events.index(("rename", str(folder)))
-    synced_before = {Path(p).relative_to(str(folder) + ".tmp").as_posix() for kind, p in events[:renamed]
-                     if kind == "fsync" and p != str(folder) + ".tmp"}
+    synced_before = {
+        Path(p).relative_to(str(folder) + ".tmp").as_posix()
+        for kind, p in events[:renamed]
+        if kind == "fsync" and p != str(folder) + ".tmp"
+    }
     written = {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
     assert written and written <= synced_before, written - synced_before
     assert ("fsync", str(folder) + ".tmp") in events[:renamed]
@@ -85,7 +92,9 @@ def test_auto_resume_skips_a_damaged_checkpoint_and_says_what_is_wrong(damage, t
     older, newest = _save(tmp_path, 2, 4)
     what = damage(newest / "trainer" / "dcp" / "__0_0.distcp")
     assert resolve_resume(tmp_path, "auto") == older
-    assert warnings() == [f"checkpoint {newest} is damaged, skipping it: step_000004/trainer/dcp/__0_0.distcp: {what}"]
+    assert warnings() == [
+        f"checkpoint {newest} is damaged, skipping it: step_000004/trainer/dcp/__0_0.distcp: {what}"
+    ]
     assert load_state(older) == {"version": 2, "step": 2}
 
 
@@ -102,8 +111,10 @@ def test_auto_resume_with_every_checkpoint_damaged_starts_from_scratch(tmp_path,
         (f / "trainer" / "extra_rank0.pt").write_bytes(b"")
     assert resolve_resume(tmp_path, "auto") is None
     assert warnings() == [
-        f"checkpoint {folders[1]} is damaged, skipping it: step_000004/trainer/extra_rank0.pt: 0 bytes, manifest says 9",
-        f"checkpoint {folders[0]} is damaged, skipping it: step_000002/trainer/extra_rank0.pt: 0 bytes, manifest says 9",
+        f"checkpoint {folders[1]} is damaged, skipping it: "
+        "step_000004/trainer/extra_rank0.pt: 0 bytes, manifest says 9",
+        f"checkpoint {folders[0]} is damaged, skipping it: "
+        "step_000002/trainer/extra_rank0.pt: 0 bytes, manifest says 9",
         f"no valid checkpoint in {tmp_path / 'checkpoints'}: starting from scratch",
     ]
 
@@ -113,8 +124,10 @@ def test_a_checkpoint_without_manifest_is_used_with_a_warning(tmp_path, warnings
     (newest / "manifest.json").unlink()  # as written before manifests existed
     assert check_checkpoint(newest) is None
     assert resolve_resume(tmp_path, "auto") == newest
-    assert warnings() == [f"checkpoint {newest} has no manifest.json (written by an older version), so it could "
-                          "not be checked: using it as is"]
+    assert warnings() == [
+        f"checkpoint {newest} has no manifest.json (written by an older version), so it could "
+        "not be checked: using it as is"
+    ]
 
 
 def test_a_damaged_manifest_is_damage(tmp_path, warnings):
@@ -122,7 +135,9 @@ def test_a_damaged_manifest_is_damage(tmp_path, warnings):
     (newest / "manifest.json").write_text('{"checksum": "zlib.crc32", "fi')
     assert resolve_resume(tmp_path, "auto") == older
     (msg,) = warnings()
-    assert msg.startswith(f"checkpoint {newest} is damaged, skipping it: step_000004/manifest.json: unreadable (")
+    assert msg.startswith(
+        f"checkpoint {newest} is damaged, skipping it: step_000004/manifest.json: unreadable ("
+    )
 
 
 def test_many_problems_make_one_line(tmp_path, warnings):
@@ -141,8 +156,10 @@ def test_explicit_path_is_validated(tmp_path, warnings):
     _truncate(newest / "trainer" / "dcp" / "__0_0.distcp")
     with pytest.raises(CheckpointError) as e:
         resolve_resume(tmp_path, str(newest))
-    assert str(e.value) == (f"checkpoint.resume = {str(newest)!r} is damaged: "
-                            "step_000004/trainer/dcp/__0_0.distcp: 1234 bytes, manifest says 10240")
+    assert str(e.value) == (
+        f"checkpoint.resume = {str(newest)!r} is damaged: "
+        "step_000004/trainer/dcp/__0_0.distcp: 1234 bytes, manifest says 10240"
+    )
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(tmp_path, str(tmp_path / "nope"))
     assert warnings() == []
@@ -156,7 +173,10 @@ def test_cli_reports_a_damaged_explicit_checkpoint_in_one_line(tmp_path, capsys)
     rc = main(["train", "--resume", str(folder), f"--logging.run_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err == f"rl-tpu: checkpoint.resume = {str(folder)!r} is damaged: step_000002/trainer/extra_rank0.pt: missing\n"
+    assert (
+        err
+        == f"rl-tpu: checkpoint.resume = {str(folder)!r} is damaged: step_000002/trainer/extra_rank0.pt: missing\n"
+    )
 
 
 def test_folders_that_are_not_checkpoints_are_ignored(tmp_path, warnings):
@@ -174,12 +194,25 @@ def _run_cfg(run_dir: Path, *overrides: str):
     """tests/test_loop.py's tiny run (tiny model, 2 trainer ranks, short completions)."""
     from rl_tpu.config import load_config
 
-    return load_config(None, [
-        f"--logging.run_dir={run_dir}", "--logging.tensorboard=false", "--logging.progress=false",
-        "--trainer.world_size=2", "--trainer.lr=1e-2", "--trainer.micro_batch_size=64", "--rollout.n=8",
-        "--rollout.max_tokens=16", "--rollout.temperature=1.0", "--data.batch_size=8", "--data.synthetic_train_size=256",
-        "--data.synthetic_test_size=8", "--reward.workers=1", *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"--logging.run_dir={run_dir}",
+            "--logging.tensorboard=false",
+            "--logging.progress=false",
+            "--trainer.world_size=2",
+            "--trainer.lr=1e-2",
+            "--trainer.micro_batch_size=64",
+            "--rollout.n=8",
+            "--rollout.max_tokens=16",
+            "--rollout.temperature=1.0",
+            "--data.batch_size=8",
+            "--data.synthetic_train_size=256",
+            "--data.synthetic_test_size=8",
+            "--reward.workers=1",
+            *overrides,
+        ],
+    )
 
 
 def test_real_run_resumes_from_the_previous_checkpoint_past_a_truncated_shard(tmp_path, caplog, loop_ray):
@@ -195,10 +228,15 @@ def test_real_run_resumes_from_the_previous_checkpoint_past_a_truncated_shard(tm
         f.truncate(size // 2)
 
     caplog.set_level(logging.INFO, logger="rl_tpu")
-    out = train(_run_cfg(run_dir, "--trainer.total_steps=3", "--checkpoint.every=1", "--checkpoint.resume=auto"))
+    out = train(
+        _run_cfg(run_dir, "--trainer.total_steps=3", "--checkpoint.every=1", "--checkpoint.resume=auto")
+    )
     messages = [r.getMessage() for r in caplog.records if r.name == "rl_tpu"]
     rel = shard.relative_to(step2.parent).as_posix()
-    assert f"checkpoint {step2} is damaged, skipping it: {rel}: {size // 2} bytes, manifest says {size}" in messages
+    assert (
+        f"checkpoint {step2} is damaged, skipping it: {rel}: {size // 2} bytes, manifest says {size}"
+        in messages
+    )
     assert f"resumed from {step1} at step 1" in messages
     assert out["steps"] == 3
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -28,8 +28,12 @@ from rl_tpu.data import DataError, make_synthetic, write_jsonl
 def files(tmp_path_factory, tiny_qwen3) -> Path:
     """Bad inputs of every kind, side by side in one folder."""
     d = tmp_path_factory.mktemp("bad_inputs")
-    rows = [json.loads(line) for line in write_jsonl(make_synthetic("arithmetic", 6, 1)[0], d / "good.jsonl")
-            .read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in write_jsonl(make_synthetic("arithmetic", 6, 1)[0], d / "good.jsonl")
+        .read_text()
+        .splitlines()
+    ]
 
     def jsonl(name: str, edit) -> None:
         bad = [dict(r) for r in rows]
@@ -50,7 +54,9 @@ def files(tmp_path_factory, tiny_qwen3) -> Path:
     (d / "no_function.py").write_text("def other(**kw):\n    return 1.0\n")
 
     (d / "unknown_arch").mkdir()  # an architecture the trainer does not build, and no tokenizer
-    (d / "unknown_arch" / "config.json").write_text('{"model_type": "foo", "architectures": ["FooForCausalLM"]}')
+    (d / "unknown_arch" / "config.json").write_text(
+        '{"model_type": "foo", "architectures": ["FooForCausalLM"]}'
+    )
     (d / "no_config").mkdir()
     shutil.copy(Path(tiny_qwen3) / "model.safetensors", d / "no_config")
     (d / "no_tokenizer").mkdir()
@@ -75,8 +81,13 @@ def _assert_one_line(rc: int, err: str, *culprit: str) -> None:
 
 
 def _common(files: Path, tiny_qwen3: str) -> list[str]:
-    return [f"--model.path={tiny_qwen3}", f"--logging.run_dir={files / 'run'}", "--logging.tensorboard=false",
-            "--trainer.total_steps=1", "--reward.workers=1"]
+    return [
+        f"--model.path={tiny_qwen3}",
+        f"--logging.run_dir={files / 'run'}",
+        "--logging.tensorboard=false",
+        "--trainer.total_steps=1",
+        "--reward.workers=1",
+    ]
 
 
 DATA_CASES = {  # file -> words the line must hold
@@ -100,8 +111,13 @@ def test_bad_data_file_is_one_line(command, name, files, tiny_qwen3, capsys):
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_over_long_prompt_is_named_before_the_run_starts(command, files, tiny_qwen3, capsys):
     # before, it surfaced at the step that drew the prompt, after Ray, the trainer and the engines started
-    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), f'--data.train_files=["{files / "good.jsonl"}"]',
-                    "--data.max_prompt_length=5")
+    rc, err = _main(
+        capsys,
+        command,
+        *_common(files, tiny_qwen3),
+        f'--data.train_files=["{files / "good.jsonl"}"]',
+        "--data.max_prompt_length=5",
+    )
     _assert_one_line(rc, err, "good.jsonl:1", "max_prompt_length=5")
     import ray
 
@@ -110,17 +126,30 @@ def test_over_long_prompt_is_named_before_the_run_starts(command, files, tiny_qw
 
 def test_empty_test_file_is_named(files, tiny_qwen3, capsys):
     # before, an empty test file silently meant "no evaluation"
-    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "empty.jsonl"}"]')
+    rc, err = _main(
+        capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "empty.jsonl"}"]'
+    )
     _assert_one_line(rc, err, "empty.jsonl", "no rows")
 
 
 def test_test_files_without_test_freq_is_said(files, tiny_qwen3, capsys):
     # a held-out set that is never evaluated was silent; the missing model folder then stops the run
-    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "good.jsonl"}"]',
-                    f"--model.path={files / 'nonexistent'}")
+    rc, err = _main(
+        capsys,
+        "train",
+        *_common(files, tiny_qwen3),
+        f'--data.test_files=["{files / "good.jsonl"}"]',
+        f"--model.path={files / 'nonexistent'}",
+    )
     assert rc == 2 and "data.test_files holds 6 held-out prompts, but trainer.test_freq = 0" in err, err
-    _, err = _main(capsys, "train", *_common(files, tiny_qwen3), f'--data.test_files=["{files / "good.jsonl"}"]',
-                   f"--model.path={files / 'nonexistent'}", "--trainer.test_freq=2")
+    _, err = _main(
+        capsys,
+        "train",
+        *_common(files, tiny_qwen3),
+        f'--data.test_files=["{files / "good.jsonl"}"]',
+        f"--model.path={files / 'nonexistent'}",
+        "--trainer.test_freq=2",
+    )
     assert "test_freq" not in err, err
 
 
@@ -159,7 +188,9 @@ def test_bad_model_folder_is_one_line(command, folder, files, tiny_qwen3, capsys
 
 
 def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):
-    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose")
+    rc, err = _main(
+        capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose"
+    )
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("rl-tpu: ")
 
 
@@ -171,7 +202,9 @@ def test_user_error_is_found_inside_ray_and_trainer_wrappers():
     from rl_tpu.trainer.group import TrainerError
 
     inner = DataError("train.jsonl line 3: missing field `prompt`")
-    wrapped = RayTaskError("ready", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
+    wrapped = RayTaskError(
+        "ready", "Traceback (most recent call last):\n  ...\n", inner
+    ).as_instanceof_cause()
     assert isinstance(wrapped, DataError) and "\n" in str(wrapped)
     assert cli.user_error(wrapped) is inner
     assert cli.user_error(TrainerError(0, "ready", wrapped)) is inner
@@ -190,8 +223,20 @@ def test_our_bugs_keep_their_traceback(monkeypatch):
 def test_installed_cli_exits_2_with_one_line(files, tiny_qwen3):
     """The real entry point in its own process: status 2, one line on stderr, nothing on stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "train", *_common(files, tiny_qwen3),
-                        f'--data.train_files=["{files / "missing_prompt.jsonl"}"]'],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=files)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl_tpu.cli",
+            "train",
+            *_common(files, tiny_qwen3),
+            f'--data.train_files=["{files / "missing_prompt.jsonl"}"]',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=files,
+    )
     _assert_one_line(r.returncode, r.stderr, "missing_prompt.jsonl line 3")
     assert r.stdout == ""

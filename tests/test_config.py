@@ -21,8 +21,16 @@ def test_default_config_is_the_example():
 def test_overrides_are_typed_and_applied_in_order(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[rollout]\nn = 4\n[logging]\nrun_dir = "runs/a"\n')
-    cfg = load_config(f, ["--rollout.n=6", "--logging.run_dir=runs/b", '--reward.functions=["x.py:f", "m:g"]',
-                          "--reward.weights=[1, 0.5]", "--trainer.lr=3e-4"])
+    cfg = load_config(
+        f,
+        [
+            "--rollout.n=6",
+            "--logging.run_dir=runs/b",
+            '--reward.functions=["x.py:f", "m:g"]',
+            "--reward.weights=[1, 0.5]",
+            "--trainer.lr=3e-4",
+        ],
+    )
     assert cfg.rollout.n == 6
     assert cfg.logging.run_dir == "runs/b"
     assert cfg.reward.functions == ["x.py:f", "m:g"]
@@ -31,7 +39,7 @@ def test_overrides_are_typed_and_applied_in_order(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["--rollout.stop=[\"</answer>\"]", "--algorithm.adv_estimator=rloo"])
+    cfg = load_config(None, ['--rollout.stop=["</answer>"]', "--algorithm.adv_estimator=rloo"])
     f = tmp_path / "resolved.toml"
     f.write_text(to_toml(cfg))
     assert load_config(f) == cfg
@@ -62,7 +70,9 @@ def test_model_dtype_is_the_precision_switch_of_both_roles():
     from rl_tpu.config import engine_config, resolved_dtype
 
     cfg = load_config(DEFAULT_CONFIG, ["--model.dtype=bfloat16"])
-    assert resolved_dtype(cfg.trainer.param_dtype, cfg) == "bfloat16" and engine_config(cfg).dtype == "bfloat16"
+    assert (
+        resolved_dtype(cfg.trainer.param_dtype, cfg) == "bfloat16" and engine_config(cfg).dtype == "bfloat16"
+    )
     assert cfg.trainer.reduce_dtype == "float32"  # gradients reduce in fp32 over fp32 master weights
     mixed = load_config(DEFAULT_CONFIG, ["--model.dtype=bfloat16", "--rollout.dtype=float32"])
     assert engine_config(mixed).dtype == "float32"  # a role's own key wins over "auto"
@@ -77,7 +87,7 @@ def test_rollout_is_needs_the_engines_log_probs():
 
 def test_bad_file_names_the_file_and_key(tmp_path):
     f = tmp_path / "bad.toml"
-    f.write_text("[trainer]\nlr = \"fast\"\n")
+    f.write_text('[trainer]\nlr = "fast"\n')
     with pytest.raises(ConfigError, match=r"in .*bad\.toml.*trainer\.lr.*number"):
         load_config(f)
     g = tmp_path / "broken.toml"
@@ -89,7 +99,9 @@ def test_bad_file_names_the_file_and_key(tmp_path):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "rl_tpu.cli", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_cli_config_show_and_errors(tmp_path):
@@ -127,7 +139,11 @@ def _list_keys() -> list[tuple[str, type]]:
 
 # one valid single value (as typed on the command line: a bare string needs no quotes), the same value as
 # a TOML list item, and what the key must hold, per item type
-_SINGLE = {str: ("x.parquet", '"x.parquet"', ["x.parquet"]), int: ("7", "7", [7]), float: ("0.5", "0.5", [0.5])}
+_SINGLE = {
+    str: ("x.parquet", '"x.parquet"', ["x.parquet"]),
+    int: ("7", "7", [7]),
+    float: ("0.5", "0.5", [0.5]),
+}
 # a value of the wrong type for each item type: still an error
 _WRONG = {str: "5", int: "'seven'", float: "true"}
 
@@ -165,11 +181,15 @@ def test_list_keys_still_reject_wrong_types(key, item_tp):
 
 def test_single_value_from_a_toml_file(tmp_path):
     f = tmp_path / "verl_style.toml"
-    f.write_text('[data]\ntrain_files = "~/data/gsm8k/train.parquet"\ntest_files = ["a.parquet", "b.parquet"]\n')
+    f.write_text(
+        '[data]\ntrain_files = "~/data/gsm8k/train.parquet"\ntest_files = ["a.parquet", "b.parquet"]\n'
+    )
     cfg = load_config(f)
     assert cfg.data.train_files == ["~/data/gsm8k/train.parquet"]
     assert cfg.data.test_files == ["a.parquet", "b.parquet"]
     g = tmp_path / "bad.toml"
     g.write_text("[data]\ntrain_files = 3\n")
-    with pytest.raises(ConfigError, match=r"bad\.toml.*`data.train_files` must be a list \(or a single string\), got int 3"):
+    with pytest.raises(
+        ConfigError, match=r"bad\.toml.*`data.train_files` must be a list \(or a single string\), got int 3"
+    ):
         load_config(g)

@@ -27,15 +27,22 @@ def _linear_and_grads(fn, x, w, b, gy):
     return y.detach(), x.grad, w.grad, b.grad
 
 
-MIXES = [cm.ONEDNN, cm.matmuls({"fwd": "aten", "dgrad": "onednn", "wgrad": "aten"}),
-         cm.matmuls({"fwd": "onednn", "dgrad": "aten", "wgrad": "onednn"})]
+MIXES = [
+    cm.ONEDNN,
+    cm.matmuls({"fwd": "aten", "dgrad": "onednn", "wgrad": "aten"}),
+    cm.matmuls({"fwd": "onednn", "dgrad": "aten", "wgrad": "onednn"}),
+]
 
 
 @pytest.mark.parametrize("mm", MIXES, ids=["onednn", "mix1", "mix2"])
 @pytest.mark.parametrize("shape", [(3, 50, 384), (257, 384)])
 def test_linear_values_and_grads_match_float64(shape, mm):
     torch.manual_seed(0)
-    x, w, b = torch.randn(*shape, dtype=torch.float64), torch.randn(200, 384, dtype=torch.float64), torch.randn(200, dtype=torch.float64)
+    x, w, b = (
+        torch.randn(*shape, dtype=torch.float64),
+        torch.randn(200, 384, dtype=torch.float64),
+        torch.randn(200, dtype=torch.float64),
+    )
     gy = torch.randn(*shape[:-1], 200, dtype=torch.float64)
     ref = _linear_and_grads(torch.nn.functional.linear, x, w, b, gy)
     f32 = [t.float() for t in (x, w, b, gy)]
@@ -123,9 +130,14 @@ def test_install_leaves_all_aten_linears_on_f_linear():
 
 
 def test_pick_prefers_aten_unless_onednn_wins_by_the_margin():
-    times = {"4,8/fwd/aten": 1.0, "4,8/fwd/onednn": 0.5,  # oneDNN 2x faster
-             "4,8/dgrad/aten": 1.0, "4,8/dgrad/onednn": 0.97,  # within the margin: torch's default
-             "4,8/wgrad/aten": 0.5, "4,8/wgrad/onednn": 1.0}
+    times = {
+        "4,8/fwd/aten": 1.0,
+        "4,8/fwd/onednn": 0.5,  # oneDNN 2x faster
+        "4,8/dgrad/aten": 1.0,
+        "4,8/dgrad/onednn": 0.97,  # within the margin: torch's default
+        "4,8/wgrad/aten": 0.5,
+        "4,8/wgrad/onednn": 1.0,
+    }
     assert cm.pick(times) == {"4,8": {"fwd": "onednn", "dgrad": "aten", "wgrad": "aten"}}
     assert cm.summary(cm.pick(times)) == "aten 2/3, onednn 1/3"
     assert cm.summary({"4,8": dict.fromkeys(cm.OPS, "aten")}) == "aten"
@@ -141,7 +153,9 @@ def test_choose_times_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RL_TPU_CACHE_DIR", str(tmp_path))
     timed = []
     real = cm.time_kernels
-    monkeypatch.setattr(cm, "time_kernels", lambda shapes, reps=5: timed.append(sorted(shapes)) or real(shapes, 1))
+    monkeypatch.setattr(
+        cm, "time_kernels", lambda shapes, reps=5: timed.append(sorted(shapes)) or real(shapes, 1)
+    )
     first, cached = cm.choose([(8, 16)], threads=1)
     assert not cached and timed == [[(8, 16)]] and set(first["8,16"]) == set(cm.OPS)
     again, cached = cm.choose([(8, 16)], threads=1)
@@ -162,8 +176,13 @@ def test_choose_agrees_over_ranks_on_summed_times(tmp_path, monkeypatch):
     another has not is timed on both; only the writer writes."""
     monkeypatch.setenv("RL_TPU_CACHE_DIR", str(tmp_path))
     fast_here = {"8,16/fwd/onednn": 1.0, "8,16/fwd/aten": 3.0}  # this rank: oneDNN 3x faster
-    monkeypatch.setattr(cm, "time_kernels", lambda shapes, reps=5: {
-        f"8,16/{op}/{k}": fast_here.get(f"8,16/{op}/{k}", 1.0) for op in cm.OPS for k in cm.KERNELS})
+    monkeypatch.setattr(
+        cm,
+        "time_kernels",
+        lambda shapes, reps=5: {
+            f"8,16/{op}/{k}": fast_here.get(f"8,16/{op}/{k}", 1.0) for op in cm.OPS for k in cm.KERNELS
+        },
+    )
     other_rank = {"8,16/fwd/onednn": 5.0, "8,16/fwd/aten": 1.0}  # the other: aten 5x faster
 
     def sum_over_ranks(t):

@@ -11,8 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from rl_tpu.config import load_config
-from rl_tpu.data import (DataError, Example, PromptLoader, build_datasets, encode_prompts, load_examples,
-                         make_synthetic, write_jsonl, write_parquet)
+from rl_tpu.data import (
+    DataError,
+    Example,
+    PromptLoader,
+    build_datasets,
+    encode_prompts,
+    load_examples,
+    make_synthetic,
+    write_jsonl,
+    write_parquet,
+)
 from rl_tpu.data.synthetic import main as synthetic_main
 from rl_tpu.rewards import arithmetic, countdown
 
@@ -22,9 +31,13 @@ def _fields(ex: Example) -> tuple:
 
 
 def _row(**over) -> dict:
-    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 1+1?"}],
-           "ability": "math", "reward_model": {"style": "rule", "ground_truth": "2"},
-           "extra_info": {"split": "train", "index": 0}}
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "What is 1+1?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"split": "train", "index": 0},
+    }
     row.update(over)
     return row
 
@@ -45,11 +58,20 @@ def test_round_trip_verl_schema(task, writer, tmp_path):
 
 
 def test_parquet_mixed_extra_info_and_uid(tmp_path):
-    rows = [Example(data_source="a", messages=[{"role": "user", "content": "hi"}], ground_truth="1",
-                    extra_info={"index": 0}),
-            Example(data_source="a", messages=[{"role": "system", "content": "be brief"},
-                                               {"role": "user", "content": "hi"}], ground_truth="2",
-                    extra_info={"uid": "q-7", "note": "x"})]
+    rows = [
+        Example(
+            data_source="a",
+            messages=[{"role": "user", "content": "hi"}],
+            ground_truth="1",
+            extra_info={"index": 0},
+        ),
+        Example(
+            data_source="a",
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            ground_truth="2",
+            extra_info={"uid": "q-7", "note": "x"},
+        ),
+    ]
     back = load_examples(write_parquet(rows, tmp_path / "m.parquet"))
     assert [b.extra_info for b in back] == [{"index": 0}, {"uid": "q-7", "note": "x"}]  # nulls dropped
     assert [b.uid for b in back] == ["m.parquet:0", "q-7"]
@@ -67,19 +89,22 @@ def test_parquet_write_of_mixed_types_names_the_column(tmp_path):
     assert [b.ground_truth for b in back] == [e.ground_truth for e in arith + count]
 
 
-@pytest.mark.parametrize("row,error", [
-    (_row(prompt=None), "missing field `prompt`"),
-    ({k: v for k, v in _row().items() if k != "data_source"}, "missing field `data_source`"),
-    (_row(prompt="What is 1+1?"), "`prompt` must be a list of chat messages.*wrap a plain string"),
-    (_row(prompt=[]), "`prompt` is empty"),
-    (_row(prompt=[{"role": "user", "content": "  "}]), "`prompt` is empty"),
-    (_row(prompt=[{"role": "user"}]), r"`prompt\[0\].content` must be a string"),
-    (_row(reward_model={"style": "rule"}), "missing field `reward_model.ground_truth`"),
-    (_row(reward_model="2"), "`reward_model` must be an object"),
-    (_row(data_source=3), "`data_source` must be a non-empty string"),
-    (_row(extra_info=[1]), "`extra_info` must be an object"),
-    ([1, 2], "a row must be an object"),
-])
+@pytest.mark.parametrize(
+    "row,error",
+    [
+        (_row(prompt=None), "missing field `prompt`"),
+        ({k: v for k, v in _row().items() if k != "data_source"}, "missing field `data_source`"),
+        (_row(prompt="What is 1+1?"), "`prompt` must be a list of chat messages.*wrap a plain string"),
+        (_row(prompt=[]), "`prompt` is empty"),
+        (_row(prompt=[{"role": "user", "content": "  "}]), "`prompt` is empty"),
+        (_row(prompt=[{"role": "user"}]), r"`prompt\[0\].content` must be a string"),
+        (_row(reward_model={"style": "rule"}), "missing field `reward_model.ground_truth`"),
+        (_row(reward_model="2"), "`reward_model` must be an object"),
+        (_row(data_source=3), "`data_source` must be a non-empty string"),
+        (_row(extra_info=[1]), "`extra_info` must be an object"),
+        ([1, 2], "a row must be an object"),
+    ],
+)
 def test_malformed_jsonl_row_is_named(row, error, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(_row()) + "\n\n" + json.dumps(row) + "\n")
@@ -88,12 +113,15 @@ def test_malformed_jsonl_row_is_named(row, error, tmp_path):
 
 
 def test_reads_a_verl_gsm8k_style_parquet_written_by_pyarrow(tmp_path):
-    rows = [_row(extra_info={"split": "train", "index": i, "answer": "1+1=2 #### 2", "question": "What is 1+1?"})
-            for i in range(3)]
+    rows = [
+        _row(extra_info={"split": "train", "index": i, "answer": "1+1=2 #### 2", "question": "What is 1+1?"})
+        for i in range(3)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "gsm8k_train.parquet")
     back = load_examples(str(tmp_path / "gsm8k_train.parquet"))
-    assert [(e.data_source, e.ground_truth, e.ability, e.extra_info["index"]) for e in back] == \
-        [("openai/gsm8k", "2", "math", i) for i in range(3)]
+    assert [(e.data_source, e.ground_truth, e.ability, e.extra_info["index"]) for e in back] == [
+        ("openai/gsm8k", "2", "math", i) for i in range(3)
+    ]
     assert back[0].messages == [{"role": "user", "content": "What is 1+1?"}]
 
 
@@ -144,7 +172,9 @@ def test_synthetic_answers_match_the_rewards():
     train, test = make_synthetic("countdown", 300, 30, seed=0)
     for e in train + test:
         gt = e.ground_truth
-        assert countdown.compute_score(e.data_source, f"<answer>{e.extra_info['solution']}</answer>", gt) == 1.0
+        assert (
+            countdown.compute_score(e.data_source, f"<answer>{e.extra_info['solution']}</answer>", gt) == 1.0
+        )
         assert str(gt["target"]) in e.messages[0]["content"]
 
 
@@ -158,7 +188,9 @@ def test_synthetic_options_and_limits():
 
 
 def test_synthetic_cli_writes_loadable_splits(tmp_path, capsys):
-    assert synthetic_main(["countdown", "--out", str(tmp_path), "--train-size", "32", "--test-size", "8"]) == 0
+    assert (
+        synthetic_main(["countdown", "--out", str(tmp_path), "--train-size", "32", "--test-size", "8"]) == 0
+    )
     assert "train.parquet" in capsys.readouterr().out
     train, test = load_examples(tmp_path / "train.parquet"), load_examples(tmp_path / "test.parquet")
     expect_train, expect_test = make_synthetic("countdown", 32, 8, seed=0)
@@ -203,21 +235,28 @@ def test_encode_prompts_applies_the_chat_template(tiny_qwen3):
     examples = arith + count
     ids = encode_prompts(tok, examples, max_prompt_length=128)
     for e, seq in zip(examples, ids):
-        assert seq == tok.apply_chat_template(e.messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    assert tok.decode(ids[0]).endswith(arith[0].messages[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
-    with pytest.raises(DataError, match=f"example '{count[0].uid}' has {len(ids[3])} tokens.*max_prompt_length=30"):
+        assert (
+            seq == tok.apply_chat_template(e.messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        )
+    assert tok.decode(ids[0]).endswith(
+        arith[0].messages[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(
+        DataError, match=f"example '{count[0].uid}' has {len(ids[3])} tokens.*max_prompt_length=30"
+    ):
         encode_prompts(tok, examples, max_prompt_length=30)
     cut = encode_prompts(tok, examples, max_prompt_length=30, truncation="left")
     assert cut[0] == ids[0] and cut[3] == ids[3][-30:]
 
 
 def test_build_datasets_from_config(tmp_path):
-    cfg = load_config(None, ["--data.synthetic=countdown", "--data.synthetic_train_size=16",
-                             "--data.synthetic_test_size=4"])
+    cfg = load_config(
+        None, ["--data.synthetic=countdown", "--data.synthetic_train_size=16", "--data.synthetic_test_size=4"]
+    )
     train, test = build_datasets(cfg.data)
     assert (len(train), len(test), train[0].data_source) == (16, 4, "countdown")
     path = write_jsonl(train[:5], tmp_path / "t.jsonl")
-    cfg = load_config(None, [f"--data.train_files=[\"{path}\"]"])
+    cfg = load_config(None, [f'--data.train_files=["{path}"]'])
     train, test = build_datasets(cfg.data)
     assert [_fields(e) for e in train] == [_fields(e) for e in make_synthetic("countdown", 16, 4)[0][:5]]
     assert test == []

@@ -14,8 +14,12 @@ import pytest
 @pytest.mark.timeout(2100)  # above the demo subprocess's own 1800 s timeout, which reports better
 def test_quick_demo_writes_report_and_curves(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "demo", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     for key in ("accuracy_sft", "accuracy_rl", "accuracy_control", "steps", "wall_seconds", "tokens_per_s"):
@@ -25,7 +29,9 @@ def test_quick_demo_writes_report_and_curves(tmp_path):
     assert report["steps"] == report["plan"]["grpo_steps"]
     assert report["rl_gain_over_control"] == report["accuracy_rl"] - report["accuracy_control"]
     assert len(report["grpo_curve"]) == report["steps"] and report["sft"]["curve"]
-    assert abs(report["grpo_curve"][-1]["train_seconds"] - report["grpo_seconds"]) < 1e-6  # cumulative step time
+    assert (
+        abs(report["grpo_curve"][-1]["train_seconds"] - report["grpo_seconds"]) < 1e-6
+    )  # cumulative step time
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
@@ -63,12 +69,28 @@ def test_sft_patience_counts_only_once_the_demonstrations_are_fit(tmp_path):
     plan = DemoPlan(sft_eval_every=2, sft_patience=2, sft_fit_loss=0.2, sft_max_steps=100)
     losses = [1.3, 1.2, 1.2, 1.1, 0.9, 0.9, 0.5, 0.3, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05]  # fit from step 10
     accs = [0.04, 0.015, 0.035, 0.03, 0.3, 0.25, 0.28]  # flat until step 8, peak at 10, then lower twice
-    out = _sft_phase(_FakeSession(losses), list(range(8)), plan, _FakeEvaluator(accs), tmp_path,
-                     wall_budget=None, early_stop=True, log=lambda s: None)
+    out = _sft_phase(
+        _FakeSession(losses),
+        list(range(8)),
+        plan,
+        _FakeEvaluator(accs),
+        tmp_path,
+        wall_budget=None,
+        early_stop=True,
+        log=lambda s: None,
+    )
     assert (out["best_step"], out["best_accuracy"], out["steps"]) == (10, 0.3, 14)
     assert [round(c["loss"], 3) for c in out["curve"]][:2] == [1.25, 1.15]  # the mean over each window
     # without the fit rule, patience alone stops at step 6 (two evaluations without beating 0.04)
     plain = DemoPlan(sft_eval_every=2, sft_patience=2, sft_fit_loss=None, sft_max_steps=100)
-    out = _sft_phase(_FakeSession(losses), list(range(8)), plain, _FakeEvaluator(accs), tmp_path / "plain",
-                     wall_budget=None, early_stop=True, log=lambda s: None)
+    out = _sft_phase(
+        _FakeSession(losses),
+        list(range(8)),
+        plain,
+        _FakeEvaluator(accs),
+        tmp_path / "plain",
+        wall_budget=None,
+        early_stop=True,
+        log=lambda s: None,
+    )
     assert (out["best_step"], out["steps"]) == (2, 6)

@@ -25,11 +25,15 @@ def test_init_cpu_and_clear_errors_for_absent_devices():
 
     get_device("cpu").init()
     assert dist.is_backend_available("gloo")
-    with pytest.raises(RuntimeError, match=r"trainer.device = 'cuda' uses the torch.distributed backend 'nccl'.*CPU-only"):
+    with pytest.raises(
+        RuntimeError, match=r"trainer.device = 'cuda' uses the torch.distributed backend 'nccl'.*CPU-only"
+    ):
         get_device("cuda").init()  # this env's torch is 2.13.0+cpu
     with pytest.raises(RuntimeError, match=r"trainer.device = 'tpu' needs the Python module 'torch_tpu'"):
         get_device("tpu").init()
-    with pytest.raises(RuntimeError, match=r"trainer.device = 'xla' needs the Python module 'torch_xla'.*--role-env xla"):
+    with pytest.raises(
+        RuntimeError, match=r"trainer.device = 'xla' needs the Python module 'torch_xla'.*--role-env xla"
+    ):
         get_device("xla").init()
 
 
@@ -48,9 +52,16 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_cpu_trainer_processes_reuse_freed_memory():
     """After `init()` on cpu, memory freed is reused without page faults; glibc's default maps blocks
     over 32 MB afresh (128 MB: 32k new pages). A user's own glibc malloc setting is left alone."""
+
     def refaults(init: bool, **env):
-        out = subprocess.run([sys.executable, "-c", _REFAULTS, "init" if init else "none"], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, **env}, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", _REFAULTS, "init" if init else "none"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return int(out.stdout.split()[-1])
 
@@ -60,11 +71,19 @@ def test_cpu_trainer_processes_reuse_freed_memory():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)")
+@pytest.mark.skipif(
+    not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)"
+)
 def test_trainer_math_on_xla_static_shapes_no_recompilation():
     env = dict(os.environ, PJRT_DEVICE="CPU")
-    r = subprocess.run([str(XLA_PYTHON), str(ROOT / "tests" / "xla_trainer_math.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=540)
+    r = subprocess.run(
+        [str(XLA_PYTHON), str(ROOT / "tests" / "xla_trainer_math.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["backend"] == "xla" and got["device"] == "xla:0" and got["torch_xla"].startswith("2.9")
@@ -84,7 +103,9 @@ def test_trainer_math_on_xla_static_shapes_no_recompilation():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)")
+@pytest.mark.skipif(
+    not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)"
+)
 def test_xla_env_builds_the_trainers_qwen3_equal_to_torchtitan_030(tiny_qwen3, tmp_path):
     """.venv-xla has TorchTitan 0.2.0 (the newest on torch 2.9): `titan_compat` builds its Qwen3 under the
     0.3.0 parameter names; on the CPU its logits equal 0.3.0's here bit for bit, on xla:0 to XLA's rounding."""
@@ -94,8 +115,14 @@ def test_xla_env_builds_the_trainers_qwen3_equal_to_torchtitan_030(tiny_qwen3, t
 
     out = tmp_path / "xla_model.pt"
     env = dict(os.environ, PJRT_DEVICE="CPU")
-    r = subprocess.run([str(XLA_PYTHON), str(ROOT / "tests" / "xla_titan_model.py"), tiny_qwen3, str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    r = subprocess.run(
+        [str(XLA_PYTHON), str(ROOT / "tests" / "xla_titan_model.py"), tiny_qwen3, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(out)
     assert got["torchtitan"] == "0.2.0" and got["compat"] and got["roundtrip"]

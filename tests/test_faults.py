@@ -13,10 +13,10 @@ import pytest
 
 from rl_tpu.config import load_config
 
-DIGITS_REWARD = '''
+DIGITS_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
     return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
-'''
+"""
 
 
 pytestmark = pytest.mark.usefixtures("loop_ray")
@@ -47,13 +47,28 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_no_sample_lost(tmp_pat
     (tmp_path / "digits.py").write_text(textwrap.dedent(DIGITS_REWARD))
     run_dir = tmp_path / "run"
     batch, n = 8, 8
-    cfg = load_config(None, [
-        f"--logging.run_dir={run_dir}", "--logging.tensorboard=false", "--logging.progress=false",
-        "--trainer.world_size=2", "--trainer.micro_batch_size=64", f"--rollout.n={n}", "--rollout.engines=2",
-        "--rollout.max_tokens=48", f"--data.batch_size={batch}", "--data.synthetic_train_size=64",
-        "--data.synthetic_test_size=8", "--trainer.test_freq=0", "--reward.workers=1", "--checkpoint.every=0", "--trainer.total_steps=4",
-        "--sync.verify=true", f"--reward.functions=[\"{tmp_path / 'digits.py'}:compute_score\"]",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"--logging.run_dir={run_dir}",
+            "--logging.tensorboard=false",
+            "--logging.progress=false",
+            "--trainer.world_size=2",
+            "--trainer.micro_batch_size=64",
+            f"--rollout.n={n}",
+            "--rollout.engines=2",
+            "--rollout.max_tokens=48",
+            f"--data.batch_size={batch}",
+            "--data.synthetic_train_size=64",
+            "--data.synthetic_test_size=8",
+            "--trainer.test_freq=0",
+            "--reward.workers=1",
+            "--checkpoint.every=0",
+            "--trainer.total_steps=4",
+            "--sync.verify=true",
+            f'--reward.functions=["{tmp_path / "digits.py"}:compute_score"]',
+        ],
+    )
     killed: dict = {}
     killer = threading.Thread(target=_kill_engine_during_step, args=(run_dir, 1, 2, 0.3, killed), daemon=True)
     killer.start()

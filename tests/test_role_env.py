@@ -32,7 +32,9 @@ def test_role_python_is_checked_and_named():
 
 @pytest.mark.skipif(not OTHER_MINOR.exists(), reason="no interpreter of another Python minor on this machine")
 def test_role_python_of_another_minor_is_refused():
-    with pytest.raises(ConfigError, match=r"`trainer.python` .* cannot host this controller's actors: Python 3.12 there"):
+    with pytest.raises(
+        ConfigError, match=r"`trainer.python` .* cannot host this controller's actors: Python 3.12 there"
+    ):
         role_options(str(OTHER_MINOR), "trainer.python")
 
 
@@ -42,14 +44,20 @@ def ray_session():
 
     # every worker can import the stand-in's module: a RolloutWorker that receives its actor handle loads
     # the class's method table by importing it
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "tests")}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "tests")}},
+    )
     yield
     ray.shutdown()
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)")
+@pytest.mark.skipif(
+    not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it)"
+)
 def test_weight_sync_from_xla_env_into_vllm_cpu_is_bit_exact(ray_session, tiny_qwen3, tmp_path):
     import ray
     from safetensors.torch import load_file, save_file
@@ -67,7 +75,11 @@ def test_weight_sync_from_xla_env_into_vllm_cpu_is_bit_exact(ray_session, tiny_q
 
     options = role_options(str(XLA_PYTHON), "trainer.python")
     options["runtime_env"]["env_vars"] = {"PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT / "tests")}
-    trainer = ray.remote(num_cpus=1)(XlaStandInTrainer).options(**options).remote(str(tmp_path / "titan.safetensors"))
+    trainer = (
+        ray.remote(num_cpus=1)(XlaStandInTrainer)
+        .options(**options)
+        .remote(str(tmp_path / "titan.safetensors"))
+    )
     info = ray.get(trainer.info.remote(), timeout=300)
     assert info["torch"].startswith("2.9.") and info["device"] == "xla:0", info
     assert info["python"] == str(XLA_PYTHON.absolute())
@@ -81,8 +93,15 @@ def test_weight_sync_from_xla_env_into_vllm_cpu_is_bit_exact(ray_session, tiny_q
         before = [g[0].response_ids for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
         ray.get(trainer.update.remote())
         specs = ray.get(trainer.param_specs.remote())
-        ws = WeightSync(specs, functools.partial(tm.titan_to_hf, spec), [trainer], rollout.workers,
-                        transport="shm", bucket_mb=0.25, engine_model_dir=tiny_qwen3)
+        ws = WeightSync(
+            specs,
+            functools.partial(tm.titan_to_hf, spec),
+            [trainer],
+            rollout.workers,
+            transport="shm",
+            bucket_mb=0.25,
+            engine_model_dir=tiny_qwen3,
+        )
         plan = ws.build()
         stats = ws.sync(1, keep_for_verify=True)
         assert [a["version"] for a in stats.acks] == [1] and stats.acks[0]["bytes"] == plan.nbytes
@@ -112,14 +131,20 @@ def test_xla_lock_matches_the_controller_pins():
     main = {}
     for p in lock["package"]:
         main.setdefault(p["name"], set()).add(p["version"])
-    assert main["ray"] == {pins["ray"]} and pins["safetensors"] in main["safetensors"], (pins["ray"], main["ray"])
+    assert main["ray"] == {pins["ray"]} and pins["safetensors"] in main["safetensors"], (
+        pins["ray"],
+        main["ray"],
+    )
     assert pins["torch"].split(".")[:2] == pins["torch-xla"].split(".")[:2] == ["2", "9"]
     assert pins["torchtitan"] == "0.2.0"  # the newest release that imports on torch 2.9 (docs/devices.md)
 
 
 @pytest.mark.timeout(1500)  # above the run's own 1,400 s subprocess timeout, which reports better
-@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (scripts/setup.sh --role-env xla creates it): "
-                    "the xla trainer needs torch 2.9 + torch_xla 2.9 + TorchTitan 0.2.0")
+@pytest.mark.skipif(
+    not XLA_PYTHON.exists(),
+    reason="no .venv-xla (scripts/setup.sh --role-env xla creates it): "
+    "the xla trainer needs torch 2.9 + torch_xla 2.9 + TorchTitan 0.2.0",
+)
 def test_rl_tpu_train_with_an_xla_trainer_and_vllm_cpu_rollout(tmp_path):
     """`rl-tpu train` end to end with the trainer in .venv-xla on xla:0 (TorchTitan 0.2.0's Qwen3 through
     titan_compat, one rank without FSDP2) and vLLM-CPU rollout in this env: 3 steps, weights synced and
@@ -136,13 +161,30 @@ def test_rl_tpu_train_with_an_xla_trainer_and_vllm_cpu_rollout(tmp_path):
     # has non-zero advantages, so every step changes the weights the sync must deliver
     (tmp_path / "varied.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-        "    return len(set(solution_str)) / 8.0\n")
+        "    return len(set(solution_str)) / 8.0\n"
+    )
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl_tpu.cli", "train", "--trainer.device=xla", "--rollout.device=cpu",
-           f"--trainer.python={XLA_PYTHON}", "--trainer.world_size=1", "--trainer.total_steps=3",
-           "--trainer.seq_len_buckets=[64]", "--trainer.lr=1e-4", "--sync.verify=true",
-           "--reward.functions=[\"varied.py:score\"]", f"--logging.run_dir={run_dir}", "--rollout.n=4",
-           "--rollout.max_tokens=8", "--data.batch_size=4", "--logging.tensorboard=false", "--reward.workers=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.cli",
+        "train",
+        "--trainer.device=xla",
+        "--rollout.device=cpu",
+        f"--trainer.python={XLA_PYTHON}",
+        "--trainer.world_size=1",
+        "--trainer.total_steps=3",
+        "--trainer.seq_len_buckets=[64]",
+        "--trainer.lr=1e-4",
+        "--sync.verify=true",
+        '--reward.functions=["varied.py:score"]',
+        f"--logging.run_dir={run_dir}",
+        "--rollout.n=4",
+        "--rollout.max_tokens=8",
+        "--data.batch_size=4",
+        "--logging.tensorboard=false",
+        "--reward.workers=1",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # never join another test's Ray
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -151,7 +193,9 @@ def test_rl_tpu_train_with_an_xla_trainer_and_vllm_cpu_rollout(tmp_path):
     for row in rows:
         assert math.isfinite(row["reward/mean"]) and row["reward/std"] > 0, row  # scored, and varied
         assert math.isfinite(row["mismatch/kl"]) and abs(row["mismatch/kl"]) <= 1e-4, row["mismatch/kl"]
-        assert row["sync/bytes"] > 0 and row["sync/verified_params"] >= 19  # every engine parameter, bit-exact
+        assert (
+            row["sync/bytes"] > 0 and row["sync/verified_params"] >= 19
+        )  # every engine parameter, bit-exact
     assert any(row["actor/grad_norm"] > 0 for row in rows)  # the weights moved
     # XLA programs compiled by the trainer rank, counted at the end of each step: all in step 1
     compiles = [row["perf/compiles"] for row in rows]

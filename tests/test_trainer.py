@@ -18,9 +18,15 @@ from rl_tpu.config import load_config, with_overrides
 from rl_tpu.types import TrainBatch
 
 OVERRIDES = [
-    "--trainer.reference=true", "--trainer.critic=true", "--trainer.micro_batch_size=2",
-    "--trainer.ppo_mini_batches=2", "--trainer.lr=1e-3", "--trainer.critic_lr=1e-3",
-    "--trainer.warmup_steps=1", "--trainer.lr_schedule=cosine", "--trainer.total_steps=10",
+    "--trainer.reference=true",
+    "--trainer.critic=true",
+    "--trainer.micro_batch_size=2",
+    "--trainer.ppo_mini_batches=2",
+    "--trainer.lr=1e-3",
+    "--trainer.critic_lr=1e-3",
+    "--trainer.warmup_steps=1",
+    "--trainer.lr_schedule=cosine",
+    "--trainer.total_steps=10",
     "--trainer.logprob_chunk_size=100",  # 6 vocabulary chunks over the tiny model's 512 tokens
 ]
 TOL = 1e-5
@@ -35,8 +41,9 @@ def _batch(seed: int = 0) -> TrainBatch:
     plens, rlens = [3, 5, 2, 7, 4], [4, 1, 6, 3, 5]
     P = [torch.randint(5, 500, (n,), generator=g).tolist() for n in plens]
     R = [torch.randint(5, 500, (n,), generator=g).tolist() for n in rlens]
-    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5, 2.0],
-                                     returns=[1.0, 0.0, 1.0, 0.0, 1.0])
+    return TrainBatch.from_sequences(
+        P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5, 2.0], returns=[1.0, 0.0, 1.0, 0.0, 1.0]
+    )
 
 
 def _hf_model(path: str):
@@ -57,8 +64,8 @@ def _hf_log_probs(hf, batch: TrainBatch, grad: bool = False):
             logp = hf(ids).logits[0].float().log_softmax(-1)
         r = n - p
         tok = ids[0, p:n]
-        lp = logp[p - 1: n - 1].gather(1, tok[:, None]).squeeze(1)
-        ent = -(logp[p - 1: n - 1].exp() * logp[p - 1: n - 1]).sum(-1)
+        lp = logp[p - 1 : n - 1].gather(1, tok[:, None]).squeeze(1)
+        ent = -(logp[p - 1 : n - 1].exp() * logp[p - 1 : n - 1]).sum(-1)
         pad = torch.zeros(T - r)
         lps.append(torch.cat([lp, pad]))
         ents.append(torch.cat([ent, pad]))
@@ -169,8 +176,9 @@ def test_balance_rows_deals_each_rank_about_the_same_tokens():
     for B, n, world in [(64, 8, 2), (48, 4, 4), (30, 5, 3), (21, 4, 2)]:
         group = torch.arange(B) // n
         # long-answer prompts and short-answer prompts: per-group lengths differ, as in real GRPO batches
-        cost = (torch.randint(8, 200, (B // n + 1,), generator=g)[group]
-                + torch.randint(0, 16, (B,), generator=g)).double()
+        cost = (
+            torch.randint(8, 200, (B // n + 1,), generator=g)[group] + torch.randint(0, 16, (B,), generator=g)
+        ).double()
         order = balance_rows(cost, group, world)
         assert sorted(order.tolist()) == list(range(B))
         assert torch.equal(order, balance_rows(cost, group, world))
@@ -179,7 +187,13 @@ def test_balance_rows_deals_each_rank_about_the_same_tokens():
         loads = [float(cost[b].sum()) for b in blocks]
         before = [float(c.sum()) for c in cost.split(per_rank)]
         biggest = max(float(cost[group == k].sum()) for k in group.unique())
-        assert max(loads) - min(loads) <= min(max(before) - min(before), biggest), (B, n, world, loads, before)
+        assert max(loads) - min(loads) <= min(max(before) - min(before), biggest), (
+            B,
+            n,
+            world,
+            loads,
+            before,
+        )
         for b in blocks:  # within a rank: groups contiguous, longest first (micro-batches of like lengths)
             runs = [int(group[i]) for i in b]
             assert runs == sorted(runs, key=lambda k: (-float(cost[group == k].max()), k))
@@ -252,8 +266,14 @@ def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
     # no skip: a group left here by an earlier test is that test's leak (generate_text's in-process engine
     # used to leave one), and hiding it would also hide this test
     assert not dist.is_initialized(), "an earlier test left a torch.distributed process group in this process"
-    cfg = load_config(None, ["--trainer.seq_len_buckets=[8, 32]", "--trainer.micro_batch_size=2",
-                             "--trainer.logprob_chunk_size=200"])
+    cfg = load_config(
+        None,
+        [
+            "--trainer.seq_len_buckets=[8, 32]",
+            "--trainer.micro_batch_size=2",
+            "--trainer.logprob_chunk_size=200",
+        ],
+    )
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
     try:
         b = _batch()  # L = 10 -> bucket 32; 5 rows -> micro-batches of 2, 2, 1 (+1 pad row)
@@ -312,8 +332,10 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
         assert w.tc.share_prompts and w.can_share_prompts
         # micro-batches: rows 0-7 (prompts of 6 and 9 tokens, responses of 3 5 1 4 and 2 5 4 1) and rows 8-11
         # (3 tokens; 5 3 2 4) pack to each prompt once plus every response but its last token
-        packed = [ops.pack_shared_prompts(m.input_ids, m.attention_mask, m.prompt_lens, m.response_len, 3)
-                  for m in (b.select(slice(0, 8)), b.select(slice(8, 12)))]
+        packed = [
+            ops.pack_shared_prompts(m.input_ids, m.attention_mask, m.prompt_lens, m.response_len, 3)
+            for m in (b.select(slice(0, 8)), b.select(slice(8, 12)))
+        ]
         assert [p.input_ids.shape for p in packed] == [(1, 6 + 9 + 17), (1, 3 + 10)]
         ref_lp, ref_ent = _hf_log_probs(_hf_model(tiny_qwen3), b)
         algo = cfg.algorithm
@@ -347,8 +369,15 @@ def test_zero_advantage_groups_are_not_run_and_change_nothing(tiny_qwen3):
     from rl_tpu.trainer.worker import TrainerWorker
 
     assert not dist.is_initialized(), "an earlier test left a torch.distributed process group in this process"
-    cfg = load_config(None, ["--trainer.micro_batch_size=4", "--trainer.logprob_chunk_size=200",
-                             "--trainer.lr=1e-3", "--trainer.weight_decay=0.1"])
+    cfg = load_config(
+        None,
+        [
+            "--trainer.micro_batch_size=4",
+            "--trainer.logprob_chunk_size=200",
+            "--trainer.lr=1e-3",
+            "--trainer.weight_decay=0.1",
+        ],
+    )
     algo = cfg.algorithm
     assert cfg.trainer.skip_zero_advantage and zero_advantage_inert(algo)
     assert not zero_advantage_inert(dataclasses.replace(algo, entropy_coeff=0.01))
@@ -357,7 +386,9 @@ def test_zero_advantage_groups_are_not_run_and_change_nothing(tiny_qwen3):
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
     try:
         b = _group_batch(seed=1)
-        b = b.replace(advantages=b.advantages * (torch.arange(b.num_seqs) // 4 != 1)[:, None])  # prompt 2 alike
+        b = b.replace(
+            advantages=b.advantages * (torch.arange(b.num_seqs) // 4 != 1)[:, None]
+        )  # prompt 2 alike
         got = {}
         for skip in (True, False):
             w.tc = dataclasses.replace(w.tc, skip_zero_advantage=skip)
@@ -367,7 +398,9 @@ def test_zero_advantage_groups_are_not_run_and_change_nothing(tiny_qwen3):
         assert max(v.abs().max().item() for v in g_off.values()) > 1e-4  # a real gradient
         assert m_on["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-6)
         assert m_on["actor/skipped_frac"] == pytest.approx(4 / 12) and "actor/skipped_frac" not in m_off
-        _, m_ent = w.policy_grads(b, dataclasses.replace(algo, entropy_coeff=0.01))  # the bonus has a gradient
+        _, m_ent = w.policy_grads(
+            b, dataclasses.replace(algo, entropy_coeff=0.01)
+        )  # the bonus has a gradient
         assert "actor/skipped_frac" not in m_ent
 
         # a real step, then one where every group scored alike: zero gradient, but AdamW's moments and weight
@@ -398,10 +431,13 @@ def test_pack_shared_prompts_layout():
     padded views and the way back; no packing unless prompts repeat twice on average."""
     from rl_tpu.trainer import ops
 
-    b = TrainBatch.from_sequences([[7, 8, 9, 6, 5], [7, 8, 9, 6, 5], [5, 4, 3, 2]], [[10, 11], [12], [13, 14]],
-                                  pad_id=0)
+    b = TrainBatch.from_sequences(
+        [[7, 8, 9, 6, 5], [7, 8, 9, 6, 5], [5, 4, 3, 2]], [[10, 11], [12], [13, 14]], pad_id=0
+    )
     assert ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0) is None
-    pk = ops.pack_shared_prompts(b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0, min_repeat=1)
+    pk = ops.pack_shared_prompts(
+        b.input_ids, b.attention_mask, b.prompt_lens, b.response_len, 0, min_repeat=1
+    )
     assert pk.input_ids.tolist() == [[7, 8, 9, 6, 5, 10, 5, 4, 3, 2, 13]]
     assert pk.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]
     assert pk.targets.tolist() == [[10, 11], [12, 0], [13, 14]]
@@ -456,7 +492,9 @@ def test_group_starts_again_on_a_new_port_when_its_port_is_taken(ray_session, cf
         taken.close()
 
 
-def test_group_reserves_all_its_ranks_or_none_and_says_what_is_missing(ray_session, cfg, tiny_qwen3, monkeypatch):
+def test_group_reserves_all_its_ranks_or_none_and_says_what_is_missing(
+    ray_session, cfg, tiny_qwen3, monkeypatch
+):
     """Ranks Ray cannot all schedule used to block the scheduled ones in the rendezvous for 600 s; now the
     group reserves one placement group for its ranks first (gang scheduling), failing with the numbers and
     what to change, and frees it in shutdown()."""
@@ -473,8 +511,11 @@ def test_group_reserves_all_its_ranks_or_none_and_says_what_is_missing(ray_sessi
     total = ray.cluster_resources()["CPU"]
     too_many = with_overrides(cfg, [f"--trainer.num_threads={int(total)}"])
     t = time.monotonic()
-    with pytest.raises(PlacementError, match=rf"needs CPU = {2 * int(total)} in all, the cluster has {int(total)}: "
-                                             r"lower trainer.num_threads or raise cluster.num_cpus") as e:
+    with pytest.raises(
+        PlacementError,
+        match=rf"needs CPU = {2 * int(total)} in all, the cluster has {int(total)}: "
+        r"lower trainer.num_threads or raise cluster.num_cpus",
+    ) as e:
         group_mod.TrainerGroup(too_many, tiny_qwen3, world_size=2)
     assert isinstance(e.value, UserError)
     assert time.monotonic() - t < 5
@@ -494,7 +535,9 @@ def test_group_reserves_all_its_ranks_or_none_and_says_what_is_missing(ray_sessi
     ray.get(holder.ping.remote())
     monkeypatch.setattr(group_mod, "RESOURCE_WAIT_S", 1.0)
     try:
-        with pytest.raises(PlacementError, match=r"did not reserve.*within 1 s.*'CPU': 1\.0.*held by live actors"):
+        with pytest.raises(
+            PlacementError, match=r"did not reserve.*within 1 s.*'CPU': 1\.0.*held by live actors"
+        ):
             group_mod.TrainerGroup(cfg, tiny_qwen3, world_size=2)
         assert live_groups() == before  # the pending reservation was withdrawn
     finally:
@@ -530,13 +573,16 @@ def test_reference_and_critic_values(group2, cfg, tiny_qwen3):
     assert _masked_max_diff(ref, group2.compute_log_probs(b), b.response_mask) == 0.0
     # critic = decoder body + Linear(hidden, 1) seeded from trainer.seed (worker._build_critic)
     hf = _hf_model(tiny_qwen3)
-    w = torch.randn(1, hf.config.hidden_size, generator=torch.Generator().manual_seed(cfg.trainer.seed + 1)) * 0.02
+    w = (
+        torch.randn(1, hf.config.hidden_size, generator=torch.Generator().manual_seed(cfg.trainer.seed + 1))
+        * 0.02
+    )
     values = group2.compute_values(b)
     for i in range(b.num_seqs):
         n, p = int(b.attention_mask[i].sum()), int(b.prompt_lens[i])
         with torch.no_grad():
             h = hf.model(b.input_ids[i, :n][None]).last_hidden_state[0]
-        want = (h[p - 1: n - 1] @ w.T).squeeze(-1)
+        want = (h[p - 1 : n - 1] @ w.T).squeeze(-1)
         assert (values[i, : n - p] - want).abs().max().item() <= TOL
 
 
@@ -547,8 +593,15 @@ def test_param_specs_describe_fsdp_shards(group2, tiny_qwen3):
     spec = tm.build_model_spec(tiny_qwen3)
     shapes = {k: tuple(v.shape) for k, v in tm.hf_to_titan(spec, tm.load_hf_state_dict(tiny_qwen3)).items()}
     assert {s.name: s.shape for s in specs} == shapes
-    bad = [s for s in specs if s.mesh_shape != (2,) or s.mesh_dim_names != ("fsdp",) or s.dtype != "float32"
-           or len(s.placements) != 1 or "0" not in s.placements[0]]  # Shard(0) on the fsdp dim
+    bad = [
+        s
+        for s in specs
+        if s.mesh_shape != (2,)
+        or s.mesh_dim_names != ("fsdp",)
+        or s.dtype != "float32"
+        or len(s.placements) != 1
+        or "0" not in s.placements[0]
+    ]  # Shard(0) on the fsdp dim
     assert not bad, bad[:3]
 
 
@@ -569,10 +622,13 @@ def test_on_policy_shortcut_equals_recompute_path(group2, cfg):
     the gradient and the mismatch metric of the separate recompute pass (fp32, within 1e-6)."""
     b = _batch(seed=3)
     g = torch.Generator().manual_seed(3)
-    b = b.replace(rollout_log_probs=(torch.randn(b.response_mask.shape, generator=g) * 0.1 - 2) * b.response_mask)
+    b = b.replace(
+        rollout_log_probs=(torch.randn(b.response_mask.shape, generator=g) * 0.1 - 2) * b.response_mask
+    )
     fast, m_fast = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
-    slow, m_slow = group2.policy_grads(b.replace(old_log_probs=group2.compute_log_probs(b)), cfg.algorithm,
-                                       with_metrics=True)
+    slow, m_slow = group2.policy_grads(
+        b.replace(old_log_probs=group2.compute_log_probs(b)), cfg.algorithm, with_metrics=True
+    )
     assert sorted(fast) == sorted(slow)
     assert max((fast[k] - slow[k]).abs().max().item() for k in fast) <= 1e-6
     assert max(v.abs().max().item() for v in fast.values()) > 1e-4  # a real gradient, not zeros
@@ -591,7 +647,9 @@ def test_policy_gradient_equals_independent_reference(group2, cfg, tiny_qwen3):
     m = b.response_mask
     hf = _hf_model(tiny_qwen3)
     lp0, _ = _hf_log_probs(hf, b)
-    shift = torch.tensor([0.3, -0.3, 0.0, -1.5, 0.05])[:, None].expand_as(lp0)  # ratio e^-0.3, e^0.3, 1, e^1.5
+    shift = torch.tensor([0.3, -0.3, 0.0, -1.5, 0.05])[:, None].expand_as(
+        lp0
+    )  # ratio e^-0.3, e^0.3, 1, e^1.5
     old = (lp0 + shift) * m
     b = b.replace(old_log_probs=old)
 
@@ -670,23 +728,33 @@ def test_matmul_kernels_agree_in_the_trainer(ray_session, group1, cfg, tiny_qwen
 
     (info,) = group1.info
     assert info["matmul"] in ("aten", "onednn") or "/" in info["matmul"]
-    pinned = {k: TrainerGroup(load_config(None, OVERRIDES + [f"--trainer.cpu_matmul={k}"]), tiny_qwen3, world_size=1)
-              for k in ("aten", "onednn")}
+    pinned = {
+        k: TrainerGroup(
+            load_config(None, OVERRIDES + [f"--trainer.cpu_matmul={k}"]), tiny_qwen3, world_size=1
+        )
+        for k in ("aten", "onednn")
+    }
     try:
-        assert {k: [i["matmul"] for i in g.info] for k, g in pinned.items()} == {"aten": ["aten"], "onednn": ["onednn"]}
+        assert {k: [i["matmul"] for i in g.info] for k, g in pinned.items()} == {
+            "aten": ["aten"],
+            "onednn": ["onednn"],
+        }
         group1.restart_from(tiny_qwen3)
         b = _batch(seed=6)
         lp = {"auto": group1.compute_log_probs(b)} | {k: g.compute_log_probs(b) for k, g in pinned.items()}
         assert _masked_max_diff(lp["auto"], lp["onednn"], b.response_mask) <= 1e-6
         assert _masked_max_diff(lp["aten"], lp["onednn"], b.response_mask) <= 1e-6
         b = b.replace(old_log_probs=lp["onednn"] - 0.1 * b.response_mask)
-        grads = {"auto": group1.policy_grads(b, cfg.algorithm)} | {k: g.policy_grads(b, cfg.algorithm)
-                                                                     for k, g in pinned.items()}
+        grads = {"auto": group1.policy_grads(b, cfg.algorithm)} | {
+            k: g.policy_grads(b, cfg.algorithm) for k, g in pinned.items()
+        }
         want = grads["onednn"]
         for got in (grads["auto"], grads["aten"]):
             assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
         assert max(v.abs().max().item() for v in want.values()) > 1e-4
-        assert any(not torch.equal(grads["aten"][k], want[k]) for k in want)  # two kernel sets, not one path twice
+        assert any(
+            not torch.equal(grads["aten"][k], want[k]) for k in want
+        )  # two kernel sets, not one path twice
     finally:
         for g in pinned.values():
             g.shutdown()
@@ -698,13 +766,29 @@ def test_auto_matmuls_cover_every_linear_and_agree_over_ranks(group2, tiny_qwen3
     import json
 
     hf = json.loads((Path(tiny_qwen3) / "config.json").read_text())
-    d, heads, kv, head_dim = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
-    want = {(d, heads * head_dim), (heads * head_dim, d), (d, kv * head_dim), (d, hf["intermediate_size"]),
-            (hf["intermediate_size"], d), (d, hf["vocab_size"]), (d, 100), (d, 1)}
+    d, heads, kv, head_dim = (
+        hf["hidden_size"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+        hf["head_dim"],
+    )
+    want = {
+        (d, heads * head_dim),
+        (heads * head_dim, d),
+        (d, kv * head_dim),
+        (d, hf["intermediate_size"]),
+        (hf["intermediate_size"], d),
+        (d, hf["vocab_size"]),
+        (d, 100),
+        (d, 1),
+    }
     tables = [i["matmul_table"] for i in group2.info]
     assert tables[0] == tables[1]
     assert set(tables[0]) == {f"{k},{n}" for k, n in want}
-    assert all(set(t) == {"fwd", "dgrad", "wgrad"} and set(t.values()) <= {"aten", "onednn"} for t in tables[0].values())
+    assert all(
+        set(t) == {"fwd", "dgrad", "wgrad"} and set(t.values()) <= {"aten", "onednn"}
+        for t in tables[0].values()
+    )
 
 
 def _grads_switched(group, model_path: str, cfg, batch: TrainBatch, switch: str):
@@ -726,8 +810,10 @@ def test_zero_advantage_rows_skipped_on_two_ranks(group2, cfg, tiny_qwen3):
     b = _batch(seed=2)
     group2.restart_from(tiny_qwen3, cfg.trainer)  # old log-probs from these weights, whatever ran before
     # a ratio of exp(0.1), inside the clip range, so the one sequence with an advantage has a gradient
-    b = b.replace(advantages=b.advantages * torch.tensor([0.0, 0, 0, 0, 1])[:, None],
-                  old_log_probs=group2.compute_log_probs(b) - 0.1 * b.response_mask)
+    b = b.replace(
+        advantages=b.advantages * torch.tensor([0.0, 0, 0, 0, 1])[:, None],
+        old_log_probs=group2.compute_log_probs(b) - 0.1 * b.response_mask,
+    )
     (g_on, m_on), (g_off, m_off) = _grads_switched(group2, tiny_qwen3, cfg, b, "skip_zero_advantage")
     assert max((g_on[k] - g_off[k]).abs().max().item() for k in g_off) <= 1e-6
     assert max(v.abs().max().item() for v in g_off.values()) > 1e-4
@@ -760,8 +846,11 @@ def test_old_log_probs_only_for_the_rows_the_update_runs(group2, cfg, tiny_qwen3
 
     b = _group_batch(seed=4)
     alike = (torch.arange(b.num_seqs) >= 4)[:, None]  # prompts 2 and 3 scored alike
-    b = b.replace(advantages=b.advantages.masked_fill(alike, 0.0),
-                  rollout_log_probs=-1.0 - 0.1 * torch.rand(b.advantages.shape, generator=torch.Generator().manual_seed(5)))
+    b = b.replace(
+        advantages=b.advantages.masked_fill(alike, 0.0),
+        rollout_log_probs=-1.0
+        - 0.1 * torch.rand(b.advantages.shape, generator=torch.Generator().manual_seed(5)),
+    )
     rows = update_rows(b.advantages, b.response_mask, mini_batches=2, world_size=2)
     # mini-batch 1 (rows 0-5): the four with an advantage; mini-batch 2 (rows 6-11) has none: its first two
     assert rows.tolist() == [0, 1, 2, 3, 6, 7]

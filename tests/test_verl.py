@@ -78,7 +78,9 @@ def test_pause_generation_keyword_maps_to_vllm_mode():
     from rl_tpu.integrations.verl.patches import pause_mode_kwargs
 
     assert pause_mode_kwargs({"wait_for_inflight_requests": False, "clear_cache": True}) == {
-        "mode": "abort", "clear_cache": True}
+        "mode": "abort",
+        "clear_cache": True,
+    }
     assert pause_mode_kwargs({"wait_for_inflight_requests": True}) == {"mode": "wait"}
     assert pause_mode_kwargs({"mode": "keep", "wait_for_inflight_requests": True}) == {"mode": "keep"}
     assert pause_mode_kwargs({"clear_cache": False}) == {"clear_cache": False}
@@ -111,15 +113,23 @@ def _verl_batch(P, R, adv, old, pad_id: int):
     pmask, rmask = torch.zeros(B, Pm, dtype=torch.long), torch.zeros(B, Rm, dtype=torch.long)
     advantages, old_log_probs = torch.zeros(B, Rm), torch.zeros(B, Rm)
     for i in range(B):
-        prompts[i, Pm - len(P[i]):], pmask[i, Pm - len(P[i]):] = torch.tensor(P[i]), 1
-        responses[i, :len(R[i])], rmask[i, :len(R[i])] = torch.tensor(R[i]), 1
-        advantages[i, :len(R[i])], old_log_probs[i, :len(R[i])] = torch.tensor(adv[i]), torch.tensor(old[i])
+        prompts[i, Pm - len(P[i]) :], pmask[i, Pm - len(P[i]) :] = torch.tensor(P[i]), 1
+        responses[i, : len(R[i])], rmask[i, : len(R[i])] = torch.tensor(R[i]), 1
+        advantages[i, : len(R[i])], old_log_probs[i, : len(R[i])] = torch.tensor(adv[i]), torch.tensor(old[i])
     attn = torch.cat([pmask, rmask], 1)
-    return TensorDict({
-        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": attn, "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
-        "response_mask": rmask.float(), "advantages": advantages, "old_log_probs": old_log_probs,
-    }, batch_size=[B])
+    return TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
+            "response_mask": rmask.float(),
+            "advantages": advantages,
+            "old_log_probs": old_log_probs,
+        },
+        batch_size=[B],
+    )
 
 
 class _VerlRank:
@@ -130,8 +140,14 @@ class _VerlRank:
     def __init__(self, rank: int, world: int, port: int, model_path: str):
         import os
 
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         from functools import partial
 
         import verl  # noqa: F401  (loads our plugin through the entry point, as in any verl worker)
@@ -142,14 +158,29 @@ class _VerlRank:
         from verl.workers.utils.losses import ppo_loss
 
         model = HFModelConfig(path=model_path, load_tokenizer=False)
-        engine = EngineConfig(strategy="rl_tpu", dtype="float32", use_dynamic_bsz=False, micro_batch_size_per_gpu=1,
-                              infer_micro_batch_size_per_gpu=1)
+        engine = EngineConfig(
+            strategy="rl_tpu",
+            dtype="float32",
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=1,
+            infer_micro_batch_size_per_gpu=1,
+        )
         optim = FSDPOptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, total_training_steps=10)
-        self.actor_config = ActorConfig(strategy="rl_tpu", rollout_n=1, ppo_mini_batch_size=4, loss_agg_mode="token-mean",
-                                        clip_ratio_low=0.2, clip_ratio_high=0.2, use_dynamic_bsz=False,
-                                        ppo_micro_batch_size_per_gpu=1)
-        self.worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
-                                                          engine_config=engine, optimizer_config=optim))
+        self.actor_config = ActorConfig(
+            strategy="rl_tpu",
+            rollout_n=1,
+            ppo_mini_batch_size=4,
+            loss_agg_mode="token-mean",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            use_dynamic_bsz=False,
+            ppo_micro_batch_size_per_gpu=1,
+        )
+        self.worker = TrainingWorker(
+            TrainingWorkerConfig(
+                model_type="language_model", model_config=model, engine_config=engine, optimizer_config=optim
+            )
+        )
         self.worker.reset()
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
 
@@ -177,8 +208,10 @@ class _VerlRank:
         with engine.train_mode():
             engine.optimizer_zero_grad()
             engine.forward_backward_batch(td, self.worker.loss_fn, forward_only=False)
-            out = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                   for n, p in engine.module.named_parameters()}
+            out = {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in engine.module.named_parameters()
+            }
         return out
 
     # verl's actor side of a checkpoint-engine sync (engine_workers.py), on this rank
@@ -190,8 +223,9 @@ class _VerlRank:
 
         from rl_tpu.integrations.verl.checkpoint import attach_to_actor
 
-        self.checkpoint_engine = CheckpointEngineRegistry.new("rl_tpu", is_master=(dist.get_rank() == 0),
-                                                              bucket_size=bucket_mb << 20)
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            "rl_tpu", is_master=(dist.get_rank() == 0), bucket_size=bucket_mb << 20
+        )
         self.actor = self.worker  # the attribute ActorRolloutRefWorker keeps its TrainingWorker in
         attach_to_actor(self)
         return type(self.checkpoint_engine).__module__
@@ -206,7 +240,9 @@ class _VerlRank:
         import inspect
 
         per_tensor_param, _ = self.worker.engine.get_per_tensor_param()
-        metrics = asyncio.run(self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps))
+        metrics = asyncio.run(
+            self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
+        )
         self.generator_state = inspect.getgeneratorstate(per_tensor_param)
         return metrics or {}
 
@@ -243,9 +279,18 @@ def _rank_chunks(td, world: int):
     B = td.batch_size[0]
     chunks = []
     for r in range(world):
-        part = left_right_2_no_padding(td[r * B // world:(r + 1) * B // world].clone())
-        tu.assign_non_tensor(part, temperature=1.0, calculate_entropy=False, global_batch_size=B, mini_batch_size=B,
-                             epochs=1, seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        part = left_right_2_no_padding(td[r * B // world : (r + 1) * B // world].clone())
+        tu.assign_non_tensor(
+            part,
+            temperature=1.0,
+            calculate_entropy=False,
+            global_batch_size=B,
+            mini_batch_size=B,
+            epochs=1,
+            seed=42,
+            dataloader_kwargs={"shuffle": False},
+            compute_loss=True,
+        )
         chunks.append(part)
     return chunks
 
@@ -287,15 +332,27 @@ def test_verl_training_worker_drives_our_engine_like_our_trainer(verl_ranks, ray
     from rl_tpu.trainer import TrainerGroup
     from rl_tpu.types import TrainBatch
 
-    assert ray.get([a.engine_class.remote() for a in verl_ranks]) == ["rl_tpu.integrations.verl.engine.RlTpuEngine"] * 2
+    assert (
+        ray.get([a.engine_class.remote() for a in verl_ranks])
+        == ["rl_tpu.integrations.verl.engine.RlTpuEngine"] * 2
+    )
     pad_id = 3
     P, R, adv, old = _sequences()
     td = _verl_batch(P, R, adv, old, pad_id)
 
     # forward only (compute_log_prob): our trainer's log-probs of the response tokens
     infer = ray.get([a.infer.remote(c) for a, c in zip(verl_ranks, _rank_chunks(td, 2))])
-    cfg = load_config(None, [f"--trainer.lr={LR}", "--trainer.weight_decay=0.0", "--trainer.grad_clip=1.0",
-                             "--trainer.total_steps=10", "--trainer.micro_batch_size=1", "--model.dtype=float32"])
+    cfg = load_config(
+        None,
+        [
+            f"--trainer.lr={LR}",
+            "--trainer.weight_decay=0.0",
+            "--trainer.grad_clip=1.0",
+            "--trainer.total_steps=10",
+            "--trainer.micro_batch_size=1",
+            "--model.dtype=float32",
+        ],
+    )
     ours = TrainerGroup(cfg, tiny_qwen3, world_size=2)
     try:
         batch = TrainBatch.from_sequences(P, R, pad_id=pad_id, advantages=adv, old_log_probs=old)
@@ -306,21 +363,24 @@ def test_verl_training_worker_drives_our_engine_like_our_trainer(verl_ranks, ray
         for values, offsets in infer:
             for k in range(len(offsets) - 1):
                 n_p, n_r = len(P[row]), len(R[row])
-                seq = values[offsets[k]:offsets[k + 1]]
+                seq = values[offsets[k] : offsets[k + 1]]
                 assert len(seq) == n_p + n_r
-                got = seq[n_p - 1:n_p + n_r - 1]  # position t scores token t+1
+                got = seq[n_p - 1 : n_p + n_r - 1]  # position t scores token t+1
                 torch.testing.assert_close(got, our_lp[row, :n_r], atol=TOL, rtol=0)
                 row += 1
         assert row == 4
 
-        algo = AlgorithmConfig(policy_loss="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2,
-                               clip_ratio_high=0.2)
+        algo = AlgorithmConfig(
+            policy_loss="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2
+        )
         # forward_backward_batch: the same gradients as our trainer's (exact up to fp32 summation order)
         verl_grads = ray.get([a.grads.remote(c) for a, c in zip(verl_ranks, _rank_chunks(td, 2))])[0]
         our_grads = ours.policy_grads(batch, algo)
         assert sorted(verl_grads) == sorted(our_grads)
         for name, g in our_grads.items():
-            torch.testing.assert_close(verl_grads[name], g, atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                verl_grads[name], g, atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
         assert max(g.abs().max().item() for g in our_grads.values()) > 1e-2  # a real gradient, not zeros
 
         # the PPO update as verl's actor runs it: train_mini_batch -> train_batch -> optimizer step
@@ -329,9 +389,16 @@ def test_verl_training_worker_drives_our_engine_like_our_trainer(verl_ranks, ray
         verl_loss = [m["loss"][0] for m in metrics]
         assert verl_loss[0] == verl_loss[1]  # all-reduced over the dp group
         assert abs(verl_loss[0] - our_metrics["loss/policy"]) <= TOL, (verl_loss, our_metrics)
-        assert abs(metrics[0]["grad_norm"][0] - our_metrics["actor/grad_norm"]) <= TOL, (metrics[0], our_metrics)
-        assert metrics[0]["actor/pg_clipfrac"][0] > 0  # the clip binds on some tokens: the comparison covers it
-        verl_params, other = ray.get([a.hf_params.remote() for a in verl_ranks])  # collective: every rank gathers
+        assert abs(metrics[0]["grad_norm"][0] - our_metrics["actor/grad_norm"]) <= TOL, (
+            metrics[0],
+            our_metrics,
+        )
+        assert (
+            metrics[0]["actor/pg_clipfrac"][0] > 0
+        )  # the clip binds on some tokens: the comparison covers it
+        verl_params, other = ray.get(
+            [a.hf_params.remote() for a in verl_ranks]
+        )  # collective: every rank gathers
         assert sorted(other) == sorted(verl_params)
         our_params = ours.hf_state_dict()
         assert sorted(verl_params) == sorted(our_params)
@@ -355,8 +422,16 @@ def test_engine_config_mapping_and_clear_errors():
 
     from rl_tpu.integrations.verl.engine import trainer_config
 
-    opt = FSDPOptimizerConfig(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), clip_grad=0.5, total_training_steps=40,
-                              lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    opt = FSDPOptimizerConfig(
+        lr=3e-4,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        clip_grad=0.5,
+        total_training_steps=40,
+        lr_warmup_steps_ratio=0.1,
+        lr_scheduler_type="cosine",
+        min_lr_ratio=0.1,
+    )
     cfg = trainer_config(EngineConfig(strategy="rl_tpu", dtype="bfloat16", seed=7), opt, "cpu", 2)
     t = cfg.trainer
     assert (t.lr, t.weight_decay, t.betas, t.grad_clip) == (3e-4, 0.1, [0.9, 0.95], 0.5)
@@ -365,11 +440,15 @@ def test_engine_config_mapping_and_clear_errors():
     with pytest.raises(NotImplementedError, match="dtype 'float16'"):
         trainer_config(EngineConfig(strategy="rl_tpu", dtype="float16"), opt, "cpu", 2)
     with pytest.raises(NotImplementedError, match="optimizer 'SGD'"):
-        trainer_config(EngineConfig(strategy="rl_tpu"), FSDPOptimizerConfig(lr=1e-3, optimizer="SGD"), "cpu", 2)
+        trainer_config(
+            EngineConfig(strategy="rl_tpu"), FSDPOptimizerConfig(lr=1e-3, optimizer="SGD"), "cpu", 2
+        )
     from verl.workers.config.optimizer import TorchtitanOptimizerConfig
 
     with pytest.raises(NotImplementedError, match="optim eps 1e-06"):
-        trainer_config(EngineConfig(strategy="rl_tpu"), TorchtitanOptimizerConfig(lr=1e-3, eps=1e-6), "cpu", 2)
+        trainer_config(
+            EngineConfig(strategy="rl_tpu"), TorchtitanOptimizerConfig(lr=1e-3, eps=1e-6), "cpu", 2
+        )
 
 
 # ------------------------------------------------------------------------------- checkpoint backend
@@ -387,21 +466,34 @@ class _VllmServer:
 
         import ray
 
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                          VERL_REPLICA_RANK="0", VERL_RAY_JOB_ID=ray.get_runtime_context().get_job_id())
+        os.environ.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VERL_REPLICA_RANK="0",
+            VERL_RAY_JOB_ID=ray.get_runtime_context().get_job_id(),
+        )
         import verl  # noqa: F401
         from vllm import LLM
 
         from rl_tpu.integrations.verl.checkpoint import WORKER_EXTENSION
 
-        self.llm = LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=128, block_size=32,
-                       worker_extension_cls=WORKER_EXTENSION, seed=0)
+        self.llm = LLM(
+            model=model_path,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=128,
+            block_size=32,
+            worker_extension_cls=WORKER_EXTENSION,
+            seed=0,
+        )
         self.global_steps = None
 
     async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
         import asyncio
 
-        await asyncio.to_thread(self.llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs or {})
+        await asyncio.to_thread(
+            self.llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs or {}
+        )
 
     async def clear_kv_cache(self):
         self.llm.reset_prefix_cache()
@@ -431,9 +523,16 @@ class _VllmServer:
         from vllm import SamplingParams
 
         prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 101], [7, 7, 250, 3, 9, 12])]
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, logprobs=0), use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                for o in outs]
+        outs = self.llm.generate(
+            prompts, SamplingParams(max_tokens=6, temperature=0.0, logprobs=0), use_tqdm=False
+        )
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            )
+            for o in outs
+        ]
 
 
 class _Replica:
@@ -464,14 +563,18 @@ class _ActorGroup:
         self.ranks, self.world_size = ranks, len(ranks)
 
     def execute_checkpoint_engine(self, method: list, **kwargs):
-        return [a.execute_checkpoint_engine.remote(m, **{k: v[i] for k, v in kwargs.items()})
-                for i, (a, m) in enumerate(zip(self.ranks, method))]
+        return [
+            a.execute_checkpoint_engine.remote(m, **{k: v[i] for k, v in kwargs.items()})
+            for i, (a, m) in enumerate(zip(self.ranks, method))
+        ]
 
     def update_weights(self, global_steps=None, mode: str = "auto"):
         return [a.update_weights.remote(global_steps=global_steps, mode=mode) for a in self.ranks]
 
 
-def test_rl_tpu_checkpoint_backend_syncs_shards_into_vllm_through_verls_interface(verl_ranks, ray_session, tiny_qwen3):
+def test_rl_tpu_checkpoint_backend_syncs_shards_into_vllm_through_verls_interface(
+    verl_ranks, ray_session, tiny_qwen3
+):
     """verl's CheckpointEngineManager drives backend `rl_tpu`: 2 trainer ranks (verl's TrainingWorker on our
     engine, gloo, fp32) send their own shards by plan; verl's CheckpointEngineWorker + ServerAdapter feed a
     vLLM-CPU engine through our worker extension. The engine's weights then equal those vLLM's own loaders
@@ -482,40 +585,78 @@ def test_rl_tpu_checkpoint_backend_syncs_shards_into_vllm_through_verls_interfac
 
     from rl_tpu.trainer.group import _free_port
 
-    assert ray.get([a.init_checkpoint_engine.remote(1) for a in verl_ranks]) == \
-        ["rl_tpu.integrations.verl.checkpoint"] * 2
+    assert (
+        ray.get([a.init_checkpoint_engine.remote(1) for a in verl_ranks])
+        == ["rl_tpu.integrations.verl.checkpoint"] * 2
+    )
     server = ray.remote(num_cpus=0)(_VllmServer).options(name="vllm_server_0_0").remote(tiny_qwen3)
-    ce_cfg = CheckpointEngineConfig(backend="rl_tpu", update_weights_bucket_megabytes=1,
-                                    engine_kwargs={"rl_tpu": {"verify": True}})
-    rollout_cfg = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, checkpoint_engine=ce_cfg,
-                                load_format="auto")
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    ce_worker = ray.remote(num_cpus=0)(CheckpointEngineWorker).options(runtime_env={"env_vars": env}).remote(
-        rollout_config=rollout_cfg, model_config=HFModelConfig(path=tiny_qwen3, load_tokenizer=False), replica_rank=0)
+    ce_cfg = CheckpointEngineConfig(
+        backend="rl_tpu", update_weights_bucket_megabytes=1, engine_kwargs={"rl_tpu": {"verify": True}}
+    )
+    rollout_cfg = RolloutConfig(
+        name="vllm", mode="async", tensor_model_parallel_size=1, checkpoint_engine=ce_cfg, load_format="auto"
+    )
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "RAY_LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    ce_worker = (
+        ray.remote(num_cpus=0)(CheckpointEngineWorker)
+        .options(runtime_env={"env_vars": env})
+        .remote(
+            rollout_config=rollout_cfg,
+            model_config=HFModelConfig(path=tiny_qwen3, load_tokenizer=False),
+            replica_rank=0,
+        )
+    )
     try:
         before, before_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
         # one PPO update so the trainer's weights differ from the checkpoint the engine started from
         P, R, adv, old = _sequences(1)
-        ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))])
-        manager = CheckpointEngineManager(config=ce_cfg, actor_wg=_ActorGroup(verl_ranks), replicas=[_Replica([ce_worker])])
+        ray.get(
+            [
+                a.update_actor.remote(c)
+                for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))
+            ]
+        )
+        manager = CheckpointEngineManager(
+            config=ce_cfg, actor_wg=_ActorGroup(verl_ranks), replicas=[_Replica([ce_worker])]
+        )
         for step in (1, 2):
             if step == 2:  # a second update: the plan built at step 1 is reused (no new setup)
-                ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))])
+                ray.get(
+                    [
+                        a.update_actor.remote(c)
+                        for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, old, 3), 2))
+                    ]
+                )
             metrics = manager.update_weights(global_steps=step)
             assert metrics["rl_tpu/send_bytes"] > 0
-            assert ray.get([a.last_generator_state.remote() for a in verl_ranks]) == ["GEN_CREATED"] * 2  # no gather
+            assert (
+                ray.get([a.last_generator_state.remote() for a in verl_ranks]) == ["GEN_CREATED"] * 2
+            )  # no gather
             assert ray.get(server.steps.remote()) == step
             synced, synced_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
             hf = ray.get([a.hf_params.remote() for a in verl_ranks])[0]  # the test's reference: full tensors
             diffs = ray.get(server.verify.remote(hf))  # loaded layout of every engine param vs vLLM's loaders
             assert all(d == 0.0 for d in diffs.values()), diffs
-            assert {n for n in synced if n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "down_proj.weight"))} \
-                <= set(diffs)  # the fused and row-sharded linears are among the verified
+            assert {
+                n
+                for n in synced
+                if n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "down_proj.weight"))
+            } <= set(diffs)  # the fused and row-sharded linears are among the verified
             ray.get(server.reload_reference.remote(hf))
             reference, reference_out = ray.get(server.named_weights.remote()), ray.get(server.greedy.remote())
             assert sorted(synced) == sorted(reference) and len(synced) > 0
-            for name, t in reference.items():  # the stored parameters (CPU linears keep theirs in a packed handle)
+            for (
+                name,
+                t,
+            ) in reference.items():  # the stored parameters (CPU linears keep theirs in a packed handle)
                 assert synced[name].dtype == torch.float32
                 assert torch.equal(synced[name], t), name
             assert synced_out == reference_out  # processed kernels: same greedy tokens and log-probs, exactly
@@ -544,7 +685,12 @@ def test_separate_async_pi_old_save_and_restore_over_our_engine(verl_ranks, ray_
     old = shards()
     call("save_model_to_cpu", 0)
     P, R, adv, olp = _sequences(2)
-    ray.get([a.update_actor.remote(c) for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, olp, 3), 2))])
+    ray.get(
+        [
+            a.update_actor.remote(c)
+            for a, c in zip(verl_ranks, _rank_chunks(_verl_batch(P, R, adv, olp, 3), 2))
+        ]
+    )
     new = shards()
     assert all(any(not torch.equal(o[k], n[k]) for k in o) for o, n in zip(old, new))  # the update moved them
     call("save_model_to_cpu", 1)  # trainer_separate_async.py:206-210, in its order

@@ -30,8 +30,16 @@ TOL = 1e-5
 
 
 def _cfg(*overrides: str):
-    return load_config(None, ["--trainer.lr=1e-3", "--trainer.micro_batch_size=4", "--rollout.max_model_len=256",
-                              "--rollout.kv_cache_gb=1", *overrides])
+    return load_config(
+        None,
+        [
+            "--trainer.lr=1e-3",
+            "--trainer.micro_batch_size=4",
+            "--rollout.max_model_len=256",
+            "--rollout.kv_cache_gb=1",
+            *overrides,
+        ],
+    )
 
 
 def _batch(seed: int = 0) -> TrainBatch:
@@ -57,8 +65,13 @@ def ray_session():
 
     from rl_tpu.cluster import init_ray
 
-    started = init_ray(attempts=3, retry_if="timed out during startup", num_cpus=4, include_dashboard=False,
-                       log_to_driver=False)
+    started = init_ray(
+        attempts=3,
+        retry_if="timed out during startup",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     yield
     if started:
         ray.shutdown()
@@ -89,8 +102,15 @@ def rollout1(ray_session, tiny_qwen3):
 def _weight_sync(trainer, rollout, model_path, transport="shm", bucket_mb=0.25):
     from rl_tpu.weight_sync import WeightSync
 
-    return WeightSync(trainer.param_specs(), _to_hf(model_path), trainer.actors, rollout,
-                      transport=transport, bucket_mb=bucket_mb, engine_model_dir=model_path)
+    return WeightSync(
+        trainer.param_specs(),
+        _to_hf(model_path),
+        trainer.actors,
+        rollout,
+        transport=transport,
+        bucket_mb=bucket_mb,
+        engine_model_dir=model_path,
+    )
 
 
 def _greedy(rollout, prompts, max_tokens=12):
@@ -123,7 +143,9 @@ def test_fsdp2_to_one_engine_bit_exact_logprob_parity_and_hf_greedy(trained, rol
     # log-prob parity on sampled completions
     groups = rollout1.generate(PROMPTS, n=2, temperature=1.0, max_tokens=8)
     comps = [c for g in groups for c in g]
-    batch = TrainBatch.from_sequences([c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3)
+    batch = TrainBatch.from_sequences(
+        [c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3
+    )
     lp = trained.compute_log_probs(batch)
     for i, c in enumerate(comps):
         got = lp[i, : len(c.response_ids)]
@@ -136,8 +158,14 @@ def test_fsdp2_to_one_engine_bit_exact_logprob_parity_and_hf_greedy(trained, rol
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ws.close()
     for p, got in zip(PROMPTS, after):
-        ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                             pad_token_id=3, eos_token_id=None)[0, len(p):].tolist()
+        ids = model.generate(
+            torch.tensor([p]),
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            pad_token_id=3,
+            eos_token_id=None,
+        )[0, len(p) :].tolist()
         assert ids[: len(got)] == got
 
 
@@ -149,9 +177,18 @@ def test_second_sync_reuses_plan_and_moves_new_weights(trained, rollout1, tiny_q
     maps = trained.name_maps()
     ref = NameMaps.from_adapter(trained.param_specs(), _to_hf(tiny_qwen3))
     assert maps.shapes == ref.shapes and sorted(maps.rows) == sorted(ref.rows) and len(ref.rows) > 0
-    assert all(maps.rows[n][0] == ref.rows[n][0] and (maps.rows[n][1] == ref.rows[n][1]).all() for n in ref.rows)
-    ws = WeightSync(trained.param_specs(), maps, trained.actors, rollout1, transport="ray", bucket_mb=1.0,
-                    engine_model_dir=tiny_qwen3)
+    assert all(
+        maps.rows[n][0] == ref.rows[n][0] and (maps.rows[n][1] == ref.rows[n][1]).all() for n in ref.rows
+    )
+    ws = WeightSync(
+        trained.param_specs(),
+        maps,
+        trained.actors,
+        rollout1,
+        transport="ray",
+        bucket_mb=1.0,
+        engine_model_dir=tiny_qwen3,
+    )
     ws.sync(2)
     old = trained.hf_state_dict()
     b = _batch(seed=1)
@@ -180,11 +217,16 @@ def test_collective_transport_bit_exact_over_its_own_gloo_group(trained, rollout
         ws.close()
     # the trainer's own FSDP group still works after the sync group is gone
     b = _batch(seed=2)
-    assert math.isfinite(trained.train_step(b.replace(old_log_probs=trained.compute_log_probs(b)),
-                                            _cfg().algorithm)["loss/policy"])
+    assert math.isfinite(
+        trained.train_step(b.replace(old_log_probs=trained.compute_log_probs(b)), _cfg().algorithm)[
+            "loss/policy"
+        ]
+    )
 
 
-def test_mismatched_trainer_raises_listing_error_and_installs_nothing(trained, rollout1, tiny_qwen3, engine_snapshot):
+def test_mismatched_trainer_raises_listing_error_and_installs_nothing(
+    trained, rollout1, tiny_qwen3, engine_snapshot
+):
     from rl_tpu.weight_sync import PlanError, WeightSync
     from rl_tpu.weight_sync.specs import ParamSpec
 
@@ -195,8 +237,14 @@ def test_mismatched_trainer_raises_listing_error_and_installs_nothing(trained, r
         if s.name.endswith("layers.1.feed_forward.w2.weight"):
             continue  # missing
         if s.name.endswith("layers.0.attention.wo.weight"):
-            s = ParamSpec(name=s.name, shape=(s.shape[0], s.shape[1] + 1), dtype=s.dtype, mesh_shape=s.mesh_shape,
-                          mesh_dim_names=s.mesh_dim_names, placements=s.placements)
+            s = ParamSpec(
+                name=s.name,
+                shape=(s.shape[0], s.shape[1] + 1),
+                dtype=s.dtype,
+                mesh_shape=s.mesh_shape,
+                mesh_dim_names=s.mesh_dim_names,
+                placements=s.placements,
+            )
         bad.append(s)
     ws = WeightSync(bad, _to_hf(tiny_qwen3), trained.actors, rollout1.workers, engine_model_dir=tiny_qwen3)
     with pytest.raises(PlanError) as e:
@@ -212,10 +260,14 @@ def _parity(trained, rollout, prompts=PROMPTS) -> float:
     """Max |trainer - engine| log-prob over sampled completions (on whatever the engine now serves)."""
     groups = rollout.generate(prompts, n=2, temperature=1.0, max_tokens=8)
     comps = [c for g in groups for c in g]
-    batch = TrainBatch.from_sequences([c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3)
+    batch = TrainBatch.from_sequences(
+        [c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3
+    )
     lp = trained.compute_log_probs(batch)
-    return max((lp[i, : len(c.response_ids)] - torch.tensor(c.logprobs)).abs().max().item()
-               for i, c in enumerate(comps))
+    return max(
+        (lp[i, : len(c.response_ids)] - torch.tensor(c.logprobs)).abs().max().item()
+        for i, c in enumerate(comps)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +286,10 @@ def padded_qwen3(tmp_path_factory, tiny_qwen3) -> str:
     cfg["vocab_size"] = 500
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     sd = load_file(str(Path(tiny_qwen3) / "model.safetensors"))
-    sd = {n: (t[:500].contiguous() if n in ("model.embed_tokens.weight", "lm_head.weight") else t) for n, t in sd.items()}
+    sd = {
+        n: (t[:500].contiguous() if n in ("model.embed_tokens.weight", "lm_head.weight") else t)
+        for n, t in sd.items()
+    }
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
 
@@ -264,13 +319,29 @@ def _shard_senders(titan: dict, world: int = 2):
 
     def rows(t, r):
         n = math.ceil(t.shape[0] / world)
-        return t[r * n:(r + 1) * n].contiguous()
+        return t[r * n : (r + 1) * n].contiguous()
 
-    specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype="float32", mesh_shape=(world,), mesh_dim_names=("fsdp",),
-                       placements=("S(0)",)) for n, t in titan.items()]
-    actors = [ray.remote(num_cpus=0)(Shards).remote({n: rows(t, r) for n, t in titan.items()}) for r in range(world)]
-    return specs, actors, lambda new: ray.get([a.set.remote({n: rows(t, r) for n, t in new.items()})
-                                               for r, a in enumerate(actors)])
+    specs = [
+        ParamSpec(
+            name=n,
+            shape=tuple(t.shape),
+            dtype="float32",
+            mesh_shape=(world,),
+            mesh_dim_names=("fsdp",),
+            placements=("S(0)",),
+        )
+        for n, t in titan.items()
+    ]
+    actors = [
+        ray.remote(num_cpus=0)(Shards).remote({n: rows(t, r) for n, t in titan.items()}) for r in range(world)
+    ]
+    return (
+        specs,
+        actors,
+        lambda new: ray.get(
+            [a.set.remote({n: rows(t, r) for n, t in new.items()}) for r, a in enumerate(actors)]
+        ),
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -286,13 +357,16 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
     to_hf = titan_to_hf_for(padded_qwen3)
     hf0 = load_file(os.path.join(padded_qwen3, "model.safetensors"))
     adapter = to_hf.__self__
-    adapter._validate_hf_rope_config = lambda *a, **k: None  # rope config is irrelevant to names (as bench/sync.py)
+    adapter._validate_hf_rope_config = lambda *a, **k: (
+        None
+    )  # rope config is irrelevant to names (as bench/sync.py)
     titan0 = adapter.from_hf(dict(hf0))
     specs, senders, set_weights = _shard_senders(titan0)
     g = RolloutGroup(_cfg(f"--rollout.dtype={dtype}"), padded_qwen3, num_workers=1, num_cpus_per_worker=0)
     try:
-        ws = WeightSync(specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25,
-                        engine_model_dir=padded_qwen3)
+        ws = WeightSync(
+            specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25, engine_model_dir=padded_qwen3
+        )
         plan = ws.build()
         region = ws.regions[0]["0"]
         assert "path" in region and {d for _, _, d in region["params"]} == {dtype}
@@ -319,8 +393,16 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
 
         # above the cap, shm takes bucket files (the region is closed) and is still exact
         cap_mb = region["nbytes"] / 2**20 / 2
-        ws2 = WeightSync(specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25,
-                         engine_model_dir=padded_qwen3, receiver_buffer_mb=cap_mb)
+        ws2 = WeightSync(
+            specs,
+            to_hf,
+            senders,
+            g.workers,
+            transport="shm",
+            bucket_mb=0.25,
+            engine_model_dir=padded_qwen3,
+            receiver_buffer_mb=cap_mb,
+        )
         ws2.build()
         assert "over the cap" in ws2.regions[0]["0"]["why"]
         assert not any(r["receiver_region"] for r in ws2.routes())
@@ -349,9 +431,17 @@ def _check_synthetic_layouts(ws, model_path: str) -> None:
     plan_scale = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan_scale)
     c = json.loads((Path(model_path) / "config.json").read_text())
-    m = dict(arch="qwen3", hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
-             kv=c["num_key_value_heads"], head_dim=c["head_dim"], inter=c["intermediate_size"],
-             vocab=c["vocab_size"], tie=c["tie_word_embeddings"])
+    m = dict(
+        arch="qwen3",
+        hidden=c["hidden_size"],
+        layers=c["num_hidden_layers"],
+        heads=c["num_attention_heads"],
+        kv=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        inter=c["intermediate_size"],
+        vocab=c["vocab_size"],
+        tie=c["tie_word_embeddings"],
+    )
     synth = dict(plan_scale.synthetic_layouts(m, sorted(hf_shapes(ws.specs, ws.to_hf).items()), 2))
     for key, lay in ws.layouts:
         assert set(lay.runs) == set(synth[key].runs), key
@@ -373,11 +463,17 @@ def test_fsdp2_to_two_engines_bit_exact_in_parallel(trained, ray_session, tiny_q
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))
         assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
         # both engines serve the synced weights: each one's greedy output is the same
-        per_engine = [ray.get(w.generate.remote(PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0,
-                                                                                      "max_tokens": 12}, None))
-                      for w in g.workers]
-        assert [[c[0].response_ids for c in out] for out in per_engine][0] == \
-            [[c[0].response_ids for c in out] for out in per_engine][1]
+        per_engine = [
+            ray.get(
+                w.generate.remote(
+                    PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0, "max_tokens": 12}, None
+                )
+            )
+            for w in g.workers
+        ]
+        assert [[c[0].response_ids for c in out] for out in per_engine][0] == [
+            [c[0].response_ids for c in out] for out in per_engine
+        ][1]
         assert _parity(trained, g) <= TOL
         ws.close()
     finally:
@@ -405,26 +501,38 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
         with pytest.raises(RolloutWorkerError, match="not kept .*weight sync from a trainer.*set on_restart"):
             g.restart_worker(1, "killed by the test")
         synced: list = []
-        g.on_restart = lambda e: synced.append(ws.replace_receiver(e, g.workers[e]) or
-                                               ws.sync(3, keep_for_verify=True, engines=[e]))
+        g.on_restart = lambda e: synced.append(
+            ws.replace_receiver(e, g.workers[e]) or ws.sync(3, keep_for_verify=True, engines=[e])
+        )
         g.restart_worker(1, "killed by the test")
         (stats,) = synced
         assert [a["version"] for a in stats.acks] == [3] and stats.bytes == ws.plan.nbytes // 2
         assert ws.regions[1]["0"]["path"] != old_region and all(r["receiver_region"] for r in ws.routes())
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))
         assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
-        per_engine = [ray.get(w.generate.remote(PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0,
-                                                                                      "max_tokens": 12}, None))
-                      for w in g.workers]
+        per_engine = [
+            ray.get(
+                w.generate.remote(
+                    PROMPTS, list(range(len(PROMPTS))), {"n": 1, "temperature": 0.0, "max_tokens": 12}, None
+                )
+            )
+            for w in g.workers
+        ]
         assert [c[0].response_ids for c in per_engine[0]] == [c[0].response_ids for c in per_engine[1]]
         ws.close()
     finally:
         g.shutdown()
 
 
-@pytest.mark.parametrize("overrides", [["--rollout.multiprocess=true"], ["--rollout.tensor_parallel_size=2"],
-                                       ["--rollout.multiprocess=true", "--rollout.enforce_eager=false"]],
-                         ids=["multiprocess", "tp2", "compiled"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--rollout.multiprocess=true"],
+        ["--rollout.tensor_parallel_size=2"],
+        ["--rollout.multiprocess=true", "--rollout.enforce_eager=false"],
+    ],
+    ids=["multiprocess", "tp2", "compiled"],
+)
 def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny_qwen3, overrides):
     """Engines whose vLLM workers live in other processes: every call goes by method name with plain
     arguments; TP=2 ranks each get only their shard. A compiled engine (torch.compile) must run on the
@@ -438,7 +546,9 @@ def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny
         plan = ws.build()
         tp = 2 if "--rollout.tensor_parallel_size=2" in overrides else 1
         assert sorted(plan.receivers) == [(0, r) for r in range(tp)]
-        assert len(ws.routes()) == 2 * tp and all(r["receiver_region"] for r in ws.routes())  # regions in each rank
+        assert len(ws.routes()) == 2 * tp and all(
+            r["receiver_region"] for r in ws.routes()
+        )  # regions in each rank
         per_rank = [sum(n.values()) for n in plan.dst_numel]
         if tp == 2:  # about half of the model each (norms are replicated, a few KB)
             assert all(n < 0.55 * sum(per_rank) for n in per_rank)

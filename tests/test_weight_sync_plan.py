@@ -25,6 +25,7 @@ from rl_tpu.weight_sync.sync import Sender, receiver_tables
 from rl_tpu.weight_sync.transports import get_transport
 from rl_tpu.weight_sync.wire import pack, pack_into, unpack
 
+
 def full_code_runs(codes: torch.Tensor, hf_offsets: np.ndarray, hf_cols: np.ndarray) -> np.ndarray:
     """Reference decoder: an engine parameter (2-D) whose elements hold `1 + global HF flat index` (0:
     padding) -> its `ENGINE_COLS` run table. Row segments are maximal runs of one HF tensor and row with
@@ -40,14 +41,27 @@ def full_code_runs(codes: torch.Tensor, hf_offsets: np.ndarray, hf_cols: np.ndar
     local = flat - offs[tid]
     hr, hc = local // cols[tid], local % cols[tid]
     brk = torch.ones(R * C, dtype=torch.bool)
-    brk[1:] = ~((tid[1:] == tid[:-1]) & (hr[1:] == hr[:-1]) & (hc[1:] == hc[:-1] + 1) & valid[1:] & valid[:-1])
+    brk[1:] = ~(
+        (tid[1:] == tid[:-1]) & (hr[1:] == hr[:-1]) & (hc[1:] == hc[:-1] + 1) & valid[1:] & valid[:-1]
+    )
     brk[torch.arange(0, R * C, C)] = True  # segments never wrap engine rows
     starts = torch.nonzero(brk & valid).flatten()
     ends = torch.nonzero(brk).flatten()
     nxt = torch.searchsorted(ends, starts, right=True)  # each segment ends at the next break after its start
     seg_end = torch.where(nxt < ends.numel(), ends[nxt.clamp(max=ends.numel() - 1)], torch.tensor(R * C))
-    return merge_rows(np.stack([(starts // C).numpy(), (starts % C).numpy(), (seg_end - starts).numpy(),
-                                tid[starts].numpy(), hr[starts].numpy(), hc[starts].numpy()], axis=1))
+    return merge_rows(
+        np.stack(
+            [
+                (starts // C).numpy(),
+                (starts % C).numpy(),
+                (seg_end - starts).numpy(),
+                tid[starts].numpy(),
+                hr[starts].numpy(),
+                hc[starts].numpy(),
+            ],
+            axis=1,
+        )
+    )
 
 
 # A toy "model": TorchTitan names, HF names by a rename + (for wq) a row permutation, like Llama's adapter.
@@ -64,8 +78,17 @@ def to_hf(sd: dict) -> dict:
 
 
 def specs(world: int = 2, placement: str = "S(0)") -> list[ParamSpec]:
-    return [ParamSpec(name=n, shape=s, dtype="float32", mesh_shape=(world,), mesh_dim_names=("fsdp",),
-                      placements=(placement,)) for n, s in SHAPES.items()]
+    return [
+        ParamSpec(
+            name=n,
+            shape=s,
+            dtype="float32",
+            mesh_shape=(world,),
+            mesh_dim_names=("fsdp",),
+            placements=(placement,),
+        )
+        for n, s in SHAPES.items()
+    ]
 
 
 def hand_layout(hf_order, tp: int, rank: int) -> EngineLayout:
@@ -80,23 +103,34 @@ def hand_layout(hf_order, tp: int, rank: int) -> EngineLayout:
     def coded(n):
         return torch.arange(off[n] + 1, off[n] + 1 + math.prod(shapes[n])).view(shapes[n])
 
-    qkv = torch.cat([coded("q").chunk(tp)[rank], coded("k").chunk(tp)[rank], coded("v").chunk(tp)[rank],
-                     torch.zeros(1, 4, dtype=torch.int64)])
+    qkv = torch.cat(
+        [
+            coded("q").chunk(tp)[rank],
+            coded("k").chunk(tp)[rank],
+            coded("v").chunk(tp)[rank],
+            torch.zeros(1, 4, dtype=torch.int64),
+        ]
+    )
     wo = coded("o").chunk(tp, dim=1)[rank]
     norm = coded("norm")
     offsets = np.array([off[n] for n, _ in hf_order])
     cols = np.array([rows_cols(sh)[1] for _, sh in hf_order])
     params = {"qkv": qkv, "o_proj": wo, "norm": norm}
-    return EngineLayout(tp_rank=rank, tp_size=tp, dtype="float32",
-                        shapes={n: tuple(t.shape) for n, t in params.items()},
-                        runs={n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
-                              for n, t in params.items()})
+    return EngineLayout(
+        tp_rank=rank,
+        tp_size=tp,
+        dtype="float32",
+        shapes={n: tuple(t.shape) for n, t in params.items()},
+        runs={
+            n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols) for n, t in params.items()
+        },
+    )
 
 
 def local_chunk(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """Rank's Shard(0) piece as DTensor/FSDP2 lay it out (torch.chunk sizes; trailing ranks may be empty)."""
     cs = math.ceil(t.shape[0] / world)
-    return t[rank * cs: (rank + 1) * cs].contiguous()
+    return t[rank * cs : (rank + 1) * cs].contiguous()
 
 
 def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess"):
@@ -106,7 +140,9 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
     hf_order = sorted(hf_shapes(sp, to_hf).items())
     layouts = [((0, r), hand_layout(hf_order, tp, r)) for r in range(tp)]
     plan = build_plan(sp, hf_row_map(sp, to_hf), hf_order, layouts, bucket_bytes)
-    senders = [Sender(lambda r=r: {n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)]
+    senders = [
+        Sender(lambda r=r: {n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)
+    ]
     for r, s in enumerate(senders):
         s.ws_setup(plan.titan_names, plan.for_sender(r))
     got = [{n: torch.zeros(sh) for n, sh in plan.dst_shapes[i].items()} for i in range(tp)]
@@ -118,8 +154,12 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
             i = plan.receivers.index((0, tp_rank))
             handle = senders[snd].ws_pack(bid, transport, 7, slot)
             pieces = dict((b, p) for b, _, p in plan.for_receiver(i))[bid]
-            per_receiver_bytes[i] += apply_bucket(tr.open(handle), pieces, plan.dst_names[i],
-                                                  lambda n, i=i: got[i][n].view(rows_cols(tuple(got[i][n].shape))))
+            per_receiver_bytes[i] += apply_bucket(
+                tr.open(handle),
+                pieces,
+                plan.dst_names[i],
+                lambda n, i=i: got[i][n].view(rows_cols(tuple(got[i][n].shape))),
+            )
             tr.release(handle)
     hf = to_hf(full)
     want = []
@@ -187,8 +227,17 @@ def test_byte_pass_decoding_equals_full_index_codes():
     `derive_layout`) gives exactly the run tables of one pass with full int64 element codes."""
     from rl_tpu.weight_sync.rows import Segments, Workspace, digit_input, digit_passes
 
-    hf_order = [("bk", (3,)), ("bq", (5,)), ("e", (7, 8)), ("k", (4, 4)), ("long", (70_000, 1)),
-                ("o", (4, 6)), ("p", (5, 3)), ("q", (6, 4)), ("w", (2, 600))]
+    hf_order = [
+        ("bk", (3,)),
+        ("bq", (5,)),
+        ("e", (7, 8)),
+        ("k", (4, 4)),
+        ("long", (70_000, 1)),
+        ("o", (4, 6)),
+        ("p", (5, 3)),
+        ("q", (6, 4)),
+        ("w", (2, 600)),
+    ]
     shapes = dict(hf_order)
     numel = [math.prod(sh) for _, sh in hf_order]
     offsets = np.cumsum([0] + numel)[:-1]
@@ -196,12 +245,18 @@ def test_byte_pass_decoding_equals_full_index_codes():
     rows = np.array([rows_cols(sh)[0] for _, sh in hf_order])
     row_offsets = np.cumsum(np.append(0, rows))[:-1]
     passes = digit_passes(int(rows.sum()), int(cols.max()))
-    assert [k for kind, k in passes if kind == "row"] == [0, 1, 2] and [k for kind, k in passes if kind == "col"] == [0, 1]
+    assert [k for kind, k in passes if kind == "row"] == [0, 1, 2] and [
+        k for kind, k in passes if kind == "col"
+    ] == [0, 1]
     for tp, rank in [(1, 0), (2, 1)]:
-        coded = {n: torch.arange(int(o) + 1, int(o) + 1 + m, dtype=torch.int64).view(shapes[n])
-                 for (n, _), o, m in zip(hf_order, offsets, numel)}
-        want = {n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
-                for n, t in _tricky_loader(coded, tp, rank).items()}
+        coded = {
+            n: torch.arange(int(o) + 1, int(o) + 1 + m, dtype=torch.int64).view(shapes[n])
+            for (n, _), o, m in zip(hf_order, offsets, numel)
+        }
+        want = {
+            n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols)
+            for n, t in _tricky_loader(coded, tp, rank).items()
+        }
         segs = {}
         for kind, k in passes:
             inputs = {n: digit_input(kind, k, int(o), sh) for (n, sh), o in zip(hf_order, row_offsets)}
@@ -209,32 +264,65 @@ def test_byte_pass_decoding_equals_full_index_codes():
                 d = t.reshape(rows_cols(tuple(t.shape)))
                 segs[n] = (segs.get(n) or Segments.whole_rows(*d.shape)).refine(d, kind, k, Workspace(64))
         for n in want:
-            assert np.array_equal(segs[n].runs(row_offsets), want[n]), (tp, n, segs[n].runs(row_offsets), want[n])
+            assert np.array_equal(segs[n].runs(row_offsets), want[n]), (
+                tp,
+                n,
+                segs[n].runs(row_offsets),
+                want[n],
+            )
     assert want["jump"].shape[0] == 3 and want["emb"][:, 2].tolist() == [7]  # the jump split; padding dropped
 
 
 def test_owners_follow_dtensor_chunking_and_replication():
-    s = ParamSpec(name="w", shape=(5, 3), dtype="float32", mesh_shape=(2, 3), mesh_dim_names=("rep", "shard"),
-                  placements=("Replicate()", "Shard(dim=0)"))
+    s = ParamSpec(
+        name="w",
+        shape=(5, 3),
+        dtype="float32",
+        mesh_shape=(2, 3),
+        mesh_dim_names=("rep", "shard"),
+        placements=("Replicate()", "Shard(dim=0)"),
+    )
     assert owners(s) == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]  # coordinate 0 of the replicated dim is the source
-    nested = ParamSpec(name="w", shape=(8, 2, 3), dtype="float32", mesh_shape=(2, 2), mesh_dim_names=("a", "b"),
-                       placements=("S(0)", "S(0)"))
+    nested = ParamSpec(
+        name="w",
+        shape=(8, 2, 3),
+        dtype="float32",
+        mesh_shape=(2, 2),
+        mesh_dim_names=("a", "b"),
+        placements=("S(0)", "S(0)"),
+    )
     # dim 0 chunks 4 | 4, then 2 | 2 inside each; 2-D rows are dim0 x 2
     assert owners(nested) == [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)]
 
 
 def test_split_at_cuts_intervals_at_segment_starts():
     idx, lo, n = split_at(np.array([0, 5]), np.array([4, 6]), np.array([0, 2, 6, 8]))
-    assert list(zip(idx.tolist(), lo.tolist(), n.tolist())) == [(0, 0, 2), (0, 2, 2), (1, 5, 1), (1, 6, 2), (1, 8, 3)]
+    assert list(zip(idx.tolist(), lo.tolist(), n.tolist())) == [
+        (0, 0, 2),
+        (0, 2, 2),
+        (1, 5, 1),
+        (1, 6, 2),
+        (1, 8, 3),
+    ]
     assert runs_1d(np.array([3, 4, 5, 9, 1, 2])).tolist() == [[0, 3, 3], [3, 9, 1], [4, 1, 2]]
 
 
 def test_plan_size_grows_with_rows_not_elements():
     """A 4096-wide Qwen3-like layer planned from synthetic layouts: pieces per parameter stay O(ranks)."""
     hidden = 4096
-    sh = {"wq": (hidden, hidden), "wk": (1024, hidden), "wv": (1024, hidden), "wo": (hidden, hidden), "norm": (hidden,)}
-    sp = [ParamSpec(name=n, shape=s, dtype="float32", mesh_shape=(8,), mesh_dim_names=("fsdp",), placements=("S(0)",))
-          for n, s in sh.items()]
+    sh = {
+        "wq": (hidden, hidden),
+        "wk": (1024, hidden),
+        "wv": (1024, hidden),
+        "wo": (hidden, hidden),
+        "norm": (hidden,),
+    }
+    sp = [
+        ParamSpec(
+            name=n, shape=s, dtype="float32", mesh_shape=(8,), mesh_dim_names=("fsdp",), placements=("S(0)",)
+        )
+        for n, s in sh.items()
+    ]
     hf = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "norm": "norm"}
 
     def ident(sd):
@@ -247,13 +335,20 @@ def test_plan_size_grows_with_rows_not_elements():
     for r in range(tp):
         q, k = hidden // tp, 1024 // tp
         runs = {
-            "qkv": np.array([[0, 0, q, hidden, idx["q"], r * q, 0], [q, 0, k, hidden, idx["k"], r * k, 0],
-                             [q + k, 0, k, hidden, idx["v"], r * k, 0]]),
+            "qkv": np.array(
+                [
+                    [0, 0, q, hidden, idx["q"], r * q, 0],
+                    [q, 0, k, hidden, idx["k"], r * k, 0],
+                    [q + k, 0, k, hidden, idx["v"], r * k, 0],
+                ]
+            ),
             "o_proj": np.array([[0, 0, hidden, hidden // tp, idx["o"], 0, r * hidden // tp]]),
             "norm": np.array([[0, 0, hidden, 1, idx["norm"], 0, 0]]),
         }
         shapes = {"qkv": (q + 2 * k, hidden), "o_proj": (hidden, hidden // tp), "norm": (hidden,)}
-        layouts.append(((0, r), EngineLayout(tp_rank=r, tp_size=tp, dtype="float32", shapes=shapes, runs=runs)))
+        layouts.append(
+            ((0, r), EngineLayout(tp_rank=r, tp_size=tp, dtype="float32", shapes=shapes, runs=runs))
+        )
     plan = build_plan(sp, hf_row_map(sp, ident), hf_order, layouts, 64 << 20)
     # every element once, none twice; the replicated norm goes to each TP rank
     assert plan.nbytes == 4 * (sum(math.prod(s) for s in sh.values()) + (tp - 1) * hidden)
@@ -298,8 +393,11 @@ def test_unknown_transport_and_unjoined_collective_errors_say_what_is_wrong():
 
 
 def test_wire_packs_into_and_reads_from_tensor_buffers_like_host_buffers():
-    tensors = [("a@0", torch.arange(6, dtype=torch.float32)), ("b@3", torch.arange(3, dtype=torch.int64)),
-               ("c@0", torch.empty(0, dtype=torch.float32))]
+    tensors = [
+        ("a@0", torch.arange(6, dtype=torch.float32)),
+        ("b@3", torch.arange(3, dtype=torch.int64)),
+        ("c@0", torch.empty(0, dtype=torch.float32)),
+    ]
     meta = {"version": "4"}
     host = pack(tensors, meta)
     dev = torch.full((len(host),), 255, dtype=torch.uint8)  # the collective transport's buffer kind
@@ -332,7 +430,13 @@ def test_check_names_lists_every_problem_at_once():
     with pytest.raises(PlanError) as e:
         check_names(trainer, engine)
     msg = str(e.value)
-    for needle in ("missing1", "missing2", "extra", "a: trainer [2, 2] vs engine [2, 3]", "2 missing, 1 unexpected, 1 mis-shaped"):
+    for needle in (
+        "missing1",
+        "missing2",
+        "extra",
+        "a: trainer [2, 2] vs engine [2, 3]",
+        "2 missing, 1 unexpected, 1 mis-shaped",
+    ):
         assert needle in msg
     check_names(engine, engine)  # no error when they agree
 
@@ -356,11 +460,24 @@ def test_adapter_that_transposes_is_refused_by_name():
 
 
 def test_unsupported_placement_is_named():
-    sp = [ParamSpec(name="wq", shape=(6, 4), dtype="float32", mesh_shape=(2,), mesh_dim_names=("tp",),
-                    placements=("S(1)",))]
+    sp = [
+        ParamSpec(
+            name="wq",
+            shape=(6, 4),
+            dtype="float32",
+            mesh_shape=(2,),
+            mesh_dim_names=("tp",),
+            placements=("S(1)",),
+        )
+    ]
     hf_order = [("q", (6, 4))]
-    lay = EngineLayout(tp_rank=0, tp_size=1, dtype="float32", shapes={"q": (6, 4)},
-                       runs={"q": np.array([[0, 0, 6, 4, 0, 0, 0]])})
+    lay = EngineLayout(
+        tp_rank=0,
+        tp_size=1,
+        dtype="float32",
+        shapes={"q": (6, 4)},
+        runs={"q": np.array([[0, 0, 6, 4, 0, 0, 0]])},
+    )
     with pytest.raises(NotImplementedError, match="wq: placement S\\(1\\)"):
         build_plan(sp, {"q": (0, np.array([[0, 0, 6]]))}, hf_order, [((0, 0), lay)], 1 << 20)
 

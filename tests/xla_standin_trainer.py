@@ -45,8 +45,12 @@ class XlaStandInTrainer:
         import torch_xla
 
         t = next(iter(self.params.values()))
-        return {"torch": torch.__version__, "torch_xla": torch_xla.__version__, "device": str(t.device),
-                "python": sys.executable}
+        return {
+            "torch": torch.__version__,
+            "torch_xla": torch_xla.__version__,
+            "device": str(t.device),
+            "python": sys.executable,
+        }
 
     def param_specs(self):
         from rl_tpu.weight_sync.specs import ParamSpec

@@ -39,10 +39,20 @@ def main(model_dir: str, out: str) -> None:
     ids = torch.randint(4, spec.hf_config["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     names, cpu = logits(spec, titan_sd, torch.device("cpu"), ids)
     xla_names, on_xla = logits(spec, titan_sd, xla.local_device(), ids)
-    torch.save({"torchtitan": titan_compat.torchtitan_version(), "compat": not titan_compat.has_common_api(),
-                "names": names, "xla_names": xla_names, "titan_names": sorted(titan_sd), "ids": ids,
-                "cpu_logits": cpu, "xla_logits": on_xla,
-                "roundtrip": set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)}, out)
+    torch.save(
+        {
+            "torchtitan": titan_compat.torchtitan_version(),
+            "compat": not titan_compat.has_common_api(),
+            "names": names,
+            "xla_names": xla_names,
+            "titan_names": sorted(titan_sd),
+            "ids": ids,
+            "cpu_logits": cpu,
+            "xla_logits": on_xla,
+            "roundtrip": set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

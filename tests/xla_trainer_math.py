@@ -18,18 +18,24 @@ import sys
 
 import torch
 
+from rl_tpu.algorithms.losses import compute_policy_loss
 from rl_tpu.config import AlgorithmConfig
 from rl_tpu.devices import get_device
 from rl_tpu.trainer import ops, parallel
-from rl_tpu.algorithms.losses import compute_policy_loss
 from rl_tpu.types import TrainBatch
 
 V, D, CHUNK, MICRO = 96, 16, 32, 2
 # (prompt lengths, response lengths) of each step: the buckets (L, T) alternate A, B, A, B, A, B with
 # different real lengths every time, so a recompilation after a bucket's first step would show
 # (bucket A: L <= 16, T <= 16; bucket B: L and T in (16, 32])
-STEPS = [([3, 5, 4, 2], [4, 6, 2, 5]), ([9, 12, 7, 10], [18, 9, 13, 6]), ([4, 2, 6, 3], [5, 3, 7, 2]),
-         ([11, 8, 10, 3], [12, 15, 8, 20]), ([2, 3, 5, 4], [6, 2, 4, 7]), ([10, 9, 2, 7], [13, 11, 22, 15])]
+STEPS = [
+    ([3, 5, 4, 2], [4, 6, 2, 5]),
+    ([9, 12, 7, 10], [18, 9, 13, 6]),
+    ([4, 2, 6, 3], [5, 3, 7, 2]),
+    ([11, 8, 10, 3], [12, 15, 8, 20]),
+    ([2, 3, 5, 4], [6, 2, 4, 7]),
+    ([10, 9, 2, 7], [13, 11, 22, 15]),
+]
 MAX_LEN = 32
 
 
@@ -66,7 +72,9 @@ def run(device: torch.device, sync, reduce) -> tuple[list[dict[str, float]], dic
     for step in range(len(STEPS)):
         b = make_batch(step)
         g_tok = float(b.response_mask.sum())
-        b = b.pad_to(ops.bucket_length(b.input_ids.shape[1], buckets), ops.bucket_length(b.response_len, buckets), 0)
+        b = b.pad_to(
+            ops.bucket_length(b.input_ids.shape[1], buckets), ops.bucket_length(b.response_len, buckets), 0
+        )
         shapes.append(tuple(b.response_mask.shape) + (b.input_ids.shape[1],))
         sums: dict[str, torch.Tensor] = {}
         for rows in torch.arange(b.num_seqs).split(MICRO):
@@ -75,8 +83,14 @@ def run(device: torch.device, sync, reduce) -> tuple[list[dict[str, float]], dic
             hidx, tidx = ops.response_index(mb.prompt_lens.to(device), mb.response_len, ids.shape[1])
             lp, _ = model(ids, hidx, ids.gather(1, tidx))
             loss, metrics = compute_policy_loss(
-                algo, lp, lp.detach(), mb.advantages.to(device), mb.response_mask.to(device),
-                rollout_log_prob=mb.rollout_log_probs.to(device), global_tokens=g_tok)
+                algo,
+                lp,
+                lp.detach(),
+                mb.advantages.to(device),
+                mb.response_mask.to(device),
+                rollout_log_prob=mb.rollout_log_probs.to(device),
+                global_tokens=g_tok,
+            )
             loss.backward()
             for k, v in metrics.items():
                 v = v.to(torch.float64)
@@ -120,12 +134,24 @@ def main() -> None:
     cpu_out, cpu_params, _ = run(torch.device("cpu"), lambda: None, lambda v: None)
     diffs = {k: float((xla_params[k] - cpu_params[k]).abs().max()) for k in cpu_params}
     metric_diffs = [max(abs(a[k] - c[k]) for k in c) for a, c in zip(xla_out, cpu_out)]
-    print(json.dumps({
-        "backend": backend, "device": str(local), "torch": torch.__version__, "torch_xla": torch_xla.__version__,
-        "shapes": shapes, "compiles_after_step": [c for c, _ in step_counts], "compiles_final": final[0],
-        "transfers_after_step": [t for _, t in step_counts], "transfers_final": final[1],
-        "param_max_diff": max(diffs.values()), "metric_max_diff": max(metric_diffs), "metrics_last": xla_out[-1],
-    }))
+    print(
+        json.dumps(
+            {
+                "backend": backend,
+                "device": str(local),
+                "torch": torch.__version__,
+                "torch_xla": torch_xla.__version__,
+                "shapes": shapes,
+                "compiles_after_step": [c for c, _ in step_counts],
+                "compiles_final": final[0],
+                "transfers_after_step": [t for _, t in step_counts],
+                "transfers_final": final[1],
+                "param_max_diff": max(diffs.values()),
+                "metric_max_diff": max(metric_diffs),
+                "metrics_last": xla_out[-1],
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -38,16 +38,42 @@ class SharedPromptSDPA(ScaledDotProductAttention):
     class Config(ScaledDotProductAttention.Config):
         pass
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
-                is_causal=True, **kwargs):
+    def forward(
+        self,
+        q_BLNH,
+        k_BLNH,
+        v_BLNH,
+        *,
+        attention_masks=None,
+        scale=None,
+        enable_gqa=False,
+        is_causal=True,
+        **kwargs,
+    ):
         dtype = q_BLNH.dtype
         if q_BLNH.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-            out = self.forward(q_BLNH.float(), k_BLNH.float(), v_BLNH.float(), attention_masks=attention_masks,
-                               scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)
+            out = self.forward(
+                q_BLNH.float(),
+                k_BLNH.float(),
+                v_BLNH.float(),
+                attention_masks=attention_masks,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                is_causal=is_causal,
+                **kwargs,
+            )
             return out.to(dtype)
         if not isinstance(attention_masks, SharedPromptRows):
-            return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale,
-                                   enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)
+            return super().forward(
+                q_BLNH,
+                k_BLNH,
+                v_BLNH,
+                attention_masks=attention_masks,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                is_causal=is_causal,
+                **kwargs,
+            )
         rows = attention_masks
         q, k, v = q_BLNH[0], k_BLNH[0], v_BLNH[0]  # [L, N, H]: one packed row
 
@@ -59,6 +85,8 @@ class SharedPromptSDPA(ScaledDotProductAttention):
         qr = gather(q, rows.slot_index)
         kr = torch.cat([kp.index_select(0, rows.slot_prompt), gather(k, rows.slot_index)], dim=2)
         vr = torch.cat([vp.index_select(0, rows.slot_prompt), gather(v, rows.slot_index)], dim=2)
-        out_r = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=rows.slot_mask, scale=scale, enable_gqa=enable_gqa)
+        out_r = F.scaled_dot_product_attention(
+            qr, kr, vr, attn_mask=rows.slot_mask, scale=scale, enable_gqa=enable_gqa
+        )
         flat = torch.cat([out_p.transpose(1, 2).flatten(0, 1), out_r.transpose(1, 2).flatten(0, 1)])
         return flat.index_select(0, rows.out_index)[None]

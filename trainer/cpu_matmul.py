@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from rl_tpu.trainer.ops import Matmuls, mm_t as aten_mm_t
+from rl_tpu.trainer.ops import Matmuls
+from rl_tpu.trainer.ops import mm_t as aten_mm_t
 
 OPS = ("fwd", "dgrad", "wgrad")
 # oneDNN must beat MKL by this much to be chosen: near-ties keep torch's default
@@ -94,7 +95,9 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, mm: Matmuls = ONEDNN) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, mm: Matmuls = ONEDNN
+) -> torch.Tensor:
     """`F.linear(x, w, b)` with its three matmuls on `mm`'s kernels (float32 CPU tensors); any other case
     (bfloat16, DTensor weights, another device) goes to `F.linear`."""
     if x.dim() < 2 or not _plain_cpu_fp32(x, w):
@@ -121,7 +124,9 @@ def install(model: torch.nn.Module, choose: Callable[[int, int], Matmuls] | Matm
             if mm == ATEN:
                 continue
             m.rl_matmuls = mm
-            m.forward = types.MethodType(_forward, m)  # a bound method: `copy.deepcopy` rebinds it to the copy
+            m.forward = types.MethodType(
+                _forward, m
+            )  # a bound method: `copy.deepcopy` rebinds it to the copy
             n += 1
     return n
 
@@ -167,7 +172,10 @@ def pick(times: dict[str, float]) -> dict[str, dict[str, str]]:
 
 def cache_path() -> Path:
     """`$RL_TPU_CACHE_DIR/cpu_matmul.json` (default `$XDG_CACHE_HOME/rl_tpu`, or `~/.cache/rl_tpu`)."""
-    root = os.environ.get("RL_TPU_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rl_tpu"
+    root = (
+        os.environ.get("RL_TPU_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rl_tpu"
+    )
     return Path(root) / "cpu_matmul.json"
 
 
@@ -184,8 +192,10 @@ def machine_key(threads: int, ranks: int = 1) -> str:
     except OSError:
         info["processor"] = platform.processor()
     cpu = " / ".join(f"{k} {v}" for k, v in info.items())
-    return (f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {threads} threads"
-            f" | {ranks} ranks")
+    return (
+        f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {threads} threads"
+        f" | {ranks} ranks"
+    )
 
 
 def read_cache(key: str) -> dict[str, dict[str, str]]:
@@ -213,9 +223,13 @@ def write_cache(key: str, table: dict[str, dict[str, str]]) -> None:
         pass  # a read-only home only costs the next start a measurement
 
 
-def choose(shapes: Iterable[tuple[int, int]], threads: int,
-           sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           is_writer: bool = True, ranks: int = 1) -> tuple[dict[str, dict[str, str]], bool]:
+def choose(
+    shapes: Iterable[tuple[int, int]],
+    threads: int,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    is_writer: bool = True,
+    ranks: int = 1,
+) -> tuple[dict[str, dict[str, str]], bool]:
     """The kernel of each matmul for each (in, out) shape, and whether it came from the cache.
 
     Shapes missing from the cache are timed; with `sum_over_ranks` (an all-reduce) every rank times them
@@ -242,16 +256,21 @@ def choose(shapes: Iterable[tuple[int, int]], threads: int,
 
 
 def summary(table: dict[str, dict[str, str]]) -> str:
-    """"onednn" or "aten" when every matmul uses it, else the count of each, e.g. "onednn 5/15, aten 10/15"."""
+    """ "onednn" or "aten" when every matmul uses it, else the count of each, e.g. "onednn 5/15, aten 10/15"."""
     names = [name for ops in table.values() for name in ops.values()]
     if len(set(names)) == 1:
         return names[0]
     return ", ".join(f"{k} {names.count(k)}/{len(names)}" for k in KERNELS)
 
 
-def resolve(mode: str, shapes: Iterable[tuple[int, int]], threads: int,
-            sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            is_writer: bool = True, ranks: int = 1) -> tuple[dict[str, dict[str, str]], bool]:
+def resolve(
+    mode: str,
+    shapes: Iterable[tuple[int, int]],
+    threads: int,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    is_writer: bool = True,
+    ranks: int = 1,
+) -> tuple[dict[str, dict[str, str]], bool]:
     """`trainer.cpu_matmul`'s `mode` ("auto", "onednn", "aten") as a kernel table for `shapes`, and whether
     it came from the cache (pinned modes always do); "auto" goes through `choose` (same arguments)."""
     if mode == "auto" and available():

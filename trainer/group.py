@@ -53,8 +53,13 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, model_path: str, world_size: int | None = None,
-                 placement: PlacementGroups | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        world_size: int | None = None,
+        placement: PlacementGroups | None = None,
+    ):
         import ray
 
         from rl_tpu.trainer.worker import TrainerWorker
@@ -73,23 +78,31 @@ class TrainerGroup:
         self._own_placement: PlacementGroups | None = None
         if placement is None:
             placement = self._own_placement = PlacementGroups(
-                plan_trainers(accelerator=get_device(cfg.trainer.device).ray_resource, world_size=self.world_size,
-                              trainer_threads=cfg.trainer.num_threads,
-                              trainer_resources=cfg.cluster.trainer_resources),
-                timeout_s=RESOURCE_WAIT_S)
+                plan_trainers(
+                    accelerator=get_device(cfg.trainer.device).ray_resource,
+                    world_size=self.world_size,
+                    trainer_threads=cfg.trainer.num_threads,
+                    trainer_resources=cfg.cluster.trainer_resources,
+                ),
+                timeout_s=RESOURCE_WAIT_S,
+            )
         cls = ray.remote(TrainerWorker)
         port, addr = _free_port(), "127.0.0.1"
         slots = placement.plan.role("trainer")
         if len(slots) != self.world_size:
-            raise ValueError(f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}")
+            raise ValueError(
+                f"TrainerGroup: the placement has {len(slots)} trainer slots, not {self.world_size}"
+            )
         options = [placement.options(s) for s in slots]
         nodes = placement.bundle_nodes()
         rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
         if len(set(rank_nodes)) > 1:
             addr = placement.node_ips[rank_nodes[0]]
         for attempt in range(_PORT_ATTEMPTS):
-            self.actors = [cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
-                           for r in range(self.world_size)]
+            self.actors = [
+                cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)
+                for r in range(self.world_size)
+            ]
             try:
                 self.info = self._call("ready")
                 break
@@ -147,8 +160,9 @@ class TrainerGroup:
         """Log-probs `[B, T]` of the response tokens (and entropy `[B, T]` when `entropy=True`).
         Positions outside `response_mask` hold unspecified values. With `rows` (indices) only those
         sequences are run, split over the ranks; the other rows hold zeros."""
-        res = self._assemble(batch, self._call("compute_log_probs", self._put(batch), entropy, rows),
-                             2 if entropy else 1)
+        res = self._assemble(
+            batch, self._call("compute_log_probs", self._put(batch), entropy, rows), 2 if entropy else 1
+        )
         return (res[0], res[1]) if entropy else res[0]
 
     def compute_ref_log_probs(self, batch: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,8 +175,7 @@ class TrainerGroup:
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
         return self._call("train_step", self._put(batch), algo_cfg)[0]
 
-    def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig,
-                     with_metrics: bool = False):
+    def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, with_metrics: bool = False):
         """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step;
         with `with_metrics`, also the loss metrics `train_step` would report: (grads, metrics)."""
         grads, metrics = self._call("policy_grads", self._put(batch), algo_cfg)[0]

@@ -28,8 +28,16 @@ import torch
 from rl_tpu.errors import ModelError
 
 # Files copied next to exported weights so the folder loads in transformers and vLLM as-is.
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +60,13 @@ def read_hf_config(model_path: str | Path) -> dict:
 
 
 MODEL_TYPES = ("qwen3", "llama")  # what build_model_spec builds
-_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 def check_hf_config(hf: dict, where: str | Path) -> None:
@@ -62,8 +76,10 @@ def check_hf_config(hf: dict, where: str | Path) -> None:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         archs = f" (architectures {hf['architectures']})" if hf.get("architectures") else ""
-        raise ModelError(f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
-                         f"dense {' and '.join(map(repr, MODEL_TYPES))} models")
+        raise ModelError(
+            f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
+            f"dense {' and '.join(map(repr, MODEL_TYPES))} models"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ModelError(f"{where}: `{key}: true` is not supported")
@@ -96,12 +112,15 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     vocab, eps = hf["vocab_size"], float(hf.get("rms_norm_eps", 1e-6))
     seq = int(max_seq_len or hf.get("max_position_embeddings", 4096))
     if not titan_compat.has_common_api():
-        return titan_compat.build_model_spec(hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json")
+        return titan_compat.build_model_spec(
+            hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json"
+        )
 
-    from torchtitan.models.common import CosSinRoPE, ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
     from rl_tpu.trainer.attention import SharedPromptSDPA
+
     # Init functions only matter for parameters the HF checkpoint does not cover (none for the policy).
     lin_init = {"weight": torch.nn.init.zeros_}
     norm_init = {"weight": torch.nn.init.ones_}
@@ -131,26 +150,42 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
             attention_norm=norm(dim),
             ffn_norm=norm(dim),
             attention=make_gqa_config(
-                dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-                wqkv_param_init=lin_init, wo_param_init=lin_init,
-                inner_attention=SharedPromptSDPA.Config(), fuse_qkv=False, rope=rope,
+                dim=dim,
+                n_heads=n_heads,
+                n_kv_heads=n_kv,
+                head_dim=head_dim,
+                wqkv_param_init=lin_init,
+                wo_param_init=lin_init,
+                inner_attention=SharedPromptSDPA.Config(),
+                fuse_qkv=False,
+                rope=rope,
                 **({"qk_norm": qk_norm} if qk_norm is not None else {}),
             ),
-            feed_forward=make_ffn_config(dim=dim, hidden_dim=hf["intermediate_size"],
-                                         w1_param_init=lin_init, w2w3_param_init=lin_init),
+            feed_forward=make_ffn_config(
+                dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=lin_init, w2w3_param_init=lin_init
+            ),
         )
         for _ in range(hf["num_hidden_layers"])
     ]
     config = model_cls.Config(
-        dim=dim, vocab_size=vocab, norm=norm(dim),
+        dim=dim,
+        vocab_size=vocab,
+        norm=norm(dim),
         enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init={"weight": torch.nn.init.zeros_}),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init={"weight": torch.nn.init.zeros_}
+        ),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=lin_init),
         layers=layers,
     )
-    return ModelSpec(arch=model_type, config=config, parallelize_fn=parallelize_fn,
-                     adapter_cls=Adapter, hf_config=hf, shares_prompts=True)
+    return ModelSpec(
+        arch=model_type,
+        config=config,
+        parallelize_fn=parallelize_fn,
+        adapter_cls=Adapter,
+        hf_config=hf,
+        shares_prompts=True,
+    )
 
 
 def load_hf_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:

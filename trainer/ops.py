@@ -27,14 +27,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
     tensors of its own: never views, which FSDP2 warns about on a module's outputs."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: "Matmuls"):
+    def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: Matmuls):
         shape, acc = targets.shape, torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32
         m = torch.full(shape, -math.inf, dtype=acc, device=h.device)
         s = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m)
         t = torch.zeros(shape, dtype=acc, device=h.device)  # sum exp(z - m) * z
         tgt = torch.zeros(shape, dtype=acc, device=h.device)
         for lo in range(0, w.shape[0], chunk):
-            z = mm.fwd(h, w[lo: lo + chunk]).to(acc)
+            z = mm.fwd(h, w[lo : lo + chunk]).to(acc)
             m_new = torch.maximum(m, z.max(dim=-1).values)
             scale = torch.exp(m - m_new)
             e = torch.exp(z - m_new[..., None])
@@ -60,7 +60,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=acc, device=w.device)
         h2 = h.reshape(-1, h.shape[-1])
         for lo in range(0, w.shape[0], chunk):
-            wc = w[lo: lo + chunk]
+            wc = w[lo : lo + chunk]
             z = mm.fwd(h, wc).to(acc)
             p = torch.exp(z - lse[..., None])
             dz = -g_lp[..., None] * p  # d log p_t / dz_k = 1[k = t] - p_k
@@ -71,7 +71,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 dz = dz + g_ent.to(acc)[..., None] * p * (ez[..., None] - z)
             dz = dz.to(h.dtype)
             grad_h += mm.dgrad(dz, wc.T)
-            grad_w[lo: lo + chunk] = mm.wgrad(dz.reshape(-1, dz.shape[-1]).T, h2.T)
+            grad_w[lo : lo + chunk] = mm.wgrad(dz.reshape(-1, dz.shape[-1]).T, h2.T)
         return grad_h.to(h.dtype), grad_w.to(w.dtype), None, None, None
 
 
@@ -89,13 +89,16 @@ class Matmuls(NamedTuple):
     wgrad: Callable[[Tensor, Tensor], Tensor] = mm_t
 
 
-def chunked_log_probs(h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: Matmuls = Matmuls()
-                      ) -> tuple[Tensor, Tensor]:
+def chunked_log_probs(
+    h: Tensor, w: Tensor, targets: Tensor, chunk: int, mm: Matmuls = Matmuls()
+) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` `[...]` and entropy `[...]` under logits `h @ w.T`, `h` `[..., D]`, `w`
     `[V, D]`, computed `chunk` vocabulary rows at a time (memory O(N * chunk), not O(N * V)), with
     `mm`'s kernels."""
     if targets.numel() == 0:
-        return h.new_zeros(targets.shape, dtype=torch.float32), h.new_zeros(targets.shape, dtype=torch.float32)
+        return h.new_zeros(targets.shape, dtype=torch.float32), h.new_zeros(
+            targets.shape, dtype=torch.float32
+        )
     return _ChunkedLogProbs.apply(h, w, targets, int(chunk), mm)
 
 
@@ -135,8 +138,13 @@ def prompt_groups(input_ids: Tensor, prompt_lens: Tensor) -> Tensor:
     """Group id of each row `[b]`: rows whose prompt tokens are equal share one, numbered 0, 1, ... in
     order of first appearance (a GRPO group's samples; what `pack_shared_prompts` runs once)."""
     keys: dict[tuple[int, ...], int] = {}
-    return torch.tensor([keys.setdefault(tuple(input_ids[i, :p].tolist()), len(keys))
-                         for i, p in enumerate(prompt_lens.tolist())], dtype=torch.long)
+    return torch.tensor(
+        [
+            keys.setdefault(tuple(input_ids[i, :p].tolist()), len(keys))
+            for i, p in enumerate(prompt_lens.tolist())
+        ],
+        dtype=torch.long,
+    )
 
 
 def _members(group: list[int]) -> dict[int, list[int]]:
@@ -165,17 +173,21 @@ def balance_rows(cost: Tensor, group: Tensor, world_size: int) -> Tensor:
     units = sorted(members.values(), key=lambda rows: (-sum(c[i] for i in rows), rows[0]))
     for rows in units:
         while rows:
-            fits = [r for r in range(world_size) if room[r] >= len(rows)] or [r for r in range(world_size) if room[r]]
+            fits = [r for r in range(world_size) if room[r] >= len(rows)] or [
+                r for r in range(world_size) if room[r]
+            ]
             r = min(fits, key=lambda r: (load[r], r))
-            take, rows = rows[: room[r]], rows[room[r]:]
+            take, rows = rows[: room[r]], rows[room[r] :]
             owned[r] += take
             room[r] -= len(take)
             load[r] += sum(c[i] for i in take)
     # within a rank, groups longest first: a micro-batch's response slots pad to its longest response, so
     # groups of like lengths share micro-batches
     longest = {g: max(c[i] for i in rows) for g, rows in members.items()}
-    return torch.tensor([i for rows in owned for i in sorted(rows, key=lambda i: (-longest[gid[i]], gid[i], i))],
-                        dtype=torch.long)
+    return torch.tensor(
+        [i for rows in owned for i in sorted(rows, key=lambda i: (-longest[gid[i]], gid[i], i))],
+        dtype=torch.long,
+    )
 
 
 def static_buckets(max_len: int, smallest: int = 16) -> list[int]:
@@ -234,8 +246,14 @@ def _fields_to(obj, device):
     return type(obj)(**{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)})
 
 
-def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: Tensor, T: int,
-                        pad_id: int, min_repeat: float = 2.0) -> PackedBatch | None:
+def pack_shared_prompts(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_lens: Tensor,
+    T: int,
+    pad_id: int,
+    min_repeat: float = 2.0,
+) -> PackedBatch | None:
     """A right-padded micro-batch `[b, L]` whose rows repeat prompts as one packed row: each distinct
     prompt once, followed by its responses, with no padding; None unless each prompt comes
     `min_repeat` times on average (GRPO groups; a batch of mostly distinct prompts, as in SFT, keeps one
@@ -269,7 +287,7 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
         for i in members:
             r = rlen[i]
             n = max(r - 1, 0)
-            ids.append(input_ids[i, p: p + n])
+            ids.append(input_ids[i, p : p + n])
             pos.append(torch.arange(p, p + n))
             slot_index[s, :n] = torch.arange(at, at + n)
             out_index.append(G * P + s * R + torch.arange(n))
@@ -278,10 +296,15 @@ def pack_shared_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_lens: 
             # token 0 is predicted by the prompt's last position, token j > 0 by the slot's position j - 1
             # (past the response: the prompt's last position, masked out of every loss)
             hidden[i] = torch.where((j > 0) & (j < r), at + j - 1, last)
-            targets[i, :r] = input_ids[i, p: p + r]
+            targets[i, :r] = input_ids[i, p : p + r]
             at, s = at + n, s + 1
     causal = torch.ones(R, R, dtype=torch.bool).tril()
     slot_mask = torch.cat([to_prompt[:, None, :].expand(b, R, P), causal.expand(b, R, R)], dim=2)[:, None]
     rows = SharedPromptRows(prompt_index, slot_index, slot_prompt, slot_mask, torch.cat(out_index))
-    return PackedBatch(input_ids=torch.cat(ids)[None], positions=torch.cat(pos)[None], rows=rows,
-                       hidden_index=hidden, targets=targets)
+    return PackedBatch(
+        input_ids=torch.cat(ids)[None],
+        positions=torch.cat(pos)[None],
+        rows=rows,
+        hidden_index=hidden,
+        targets=targets,
+    )

@@ -32,13 +32,24 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rl_tpu.devices import Device
 
 
-def init_process_group(device: Device, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+def init_process_group(
+    device: Device, rank: int, world_size: int, master_addr: str, master_port: int
+) -> None:
     """Join the trainer group (blocks until all `world_size` ranks have joined)."""
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
     if not dist.is_initialized():
-        dist.init_process_group(backend=device.dist_backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(
+            backend=device.dist_backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=10),
+        )
 
 
 def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
@@ -46,22 +57,41 @@ def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
     (one rank, plain parameters)."""
     if not device.fsdp2:
         if world_size != 1 or tp != 1:
-            raise ValueError(f"trainer.device = {device.name!r} trains on one rank without FSDP2 (docs/devices.md): "
-                             f"set trainer.world_size = 1 (got {world_size}, tp {tp})")
+            raise ValueError(
+                f"trainer.device = {device.name!r} trains on one rank without FSDP2 (docs/devices.md): "
+                f"set trainer.world_size = 1 (got {world_size}, tp {tp})"
+            )
         return None
     import torchtitan.distributed.parallel_dims as pd_mod
     import torchtitan.distributed.utils as dist_utils
 
     pd_mod.device_type = device.torch_device  # TorchTitan defaults this to "cuda" without a GPU
     dist_utils.set_spmd_backend("partial_dtensor")
-    pdims = pd_mod.ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1,
-                                world_size=world_size, spmd_backend="partial_dtensor")
+    pdims = pd_mod.ParallelDims(
+        dp_replicate=1,
+        dp_shard=-1,
+        cp=1,
+        tp=tp,
+        pp=1,
+        ep=1,
+        world_size=world_size,
+        spmd_backend="partial_dtensor",
+    )
     pdims.build_mesh()
     return pdims
 
 
-def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduce_dtype: str,
-                         reshard_after_forward: str = "default", extra_modules: dict | None = None, drop_lm_head: bool = False) -> torch.nn.Module:
+def build_parallel_model(
+    spec,
+    pdims,
+    device: Device,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str = "default",
+    extra_modules: dict | None = None,
+    drop_lm_head: bool = False,
+) -> torch.nn.Module:
     """Build `spec.config` on meta, parallelize with TorchTitan's fn, materialise on the local device.
 
     `extra_modules` (name -> TorchTitan Module) are attached to the root before FSDP, so they are
@@ -76,8 +106,10 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
             setattr(model, name, mod.build() if hasattr(mod, "build") else mod)
     if pdims is None:  # one rank, plain parameters (see the module docstring)
         if param_dtype != "float32":
-            raise ValueError(f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
-                             "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')")
+            raise ValueError(
+                f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
+                "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')"
+            )
     else:
         model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype, reshard_after_forward)
     local = device.local_device()
@@ -87,19 +119,26 @@ def build_parallel_model(spec, pdims, device: Device, *, param_dtype: str, reduc
     return model
 
 
-def _parallelize(spec, model, pdims, param_dtype: str, reduce_dtype: str, reshard_after_forward: str) -> torch.nn.Module:
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+def _parallelize(
+    spec, model, pdims, param_dtype: str, reduce_dtype: str, reshard_after_forward: str
+) -> torch.nn.Module:
     from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     if spec.parallelize_fn is None:
-        raise ValueError("this TorchTitan has no parallelize function for the trainer's model (TorchTitan 0.2.0, "
-                         "rl_tpu.trainer.titan_compat): it trains on one rank without FSDP2 only")
+        raise ValueError(
+            "this TorchTitan has no parallelize function for the trainer's model (TorchTitan 0.2.0, "
+            "rl_tpu.trainer.titan_compat): it trains on one rank without FSDP2 only"
+        )
     model = spec.parallelize_fn(
         model,
         parallel_dims=pdims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
-                                      tensor_parallel_degree=pdims.tp, fsdp_reshard_after_forward=reshard_after_forward),
+        parallelism=ParallelismConfig(
+            spmd_backend="partial_dtensor",
+            tensor_parallel_degree=pdims.tp,
+            fsdp_reshard_after_forward=reshard_after_forward,
+        ),
         compile_config=CompileConfig(enable=False),
         ac_config=None,
         dump_folder="",
@@ -133,7 +172,9 @@ def reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_state_dict(
+    model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, strict: bool = True
+) -> None:
     """Copy full (unsharded) tensors into the model's DTensor shards; no communication (every rank
     holds the full tensor, so each takes its own slice)."""
     params = dict(model.named_parameters())
@@ -147,7 +188,9 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
                 continue
             src = full_sd[name]
             if tuple(src.shape) != tuple(p.shape):
-                raise ValueError(f"parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
+                raise ValueError(
+                    f"parameter {name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}"
+                )
             src = src.to(device=p.device, dtype=p.dtype)
             if isinstance(p, DTensor):
                 shard = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)

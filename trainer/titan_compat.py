@@ -36,10 +36,14 @@ import torch
 from rl_tpu.errors import ModelError
 
 # 0.2.0 name -> 0.3.0 name (and back), applied to full parameter names
-_TO_NEW = ((re.compile(r"^(layers\.\d+\.attention)\.(w[qkv])\."), r"\1.qkv_linear.\2."),
-           (re.compile(r"^output\."), "lm_head."))
-_TO_OLD = ((re.compile(r"^(layers\.\d+\.attention)\.qkv_linear\.(w[qkv])\."), r"\1.\2."),
-           (re.compile(r"^lm_head\."), "output."))
+_TO_NEW = (
+    (re.compile(r"^(layers\.\d+\.attention)\.(w[qkv])\."), r"\1.qkv_linear.\2."),
+    (re.compile(r"^output\."), "lm_head."),
+)
+_TO_OLD = (
+    (re.compile(r"^(layers\.\d+\.attention)\.qkv_linear\.(w[qkv])\."), r"\1.\2."),
+    (re.compile(r"^lm_head\."), "output."),
+)
 
 
 @functools.cache
@@ -104,13 +108,16 @@ class Qwen3Config:
         return self.args.dim
 
     def build(self) -> torch.nn.Module:
+        from torch.nn.attention import SDPBackend
         from torchtitan.models.attention import ScaledDotProductAttentionWrapper
         from torchtitan.models.qwen3 import Qwen3Model
-        from torch.nn.attention import SDPBackend
 
         # 0.2.0 defaults to the CUDA kernels only; the list is a class attribute meant to be set
         ScaledDotProductAttentionWrapper.sdpa_backends = [
-            SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
         return _with_new_names(Qwen3Model(self.args))
 
 
@@ -135,18 +142,32 @@ def build_model_spec(hf: dict, seq: int, head_dim: int, rope_theta: float, where
 
     from rl_tpu.trainer.model import ModelSpec
 
-    why = (f"on TorchTitan {torchtitan_version()} (the `torchtitan.models.common` API is missing; "
-           "rl_tpu.trainer.titan_compat builds Qwen3 only, untied)")
+    why = (
+        f"on TorchTitan {torchtitan_version()} (the `torchtitan.models.common` API is missing; "
+        "rl_tpu.trainer.titan_compat builds Qwen3 only, untied)"
+    )
     if hf["model_type"] != "qwen3":
         raise ModelError(f"{where}: model_type {hf['model_type']!r} is not supported {why}")
     if hf.get("tie_word_embeddings", False):
         raise ModelError(f"{where}: `tie_word_embeddings: true` is not supported {why}")
     n_heads = hf["num_attention_heads"]
     args = Qwen3ModelArgs(
-        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, vocab_size=hf["vocab_size"], head_dim=head_dim,
-        hidden_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        qk_norm=True, max_seq_len=seq, use_flex_attn=False, attn_mask_type="causal",
-        enable_weight_tying=False, moe_enabled=False,
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        vocab_size=hf["vocab_size"],
+        head_dim=head_dim,
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        qk_norm=True,
+        max_seq_len=seq,
+        use_flex_attn=False,
+        attn_mask_type="causal",
+        enable_weight_tying=False,
+        moe_enabled=False,
     )
-    return ModelSpec(arch="qwen3", config=Qwen3Config(args), parallelize_fn=None, adapter_cls=Qwen3Adapter, hf_config=hf)
+    return ModelSpec(
+        arch="qwen3", config=Qwen3Config(args), parallelize_fn=None, adapter_cls=Qwen3Adapter, hf_config=hf
+    )

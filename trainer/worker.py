@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig, resolved_dtype
 from rl_tpu.devices import get_device
-from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer import cpu_matmul, ops, parallel
+from rl_tpu.trainer import model as tmodel
 from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.specs import ParamSpec
 
@@ -72,34 +72,60 @@ def _with_pad_row(batch: TrainBatch) -> TrainBatch:
     """Append one row (index B) that contributes nothing: row 0's tokens, zero per-token fields."""
     fields = {}
     for k, v in batch.tensor_fields().items():
-        extra = v[:1].clone() if k in ("input_ids", "attention_mask", "prompt_lens") else torch.zeros_like(v[:1])
+        extra = (
+            v[:1].clone() if k in ("input_ids", "attention_mask", "prompt_lens") else torch.zeros_like(v[:1])
+        )
         fields[k] = torch.cat([v, extra])
     return TrainBatch(**fields)
 
 
 # what `restart_from` may change: the optimizer, its schedule and the step's batching and row layout; the
 # rest shapes the processes, the model build or the sharding and is fixed at start
-RESTARTABLE = frozenset({"total_steps", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule", "min_lr_ratio",
-                         "grad_clip", "ppo_epochs", "ppo_mini_batches", "micro_batch_size", "share_prompts",
-                         "skip_zero_advantage", "balance_tokens", "test_freq", "seed"})
+RESTARTABLE = frozenset(
+    {
+        "total_steps",
+        "lr",
+        "weight_decay",
+        "betas",
+        "warmup_steps",
+        "lr_schedule",
+        "min_lr_ratio",
+        "grad_clip",
+        "ppo_epochs",
+        "ppo_mini_batches",
+        "micro_batch_size",
+        "share_prompts",
+        "skip_zero_advantage",
+        "balance_tokens",
+        "test_freq",
+        "seed",
+    }
+)
 
 
 def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
     """The fields of `new` outside RESTARTABLE that differ from `old` (a restart cannot apply them)."""
-    return [f.name for f in dataclasses.fields(old)
-            if f.name not in RESTARTABLE and getattr(old, f.name) != getattr(new, f.name)]
+    return [
+        f.name
+        for f in dataclasses.fields(old)
+        if f.name not in RESTARTABLE and getattr(old, f.name) != getattr(new, f.name)
+    ]
 
 
 def check_restartable(old: TrainerConfig, new: TrainerConfig, who: str) -> None:
     """ValueError naming the fields a restart from `old` to `new` cannot apply (`restart_conflicts`)."""
     fixed = restart_conflicts(old, new)
     if fixed:
-        raise ValueError(f"{who}: {', '.join('trainer.' + f for f in fixed)} differ from the trainer's; they are "
-                         "fixed when its processes start (start a new TrainerGroup)")
+        raise ValueError(
+            f"{who}: {', '.join('trainer.' + f for f in fixed)} differ from the trainer's; they are "
+            "fixed when its processes start (start a new TrainerGroup)"
+        )
 
 
 class TrainerWorker:
-    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(
+        self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int
+    ):
         tc = cfg.trainer
         self.cfg, self.tc, self.rank, self.world_size = cfg, tc, rank, world_size
         self.model_path = str(model_path)
@@ -115,17 +141,25 @@ class TrainerWorker:
         self.max_len = int(self.spec.hf_config.get("max_position_embeddings", 4096))
         # static shapes (XLA/TPU compile one program per shape): sequence AND response lengths are padded
         # to these buckets, micro-batches to full size; the configured list wins over the device default
-        self.buckets = list(tc.seq_len_buckets) or (ops.static_buckets(self.max_len) if self.device.static_shapes else [])
+        self.buckets = list(tc.seq_len_buckets) or (
+            ops.static_buckets(self.max_len) if self.device.static_shapes else []
+        )
         # shared-prompt rows have data-dependent shapes: not on static-shape devices
         self.can_share_prompts = not self.buckets and self.spec.shares_prompts
         self.pdims = parallel.make_parallel_dims(self.device, world_size)
         # float32 CPU linears: kernels per (shape, matmul) from trainer.cpu_matmul (trainer/cpu_matmul.py)
-        self.tune_matmuls = (tc.cpu_matmul != "aten" and self.local.type == "cpu" and cpu_matmul.available()
-                             and resolved_dtype(tc.param_dtype, self.cfg) == "float32")
+        self.tune_matmuls = (
+            tc.cpu_matmul != "aten"
+            and self.local.type == "cpu"
+            and cpu_matmul.available()
+            and resolved_dtype(tc.param_dtype, self.cfg) == "float32"
+        )
         self.matmul_table: dict[str, dict[str, str]] = {}
         self.matmul_cached = True
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
-        self.replicated_step = parallel.replicated_step(tc.fsdp_step, sum(t.numel() for t in titan_sd.values()))
+        self.replicated_step = parallel.replicated_step(
+            tc.fsdp_step, sum(t.numel() for t in titan_sd.values())
+        )
 
         self.model = self._build(self.spec, titan_sd)
         self.optimizer, self.scheduler = self._optimizer(self.model, tc.lr)
@@ -147,10 +181,14 @@ class TrainerWorker:
     # ------------------------------------------------------------------ construction
 
     def _parallel_model(self, spec, extra_shapes: tuple[tuple[int, int], ...] = ()) -> torch.nn.Module:
-        m = parallel.build_parallel_model(spec, self.pdims, self.device,
-                                          param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
-                                          reduce_dtype=self.tc.reduce_dtype,
-                                          reshard_after_forward="never" if self.replicated_step else "default")
+        m = parallel.build_parallel_model(
+            spec,
+            self.pdims,
+            self.device,
+            param_dtype=resolved_dtype(self.tc.param_dtype, self.cfg),
+            reduce_dtype=self.tc.reduce_dtype,
+            reshard_after_forward="never" if self.replicated_step else "default",
+        )
         if self.tune_matmuls:
             self._resolve_matmuls(cpu_matmul.linear_shapes(m) | set(extra_shapes))
             cpu_matmul.install(m, self._matmuls)
@@ -167,9 +205,14 @@ class TrainerWorker:
             dist.all_reduce(t)
             return t
 
-        table, cached = cpu_matmul.resolve(self.tc.cpu_matmul, todo, torch.get_num_threads(),
-                                           sum_over_ranks if self.world_size > 1 else None, is_writer=self.rank == 0,
-                                           ranks=self.world_size)
+        table, cached = cpu_matmul.resolve(
+            self.tc.cpu_matmul,
+            todo,
+            torch.get_num_threads(),
+            sum_over_ranks if self.world_size > 1 else None,
+            is_writer=self.rank == 0,
+            ranks=self.world_size,
+        )
         self.matmul_table.update(table)
         self.matmul_cached = self.matmul_cached and cached
 
@@ -180,7 +223,10 @@ class TrainerWorker:
 
     def _build(self, spec, titan_sd) -> torch.nn.Module:
         hf = spec.hf_config  # TorchTitan 0.2.0's configs (titan_compat) name these differently
-        head = (int(hf["hidden_size"]), min(self.tc.logprob_chunk_size, int(hf["vocab_size"])))  # log-prob head's matmuls
+        head = (
+            int(hf["hidden_size"]),
+            min(self.tc.logprob_chunk_size, int(hf["vocab_size"])),
+        )  # log-prob head's matmuls
         m = self._parallel_model(spec, (head,))
         parallel.load_full_state_dict(m, titan_sd)
         _install_logprob_head(m.lm_head, self.tc.logprob_chunk_size, self._matmuls(*head))
@@ -190,10 +236,15 @@ class TrainerWorker:
         from torchtitan.models.common import Linear
 
         dim = self.spec.config.dim
-        head = Linear.Config(in_features=dim, out_features=1, bias=True,
-                             param_init={"weight": torch.nn.init.zeros_, "bias": torch.nn.init.zeros_})
-        cspec = dataclasses.replace(self.spec, config=dataclasses.replace(
-            self.spec.config, lm_head=head, enable_weight_tying=False))
+        head = Linear.Config(
+            in_features=dim,
+            out_features=1,
+            bias=True,
+            param_init={"weight": torch.nn.init.zeros_, "bias": torch.nn.init.zeros_},
+        )
+        cspec = dataclasses.replace(
+            self.spec, config=dataclasses.replace(self.spec.config, lm_head=head, enable_weight_tying=False)
+        )
         m = self._parallel_model(cspec)
         g = torch.Generator().manual_seed(self.tc.seed + 1)  # same value head on every rank
         sd = {k: v for k, v in titan_sd.items() if not k.startswith("lm_head.")}
@@ -209,19 +260,35 @@ class TrainerWorker:
         if self.device.lazy_tensors:
             _zero_adamw_state(opt)
         total = max(tc.total_steps * tc.ppo_epochs * tc.ppo_mini_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: ops.lr_factor(
-            s, warmup_steps=tc.warmup_steps, total_steps=total, schedule=tc.lr_schedule,
-            min_lr_ratio=tc.min_lr_ratio))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda s: ops.lr_factor(
+                s,
+                warmup_steps=tc.warmup_steps,
+                total_steps=total,
+                schedule=tc.lr_schedule,
+                min_lr_ratio=tc.min_lr_ratio,
+            ),
+        )
         return opt, sched
 
     def ready(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "arch": self.spec.arch,
-                "params": sum(p.numel() for p in self.model.parameters()),
-                # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
-                "fsdp_step": "unsharded" if self.pdims is None else "replicated" if self.replicated_step else "sharded",
-                # what `trainer.cpu_matmul` resolved to: a kernel, or how many matmuls each runs; its table
-                "matmul": cpu_matmul.summary(self.matmul_table) if self.matmul_table else "aten",
-                "matmul_table": self.matmul_table, "matmul_cached": self.matmul_cached}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "arch": self.spec.arch,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
+            "fsdp_step": "unsharded"
+            if self.pdims is None
+            else "replicated"
+            if self.replicated_step
+            else "sharded",
+            # what `trainer.cpu_matmul` resolved to: a kernel, or how many matmuls each runs; its table
+            "matmul": cpu_matmul.summary(self.matmul_table) if self.matmul_table else "aten",
+            "matmul_table": self.matmul_table,
+            "matmul_cached": self.matmul_cached,
+        }
 
     # ------------------------------------------------------------------ forward helpers
 
@@ -230,7 +297,9 @@ class TrainerWorker:
         L = ids.shape[1]
         Lb = ops.bucket_length(L, self.buckets)
         if Lb > self.max_len:
-            raise ValueError(f"batch sequence length {Lb} exceeds the model's max_position_embeddings {self.max_len}")
+            raise ValueError(
+                f"batch sequence length {Lb} exceeds the model's max_position_embeddings {self.max_len}"
+            )
         if Lb > L:  # right padding keeps every real position's causal context unchanged
             ids = torch.nn.functional.pad(ids, (0, Lb - L), value=self.pad_id)
         return ids
@@ -241,8 +310,9 @@ class TrainerWorker:
         packed = None
         # a batch longer than the model's positions takes the plain path, whose error names the limit
         if self.tc.share_prompts and self.can_share_prompts and mb.input_ids.shape[1] <= self.max_len:
-            packed = ops.pack_shared_prompts(mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.response_len,
-                                             self.pad_id)
+            packed = ops.pack_shared_prompts(
+                mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.response_len, self.pad_id
+            )
         if packed is None:
             ids = self._inputs(mb)
             hidx, tidx = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
@@ -297,15 +367,18 @@ class TrainerWorker:
         return _with_pad_row(batch)
 
     @torch.no_grad()
-    def _infer(self, batch: TrainBatch, fn, rows: torch.Tensor | None = None
-               ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    def _infer(
+        self, batch: TrainBatch, fn, rows: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         padded = self._padded(batch)
         T = batch.response_len  # results leave without the response bucket's padding
         rows = torch.arange(batch.num_seqs) if rows is None else rows
         out = []
         for idx in self._micro_batches(padded, rows, self.tc.micro_batch_size):
             res = fn(padded.select(idx))
-            out.append((idx, tuple(r.detach().cpu()[:, :T].float() for r in res)))  # cut on the host: static shapes
+            out.append(
+                (idx, tuple(r.detach().cpu()[:, :T].float() for r in res))
+            )  # cut on the host: static shapes
         for m in (self.model, self.ref, self.critic):
             if m is not None:
                 parallel.reshard(m)  # keep every parameter a DTensor shard between calls
@@ -321,7 +394,9 @@ class TrainerWorker:
     def compute_ref_log_probs(self, batch: TrainBatch, rows: torch.Tensor | None = None):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_probs needs trainer.reference = true")
-        return [(i, r[:1]) for i, r in self._infer(batch, lambda mb: self._policy_forward(self.ref, mb), rows)]
+        return [
+            (i, r[:1]) for i, r in self._infer(batch, lambda mb: self._policy_forward(self.ref, mb), rows)
+        ]
 
     def compute_values(self, batch: TrainBatch):
         if self.critic is None:
@@ -342,8 +417,18 @@ class TrainerWorker:
         skip = self._skips_zero_advantage(algo)
         for _ in range(tc.ppo_epochs):
             for rows in mini_batch_rows(batch.num_seqs, tc.ppo_mini_batches):
-                stats.append(self._update(batch, rows, self.model, self.optimizer, self.scheduler, actor_loss, "actor",
-                                          skip_zero_advantage=skip))
+                stats.append(
+                    self._update(
+                        batch,
+                        rows,
+                        self.model,
+                        self.optimizer,
+                        self.scheduler,
+                        actor_loss,
+                        "actor",
+                        skip_zero_advantage=skip,
+                    )
+                )
                 self.step += 1
         if self.critic is not None and batch.returns is not None:
             self.critic.train()
@@ -351,13 +436,28 @@ class TrainerWorker:
             def critic_loss(mb, g_tok, g_seq):
                 v = self._critic_forward(mb)
                 old = mb.values.to(self.local) if mb.values is not None else v.detach()
-                return compute_value_loss(v, old, mb.returns.to(self.local), mb.response_mask.to(self.local),
-                                          algo.cliprange_value, global_tokens=g_tok)
+                return compute_value_loss(
+                    v,
+                    old,
+                    mb.returns.to(self.local),
+                    mb.response_mask.to(self.local),
+                    algo.cliprange_value,
+                    global_tokens=g_tok,
+                )
 
             for _ in range(tc.ppo_epochs):
                 for rows in mini_batch_rows(batch.num_seqs, tc.ppo_mini_batches):
-                    stats.append(self._update(batch, rows, self.critic, self.critic_optimizer,
-                                              self.critic_scheduler, critic_loss, "critic"))
+                    stats.append(
+                        self._update(
+                            batch,
+                            rows,
+                            self.critic,
+                            self.critic_optimizer,
+                            self.critic_scheduler,
+                            critic_loss,
+                            "critic",
+                        )
+                    )
         if self.ref is not None:
             parallel.reshard(self.ref)  # the reference may have run inside the actor loss
         out = _mean_dicts(stats)
@@ -385,8 +485,17 @@ class TrainerWorker:
                 with torch.no_grad():  # the reference's forward in the same call: the batch crosses once
                     ref = self._policy_forward(self.ref, mb)[0]
             return compute_policy_loss(
-                algo, lp, dev(old), dev(mb.advantages), dev(mb.response_mask), ref_log_prob=dev(ref),
-                entropy=ent, rollout_log_prob=dev(mb.rollout_log_probs), global_tokens=g_tok, global_seqs=g_seq)
+                algo,
+                lp,
+                dev(old),
+                dev(mb.advantages),
+                dev(mb.response_mask),
+                ref_log_prob=dev(ref),
+                entropy=ent,
+                rollout_log_prob=dev(mb.rollout_log_probs),
+                global_tokens=g_tok,
+                global_seqs=g_seq,
+            )
 
         return loss
 
@@ -395,7 +504,9 @@ class TrainerWorker:
 
         return self.tc.skip_zero_advantage and zero_advantage_inert(algo)
 
-    def policy_grads(self, batch: TrainBatch, algo: AlgorithmConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def policy_grads(
+        self, batch: TrainBatch, algo: AlgorithmConfig
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Full gradient of the policy loss over the whole batch (one mini-batch), without stepping:
         what `train_step` would clip and apply, and the loss metrics. For verification; leaves no
         gradient behind."""
@@ -426,8 +537,9 @@ class TrainerWorker:
 
         return rows[rows_to_run(batch.advantages[rows], batch.response_mask[rows], self.world_size)]
 
-    def _accumulate(self, batch, rows, model, loss_fn, run: torch.Tensor | None = None
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    def _accumulate(
+        self, batch, rows, model, loss_fn, run: torch.Tensor | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
         """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up); only
         the rows in `run` (default: all) are run, but all of `rows` normalise the loss. A rank with nothing
         to run runs one padding row, so every rank joins the same collectives.
@@ -465,7 +577,9 @@ class TrainerWorker:
                 model.set_reshard_after_backward(True)
         return sums, weighted, weight
 
-    def _reduce(self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float) -> dict[str, float]:
+    def _reduce(
+        self, sums: dict[str, torch.Tensor], weighted: dict[str, torch.Tensor], weight: float
+    ) -> dict[str, float]:
         """One all-reduce for every metric: loss shares add up, other metrics are token-weighted means.
         The step's only read of the metrics from the device (float64: untested on TPU, which lacks it)."""
         keys, vec = self._metric_vector(sums, weighted, weight)
@@ -482,10 +596,13 @@ class TrainerWorker:
         """Loss shares as summed; token means only when some token was run (a mean over none is no 0)."""
         vec = vec.cpu().tolist()
         total_w = vec[-1]
-        return {k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1]) if k in sums or total_w > 0}
+        return {
+            k: (v if k in sums else v / total_w) for k, v in zip(keys, vec[:-1]) if k in sums or total_w > 0
+        }
 
-    def _update(self, batch, rows, model, optimizer, scheduler, loss_fn, prefix,
-                skip_zero_advantage: bool = False) -> dict[str, float]:
+    def _update(
+        self, batch, rows, model, optimizer, scheduler, loss_fn, prefix, skip_zero_advantage: bool = False
+    ) -> dict[str, float]:
         """One optimizer step over mini-batch `rows`, split over ranks and micro-batches."""
         from torchtitan.distributed import utils as dist_utils
 
@@ -503,7 +620,10 @@ class TrainerWorker:
         self.device.step_end()  # lazy devices: the update, the metrics and the grad norm are one program
         self._host = None
         out = self._read_metrics(sums, keys, vec)
-        out = {(f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v for k, v in out.items()}
+        out = {
+            (f"critic/{k[5:]}" if prefix == "critic" and k.startswith("loss/") else k): v
+            for k, v in out.items()
+        }
         out[f"{prefix}/grad_norm"] = float(grad_norm)
         out[f"{prefix}/lr"] = float(lr)
         if skip_zero_advantage:
@@ -542,9 +662,14 @@ class TrainerWorker:
         path = Path(path)
         state, kw = self._checkpoint_state()
         dcp.save(state, checkpoint_id=str(path / "dcp"), **kw)
-        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
-                 "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
-                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "world_size": self.world_size}
+        extra = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": random.getstate(),
+            "world_size": self.world_size,
+        }
         torch.save(extra, path / f"extra_rank{self.rank}.pt")
         self._barrier()
         return str(path)
@@ -559,7 +684,9 @@ class TrainerWorker:
         state, kw = self._checkpoint_state()
         dcp.load(state, checkpoint_id=str(path / "dcp"), **kw)
         for name, m, opt in self._stateful():
-            set_state_dict(m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"])
+            set_state_dict(
+                m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"]
+            )
         self.device.step_end()
         self._host = None
         own = path / f"extra_rank{self.rank}.pt"
@@ -582,7 +709,9 @@ class TrainerWorker:
             check_restartable(self.tc, tc, "restart_from")
         spec = tmodel.build_model_spec(model_path)
         if spec.config != self.spec.config:
-            raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}")
+            raise ValueError(
+                f"restart_from: {model_path!r} is not the same architecture as {self.model_path!r}"
+            )
         self.tc = tc if tc is not None else self.tc
         self.device.seed(self.tc.seed)
         titan_sd = tmodel.hf_to_titan(spec, tmodel.load_hf_state_dict(model_path))
@@ -648,7 +777,9 @@ class TrainerWorker:
         if getattr(self, "_sender", None) is None:
             from rl_tpu.weight_sync.sync import Sender, fsdp_local_shards
 
-            self._sender = Sender(self._host_shards if self.device.lazy_tensors else lambda: fsdp_local_shards(self.model))
+            self._sender = Sender(
+                self._host_shards if self.device.lazy_tensors else lambda: fsdp_local_shards(self.model)
+            )
         return self._sender
 
     def _host_shards(self) -> dict[str, torch.Tensor]:
@@ -686,8 +817,10 @@ def _zero_adamw_state(opt: torch.optim.Optimizer) -> None:
     sd = opt.state_dict()
     ids = [i for g in sd["param_groups"] for i in g["params"]]  # state_dict's indices, in param order
     params = [p for g in opt.param_groups for p in g["params"]]
-    state = {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-             for i, p in zip(ids, params)}
+    state = {
+        i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        for i, p in zip(ids, params)
+    }
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 

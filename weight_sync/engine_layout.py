@@ -41,15 +41,26 @@ class EngineLayout:
 
     def to_wire(self) -> dict:
         """Plain types only (vLLM's multiprocess RPC carries no numpy arrays or tensors)."""
-        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype,
-                "shapes": {n: list(s) for n, s in self.shapes.items()},
-                "runs": {n: r.astype(np.int64).tobytes() for n, r in self.runs.items()}}
+        return {
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "shapes": {n: list(s) for n, s in self.shapes.items()},
+            "runs": {n: r.astype(np.int64).tobytes() for n, r in self.runs.items()},
+        }
 
     @classmethod
-    def from_wire(cls, d: dict) -> "EngineLayout":
-        return cls(tp_rank=int(d["tp_rank"]), tp_size=int(d["tp_size"]), dtype=d["dtype"],
-                   shapes={n: tuple(s) for n, s in d["shapes"].items()},
-                   runs={n: np.frombuffer(b, dtype=np.int64).reshape(-1, len(ENGINE_COLS)) for n, b in d["runs"].items()})
+    def from_wire(cls, d: dict) -> EngineLayout:
+        return cls(
+            tp_rank=int(d["tp_rank"]),
+            tp_size=int(d["tp_size"]),
+            dtype=d["dtype"],
+            shapes={n: tuple(s) for n, s in d["shapes"].items()},
+            runs={
+                n: np.frombuffer(b, dtype=np.int64).reshape(-1, len(ENGINE_COLS))
+                for n, b in d["runs"].items()
+            },
+        )
 
 
 def derive_layout(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) -> EngineLayout:
@@ -66,24 +77,31 @@ def derive_layout(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) -> Engine
     work = Workspace()
 
     for kind, k in digit_passes(int(hf_rows.sum()), max_cols):
+
         def capture(layer, tensors: dict[str, torch.Tensor]) -> None:
             prefix = names.get(id(layer), "")
             for pname, t in tensors.items():
                 name = f"{prefix}.{pname}" if prefix else pname
                 d = t.reshape(rows_cols(tuple(t.shape)))
                 seg = segments.get(name) or Segments.whole_rows(*d.shape)
-                segments[name], shapes[name] = seg.refine(d, kind, k, work), tuple(t.shape)
+                segments[name], shapes[name] = seg.refine(d, kind, k, work), tuple(t.shape)  # noqa: B023
 
-        inputs = ((name, digit_input(kind, k, int(off), tuple(shape)))
-                  for (name, shape), off in zip(hf_specs, row_offsets))
+        inputs = (
+            (name, digit_input(kind, k, int(off), tuple(shape)))
+            for (name, shape), off in zip(hf_specs, row_offsets)
+        )
         vllm_compat.run_loaders(worker, inputs, capture, dtype=torch.uint8)
 
     runs = {n: r for n, seg in segments.items() if (r := seg.runs(row_offsets)).shape[0]}
     order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     ordered = sorted(runs, key=lambda n: order.get(n, len(order)))
-    return EngineLayout(tp_rank=vllm_compat.tp_rank(), tp_size=vllm_compat.tp_size(),
-                        dtype=str(dtype).removeprefix("torch."), shapes={n: shapes[n] for n in ordered},
-                        runs={n: runs[n] for n in ordered})
+    return EngineLayout(
+        tp_rank=vllm_compat.tp_rank(),
+        tp_size=vllm_compat.tp_size(),
+        dtype=str(dtype).removeprefix("torch."),
+        shapes={n: shapes[n] for n in ordered},
+        runs={n: runs[n] for n in ordered},
+    )
 
 
 def reference_layout(worker, hf_weights) -> dict[str, torch.Tensor]:

@@ -56,7 +56,7 @@ def apply_bucket(buf, pieces: np.ndarray, names: list[str], dst_of, done=None) -
     with torch.no_grad():
         for pid, r, c, nr, nc in pieces.tolist():
             n = nr * nc
-            dst_of(names[pid])[r:r + nr, c:c + nc].copy_(data[off:off + n].view(nr, nc))
+            dst_of(names[pid])[r : r + nr, c : c + nc].copy_(data[off : off + n].view(nr, nc))
             off += n
             if done is not None:
                 done(names[pid], n)
@@ -91,7 +91,9 @@ class EngineSide:
         self.kept: dict[str, torch.Tensor] = {}
         self.version = -1
         self.region: Region | None = None
-        self.region_params: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # name -> offset, shape, dtype
+        self.region_params: dict[
+            str, tuple[int, tuple[int, ...], torch.dtype]
+        ] = {}  # name -> offset, shape, dtype
 
     def derive(self, hf_specs: list) -> dict:
         return derive_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
@@ -104,8 +106,10 @@ class EngineSide:
         self.names = list(t["names"])
         self.shapes = {n: tuple(s) for n, s in t["shapes"].items()}
         self.numel = {n: int(v) for n, v in t["numel"].items()}
-        self.buckets = {int(b): np.frombuffer(p, dtype=np.int64).reshape(-1, PIECE_FIELDS)
-                        for b, p in t["buckets"].items()}
+        self.buckets = {
+            int(b): np.frombuffer(p, dtype=np.int64).reshape(-1, PIECE_FIELDS)
+            for b, p in t["buckets"].items()
+        }
         model = vllm_compat.model(self.worker)
         self.layers, self.params_of = {}, {}
         for name in self.names:
@@ -116,7 +120,11 @@ class EngineSide:
         return len(self.buckets)
 
     def _direct(self, direct: bool | None) -> bool:
-        return next(vllm_compat.model(self.worker).parameters()).device.type != "cpu" if direct is None else direct
+        return (
+            next(vllm_compat.model(self.worker).parameters()).device.type != "cpu"
+            if direct is None
+            else direct
+        )
 
     def make_region(self, max_bytes: int, direct: bool | None) -> dict:
         """Create this rank's receiver region: one /dev/shm file with every plan parameter's loaded-layout
@@ -132,15 +140,27 @@ class EngineSide:
             layer, pname = self.layers[name]
             meta = vllm_compat.loaded_meta(layer, pname)
             if meta is None or tuple(meta.shape) != self.shapes[name] or not meta.is_contiguous():
-                return {"rank": rank, "why": f"{name}: vLLM recorded no contiguous loaded layout of its shape"}
+                return {
+                    "rank": rank,
+                    "why": f"{name}: vLLM recorded no contiguous loaded layout of its shape",
+                }
             params[name] = (off, self.shapes[name], meta.dtype)
             off += -(-math.prod(self.shapes[name]) * meta.element_size() // REGION_ALIGN) * REGION_ALIGN
         if off > max_bytes:
-            return {"rank": rank, "why": f"region of {off / 2**20:.1f} MB is over the cap of {max_bytes / 2**20:.1f} MB"}
+            return {
+                "rank": rank,
+                "why": f"region of {off / 2**20:.1f} MB is over the cap of {max_bytes / 2**20:.1f} MB",
+            }
         self.region, self.region_params = Region.create(off), params
-        return {"rank": rank, "path": self.region.path, "nbytes": off,
-                "params": [[o, list(shape), str(dt).removeprefix("torch.")] for o, shape, dt in
-                           (params[n] for n in self.names)]}
+        return {
+            "rank": rank,
+            "path": self.region.path,
+            "nbytes": off,
+            "params": [
+                [o, list(shape), str(dt).removeprefix("torch.")]
+                for o, shape, dt in (params[n] for n in self.names)
+            ],
+        }
 
     def close(self) -> None:
         """Drop the receiver region (its file is unlinked; the memory goes with the last mapping)."""
@@ -156,13 +176,21 @@ class EngineSide:
         model = vllm_compat.model(self.worker)
         direct = self._direct(direct)
         if self.region is not None and direct:
-            raise RuntimeError("weight sync: this rank's receiver region serves the CPU layerwise install, "
-                               "not a direct one (build the plan with the same `direct`)")
+            raise RuntimeError(
+                "weight sync: this rank's receiver region serves the CPU layerwise install, "
+                "not a direct one (build the plan with the same `direct`)"
+            )
         if self.region is not None:
             self.region.unlink()  # every sender mapped it during setup: no name is left to leak
         layer_left = {lid: sum(self.numel[n] for n in names) for lid, names in self.params_of.items()}
-        self.session = _Session(version=version, direct=direct, keep=keep, remaining=dict(self.numel),
-                                layer_left=layer_left, region=self.region is not None)
+        self.session = _Session(
+            version=version,
+            direct=direct,
+            keep=keep,
+            remaining=dict(self.numel),
+            layer_left=layer_left,
+            region=self.region is not None,
+        )
         if not direct:
             vllm_compat.begin_reload(model)
         return vllm_compat.tp_rank()
@@ -175,7 +203,9 @@ class EngineSide:
         t = getattr(layer, pname)
         if not s.direct and t.is_meta:
             vllm_compat.materialize(layer)
-            for n2 in self.params_of[id(layer)]:  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
+            for n2 in self.params_of[
+                id(layer)
+            ]:  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
                 if self.numel[n2] < math.prod(self.shapes[n2]):
                     getattr(layer, self.layers[n2][1]).data.zero_()
             t = getattr(layer, pname)
@@ -187,6 +217,7 @@ class EngineSide:
         s = self.session
         if s is None:
             raise RuntimeError("weight sync: receive outside a sync session (begin was not called)")
+
         def done(name: str, n: int) -> None:
             s.remaining[name] -= n
             layer = self.layers[name][0]
@@ -198,7 +229,9 @@ class EngineSide:
         for bid, handle, transport in handles.get(str(vllm_compat.tp_rank()), []):
             if transport == "shm_region":  # the sender wrote the pieces in place: count them
                 if not s.region:
-                    raise RuntimeError("weight sync: a shm_region bucket for a rank without a receiver region")
+                    raise RuntimeError(
+                        "weight sync: a shm_region bucket for a rank without a receiver region"
+                    )
                 for pid, _, _, nr, nc in self.buckets[int(bid)].tolist():
                     n_bytes += nr * nc * self.region_params[self.names[pid]][2].itemsize
                     done(self.names[pid], nr * nc)
@@ -210,8 +243,9 @@ class EngineSide:
 
     def _complete(self, s: _Session, layer) -> None:
         if s.region:
-            vllm_compat.materialize_into(layer, {self.layers[n][1]: self._region_view(n)
-                                                 for n in self.params_of[id(layer)]})
+            vllm_compat.materialize_into(
+                layer, {self.layers[n][1]: self._region_view(n) for n in self.params_of[id(layer)]}
+            )
         if s.keep:
             for n in self.params_of[id(layer)]:
                 s.kept[n] = getattr(layer, self.layers[n][1]).data.detach().clone()
@@ -234,8 +268,12 @@ class EngineSide:
         if incomplete:
             raise RuntimeError(f"weight sync v{s.version}: parameters not fully received: {incomplete}")
         self.version, self.kept = s.version, s.kept
-        return {"rank": vllm_compat.tp_rank(), "version": s.version, "bytes": s.received_bytes,
-                "process_s": s.process_s}
+        return {
+            "rank": vllm_compat.tp_rank(),
+            "version": s.version,
+            "bytes": s.received_bytes,
+            "process_s": s.process_s,
+        }
 
     def verify(self, hf_weights: Any) -> dict[str, float]:
         """Max |diff| per engine parameter between what the last sync installed (loaded layout) and what

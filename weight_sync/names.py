@@ -61,7 +61,8 @@ def hf_row_map(specs: list[ParamSpec], to_hf: Callable[[dict], dict]) -> dict[st
             templates[key], seen[key] = mine, 1
         elif templates[key] is not None:
             same = len(mine) == len(templates[key]) and all(
-                a == c and np.array_equal(b, d) for (a, b), (c, d) in zip(mine, templates[key]))
+                a == c and np.array_equal(b, d) for (a, b), (c, d) in zip(mine, templates[key])
+            )
             templates[key] = templates[key] if same else None
             seen[key] += 1
     return out
@@ -78,8 +79,10 @@ def _probe(s: ParamSpec, to_hf: Callable[[dict], dict], real: dict) -> list[tupl
                 raise ValueError("probe widened")
         except (RuntimeError, ValueError):  # the adapter needs the real width: stride-0 columns
             wide = to_hf({s.name: codes.view(*s.shape[:-1], 1).expand(s.shape)})
-            got = {k: v[..., :1] if tuple(v.shape) == tuple(real[k]) and bool((v == v[..., :1]).all()) else v
-                   for k, v in wide.items()}
+            got = {
+                k: v[..., :1] if tuple(v.shape) == tuple(real[k]) and bool((v == v[..., :1]).all()) else v
+                for k, v in wide.items()
+            }
     else:
         got = dict(to_hf({s.name: codes.view(s.shape)}))
     out = []
@@ -87,14 +90,18 @@ def _probe(s: ParamSpec, to_hf: Callable[[dict], dict], real: dict) -> list[tupl
         shape = real[hf_name]
         want = (*shape[:-1], 1) if len(shape) >= 2 else tuple(shape)
         if tuple(t.shape) != want:
-            raise ValueError(f"adapter output {hf_name!r}: probe shape {tuple(t.shape)} != {want}; the adapter "
-                             f"moves elements across columns, which the row-based plan does not support")
+            raise ValueError(
+                f"adapter output {hf_name!r}: probe shape {tuple(t.shape)} != {want}; the adapter "
+                f"moves elements across columns, which the row-based plan does not support"
+            )
         local = t.reshape(-1).numpy()
         if local.size and (local.min() < 0 or local.max() >= n):
             raise ValueError(f"adapter maps HF tensor {hf_name!r} from more than one TorchTitan tensor")
         if rows_cols(s.shape)[1] != rows_cols(shape)[1]:
-            raise ValueError(f"adapter output {hf_name!r}: {rows_cols(shape)[1]} columns, but its source "
-                             f"{s.name!r} has {rows_cols(s.shape)[1]}")
+            raise ValueError(
+                f"adapter output {hf_name!r}: {rows_cols(shape)[1]} columns, but its source "
+                f"{s.name!r} has {rows_cols(s.shape)[1]}"
+            )
         out.append((hf_name, runs_1d(local)))
     return out
 
@@ -160,4 +167,6 @@ def titan_to_hf_for(hf_dir: str | Path) -> Callable[[dict], dict]:
 
         adapter = Qwen3StateDictAdapter(SimpleNamespace(enable_weight_tying=tie, layers=[]), None)
         return adapter.to_hf
-    raise NotImplementedError(f"titan_to_hf_for: model_type {model_type!r} in {hf_dir}; pass the trainer's adapter")
+    raise NotImplementedError(
+        f"titan_to_hf_for: model_type {model_type!r} in {hf_dir}; pass the trainer's adapter"
+    )

@@ -56,8 +56,10 @@ class Plan:
     def for_sender(self, rank: int) -> dict[int, np.ndarray]:
         """Bucket id -> pieces (src, src_row, src_col, nrows, ncols) that sender `rank` packs, in order."""
         cut = self._bucket_slices()
-        return {int(b): self.pieces[cut[b]:cut[b + 1]][:, [SRC, SROW, SCOL, NR, NC]]
-                for b in np.flatnonzero(self.buckets[:, 1] == rank)}
+        return {
+            int(b): self.pieces[cut[b] : cut[b + 1]][:, [SRC, SROW, SCOL, NR, NC]]
+            for b in np.flatnonzero(self.buckets[:, 1] == rank)
+        }
 
     def for_receiver(self, i: int) -> list[tuple[int, int, np.ndarray]]:
         """(bucket id, sender, pieces (dst, dst_row, dst_col, nrows, ncols)) of receiver `i`, in install
@@ -66,8 +68,14 @@ class Plan:
         ids = np.flatnonzero(self.buckets[:, 0] == i)
         firsts = self.pieces[cut[ids]] if ids.size else np.zeros((0, len(PIECE_COLS)), dtype=np.int64)
         order = np.lexsort((firsts[:, DCOL], firsts[:, DROW], firsts[:, DST])) if ids.size else []
-        return [(int(ids[k]), int(self.buckets[ids[k], 1]),
-                 self.pieces[cut[ids[k]]:cut[ids[k] + 1]][:, [DST, DROW, DCOL, NR, NC]]) for k in order]
+        return [
+            (
+                int(ids[k]),
+                int(self.buckets[ids[k], 1]),
+                self.pieces[cut[ids[k]] : cut[ids[k] + 1]][:, [DST, DROW, DCOL, NR, NC]],
+            )
+            for k in order
+        ]
 
 
 class PlanError(ValueError):
@@ -92,7 +100,9 @@ def owners(spec: ParamSpec) -> list[tuple[int, int, int]]:
             elif p in ("R", "Replicate()"):
                 source = source and c == 0
             else:
-                raise NotImplementedError(f"{spec.name}: placement {p} (weight sync supports Shard(0) and Replicate())")
+                raise NotImplementedError(
+                    f"{spec.name}: placement {p} (weight sync supports Shard(0) and Replicate())"
+                )
         if source and hi > lo:
             rank = int(np.ravel_multi_index(coord, spec.mesh_shape))
             out.append((rank, lo * per, hi * per))
@@ -128,8 +138,9 @@ def build_plan(
     m = np.concatenate(m_parts) if m_parts else np.zeros((0, 2), dtype=np.int64)
     m = m[np.argsort(m[:, 0], kind="stable")]
     # TorchTitan rows (global) -> (sender, first row of its local shard)
-    o = np.array([(t_rows[t] + lo, r) for t, s in enumerate(specs) for r, lo, _ in owners(s)],
-                 dtype=np.int64).reshape(-1, 2)
+    o = np.array(
+        [(t_rows[t] + lo, r) for t, s in enumerate(specs) for r, lo, _ in owners(s)], dtype=np.int64
+    ).reshape(-1, 2)
     o = o[np.argsort(o[:, 0], kind="stable")]
 
     receivers, dst_names, dst_shapes, dst_numel, all_pieces = [], [], [], [], []
@@ -154,14 +165,35 @@ def build_plan(
         src_row = lo2 - o[k2, 0]
         base = i1[i2]
         dst_row = e[base, 0] + (lo2 - trow_g[i2]) + (lo1[i2] - g[base])
-        pieces = np.stack([np.full(i2.size, ri), o[k2, 1], src, src_row, e[base, 6], pid[base], dst_row,
-                           e[base, 1], n2, e[base, 3]], axis=1)
+        pieces = np.stack(
+            [
+                np.full(i2.size, ri),
+                o[k2, 1],
+                src,
+                src_row,
+                e[base, 6],
+                pid[base],
+                dst_row,
+                e[base, 1],
+                n2,
+                e[base, 3],
+            ],
+            axis=1,
+        )
         all_pieces.append(pieces)
     pieces = np.concatenate(all_pieces) if all_pieces else np.zeros((0, len(PIECE_COLS)), dtype=np.int64)
     pieces, buckets = _bucketize(pieces, bucket_bytes, elem)
-    return Plan(titan_names=[s.name for s in specs], receivers=receivers, dst_names=dst_names,
-                dst_shapes=dst_shapes, dst_numel=dst_numel, src_dtype=src_dtype,
-                dtype=layouts[0][1].dtype if layouts else src_dtype, pieces=pieces, buckets=buckets)
+    return Plan(
+        titan_names=[s.name for s in specs],
+        receivers=receivers,
+        dst_names=dst_names,
+        dst_shapes=dst_shapes,
+        dst_numel=dst_numel,
+        src_dtype=src_dtype,
+        dtype=layouts[0][1].dtype if layouts else src_dtype,
+        pieces=pieces,
+        buckets=buckets,
+    )
 
 
 def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,18 +237,23 @@ def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: int) -> tuple[np.nda
 
 
 def check_names(
-    trainer_hf: dict[str, tuple[int, ...]], engine_hf: dict[str, tuple[int, ...]], ignore: tuple[str, ...] = ()
+    trainer_hf: dict[str, tuple[int, ...]],
+    engine_hf: dict[str, tuple[int, ...]],
+    ignore: tuple[str, ...] = (),
 ) -> None:
     """Raise one PlanError listing every HF name missing on either side and every shape mismatch."""
     missing = sorted(n for n in engine_hf if n not in trainer_hf and not n.endswith(ignore or ("\0",)))
     extra = sorted(n for n in trainer_hf if n not in engine_hf)
     shapes = sorted(
         f"{n}: trainer {list(trainer_hf[n])} vs engine {list(engine_hf[n])}"
-        for n in trainer_hf.keys() & engine_hf.keys() if tuple(trainer_hf[n]) != tuple(engine_hf[n])
+        for n in trainer_hf.keys() & engine_hf.keys()
+        if tuple(trainer_hf[n]) != tuple(engine_hf[n])
     )
     if missing or extra or shapes:
-        lines = [f"weight sync: trainer and engine parameters do not match "
-                 f"({len(missing)} missing, {len(extra)} unexpected, {len(shapes)} mis-shaped)"]
+        lines = [
+            f"weight sync: trainer and engine parameters do not match "
+            f"({len(missing)} missing, {len(extra)} unexpected, {len(shapes)} mis-shaped)"
+        ]
         lines += [f"  missing in trainer: {n}" for n in missing]
         lines += [f"  not in engine:      {n}" for n in extra]
         lines += [f"  shape mismatch:     {s}" for s in shapes]

@@ -57,8 +57,14 @@ def merge_rows(seg: np.ndarray) -> np.ndarray:
     order = np.lexsort((seg[:, 0], seg[:, 5], seg[:, 3], seg[:, 2], seg[:, 1]))
     s = seg[order]
     cont = np.zeros(s.shape[0], dtype=bool)
-    cont[1:] = ((s[1:, 1] == s[:-1, 1]) & (s[1:, 2] == s[:-1, 2]) & (s[1:, 3] == s[:-1, 3])
-                & (s[1:, 5] == s[:-1, 5]) & (s[1:, 0] == s[:-1, 0] + 1) & (s[1:, 4] == s[:-1, 4] + 1))
+    cont[1:] = (
+        (s[1:, 1] == s[:-1, 1])
+        & (s[1:, 2] == s[:-1, 2])
+        & (s[1:, 3] == s[:-1, 3])
+        & (s[1:, 5] == s[:-1, 5])
+        & (s[1:, 0] == s[:-1, 0] + 1)
+        & (s[1:, 4] == s[:-1, 4] + 1)
+    )
     starts = np.flatnonzero(~cont)
     nrows = np.diff(np.append(starts, s.shape[0]))
     h = s[starts]
@@ -79,9 +85,13 @@ def merge_rows(seg: np.ndarray) -> np.ndarray:
 def digit_passes(max_row_code: int, max_col_code: int) -> list[tuple[str, int]]:
     """(kind, byte index) of every pass: all row-code bytes first (padding must be known before the
     column passes), then the column-code bytes."""
+
     def nbytes(m: int) -> int:
         return max(1, (int(m).bit_length() + 7) // 8)
-    return [("row", k) for k in range(nbytes(max_row_code))] + [("col", k) for k in range(nbytes(max_col_code))]
+
+    return [("row", k) for k in range(nbytes(max_row_code))] + [
+        ("col", k) for k in range(nbytes(max_col_code))
+    ]
 
 
 def digit_input(kind: str, k: int, row_offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -124,17 +134,17 @@ class Segments:
         self.starts, self.row, self.col, self.shape = starts, row, col, shape
 
     @classmethod
-    def whole_rows(cls, R: int, C: int) -> "Segments":
+    def whole_rows(cls, R: int, C: int) -> Segments:
         z = torch.zeros(R, dtype=torch.int64)
         return cls(torch.arange(R, dtype=torch.int64) * C, z, z.clone(), (R, C))
 
-    def refine(self, digits: torch.Tensor, kind: str, k: int, work: "Workspace | None" = None) -> "Segments":
+    def refine(self, digits: torch.Tensor, kind: str, k: int, work: Workspace | None = None) -> Segments:
         """Read byte `k` of the row (or column) codes from `digits` (the parameter's 2-D uint8 view after
         the loaders ran on that pass's inputs) and split segments wherever the codes stop continuing."""
         R, C = self.shape
         assert tuple(digits.shape) == (R, C), (tuple(digits.shape), self.shape)
         work = work or Workspace(min(R * C, 1 << 20))
-        scale, step = 256 ** k, max(1, work.size // max(C, 1))
+        scale, step = 256**k, max(1, work.size // max(C, 1))
         parts = []
         for r0 in range(0, R, step):
             lo, hi = r0 * C, min(R, r0 + step) * C
@@ -146,7 +156,7 @@ class Segments:
             h[s_loc] = 1
             torch.cumsum(h, 0, out=sid)  # int64 in and out: a bool input costs an 8 MB temporary per block
             sid.sub_(1)
-            v.copy_(digits[r0:r0 + step].reshape(-1))
+            v.copy_(digits[r0 : r0 + step].reshape(-1))
             v.mul_(scale)
             if kind == "row":
                 v.add_(torch.index_select(self.row[a:b], 0, sid, out=g))
@@ -176,8 +186,10 @@ class Segments:
         ends = np.append(starts[1:], R * C)  # every engine row starts a segment, so none crosses a row
         keep = row > 0
         if (col[keep] <= 0).any():
-            raise ValueError("a loaded element has a row code but no column code: vLLM's loader did not copy "
-                             "HF values as whole rows and columns")
+            raise ValueError(
+                "a loaded element has a row code but no column code: vLLM's loader did not copy "
+                "HF values as whole rows and columns"
+            )
         starts, ends, row, col = starts[keep], ends[keep], row[keep] - 1, col[keep] - 1
         offs = np.asarray(row_offsets, dtype=np.int64)
         tid = np.searchsorted(offs, row, side="right") - 1
@@ -185,7 +197,9 @@ class Segments:
         return merge_rows(seg.astype(np.int64))
 
 
-def split_at(starts: np.ndarray, lengths: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_at(
+    starts: np.ndarray, lengths: np.ndarray, bounds: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split intervals `[starts, starts + lengths)` at the sorted boundaries `bounds` (segment starts of
     a table that covers every interval). Returns (interval index, piece start, piece length) per piece,
     and each piece lies inside one segment: `searchsorted(bounds, piece start, 'right') - 1`."""

@@ -20,7 +20,7 @@ class ParamSpec:
     placements: tuple[str, ...]  # one per mesh dim: "Shard(0)", "Replicate()", ...
 
     @classmethod
-    def from_tensor(cls, name: str, t) -> "ParamSpec":
+    def from_tensor(cls, name: str, t) -> ParamSpec:
         """Describe a torch.Tensor or DTensor."""
         from torch.distributed.tensor import DTensor
 
@@ -28,7 +28,13 @@ class ParamSpec:
         if isinstance(t, DTensor):
             mesh = t.device_mesh
             return cls(
-                name=name, shape=tuple(t.shape), dtype=dtype, mesh_shape=tuple(mesh.shape),
-                mesh_dim_names=tuple(mesh.mesh_dim_names or ()), placements=tuple(str(p) for p in t.placements),
+                name=name,
+                shape=tuple(t.shape),
+                dtype=dtype,
+                mesh_shape=tuple(mesh.shape),
+                mesh_dim_names=tuple(mesh.mesh_dim_names or ()),
+                placements=tuple(str(p) for p in t.placements),
             )
-        return cls(name=name, shape=tuple(t.shape), dtype=dtype, mesh_shape=(), mesh_dim_names=(), placements=())
+        return cls(
+            name=name, shape=tuple(t.shape), dtype=dtype, mesh_shape=(), mesh_dim_names=(), placements=()
+        )

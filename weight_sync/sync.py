@@ -30,8 +30,8 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,7 +89,9 @@ def _get_each(xs: list) -> list:
     for i, ref in enumerate(xs):
         try:
             out.append(ray.get(ref))
-        except ray.exceptions.RayTaskError:  # the engine's call failed (e.g. a sender died): not a lost engine
+        except (
+            ray.exceptions.RayTaskError
+        ):  # the engine's call failed (e.g. a sender died): not a lost engine
             raise
         except ray.exceptions.RayActorError as e:
             out.append(None)
@@ -173,18 +175,22 @@ class Sender:
             info = self.regions[i]
             off, shape, dtype = info["params"][d]
             reg = Region.attach(info["path"], int(info["nbytes"]))
-            v = self._views[(i, d)] = reg.view(int(off), shape, getattr(torch, dtype)).view(rows_cols(tuple(shape)))
+            v = self._views[(i, d)] = reg.view(int(off), shape, getattr(torch, dtype)).view(
+                rows_cols(tuple(shape))
+            )
         return v
 
     def _write_region(self, bucket: int) -> tuple[int, int]:
         """Copy `bucket`'s pieces straight into the receiver's region (engine dtype); return the handle."""
         if bucket not in self.dst:
-            raise RuntimeError(f"weight sync: bucket {bucket} is routed into a receiver region this rank was not "
-                               "given (WeightSync.build / replace_receiver hands them out)")
+            raise RuntimeError(
+                f"weight sync: bucket {bucket} is routed into a receiver region this rank was not "
+                "given (WeightSync.build / replace_receiver hands them out)"
+            )
         i, dst = self.dst[bucket]
         with torch.no_grad():
             for piece, (d, dr, dc, nr, nc) in zip(self._pieces(bucket, self.shards()), dst.tolist()):
-                self._region_view(i, d)[dr:dr + nr, dc:dc + nc].copy_(piece)
+                self._region_view(i, d)[dr : dr + nr, dc : dc + nc].copy_(piece)
         return (i, bucket)
 
     def _pieces(self, bucket: int, shards: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -194,7 +200,7 @@ class Sender:
             v = views.get(src)
             if v is None:
                 v = views[src] = as_2d(shards[self.names[src]])
-            yield v[r:r + nr, c:c + nc]
+            yield v[r : r + nr, c : c + nc]
 
     def ws_pack(self, bucket: int, transport: str, version: int, slot: Any = None) -> Any:
         """Pack `bucket` into the transport's reusable `slot` and return its handle. The receiver that
@@ -214,7 +220,7 @@ class Sender:
         with torch.no_grad():
             for piece in self._pieces(bucket, shards):
                 n = piece.numel()
-                data[off:off + n].view(piece.shape).copy_(piece)
+                data[off : off + n].view(piece.shape).copy_(piece)
                 off += n
         del data
         if isinstance(buf, memoryview):
@@ -276,8 +282,9 @@ class Receiver:
     def ws_node(self) -> str:
         return _node_id()
 
-    def ws_setup(self, tables: dict, rounds: list, senders: list, region_bytes: int = 0,
-                 direct: bool | None = None) -> dict:
+    def ws_setup(
+        self, tables: dict, rounds: list, senders: list, region_bytes: int = 0, direct: bool | None = None
+    ) -> dict:
         """`tables[str(tp)]`: that rank's bucket tables; `rounds`: install order, each a dict
         tp -> (bucket id, sender rank, slot key, transport) with at most one bucket per TP rank.
         `region_bytes` > 0 and a shm route: each rank is asked for a receiver region of at most that many
@@ -286,8 +293,13 @@ class Receiver:
         offered = {}
         if region_bytes > 0 and any(x[3] == "shm" for rnd in rounds for x in rnd.values()):
             offered = {str(d["rank"]): d for d in self._rpc("rl_ws_region", int(region_bytes), direct)}
-        self.rounds = [{tp: (b, snd, slot, route(tr, "path" in offered.get(str(tp), {})))
-                        for tp, (b, snd, slot, tr) in rnd.items()} for rnd in rounds]
+        self.rounds = [
+            {
+                tp: (b, snd, slot, route(tr, "path" in offered.get(str(tp), {})))
+                for tp, (b, snd, slot, tr) in rnd.items()
+            }
+            for rnd in rounds
+        ]
         self.senders = senders
         return offered
 
@@ -308,8 +320,11 @@ class Receiver:
         self._rpc("rl_ws_begin", version, keep, direct)
 
         def issue(k: int, region: bool) -> dict:
-            return {tp: (bid, tr, _invoke(self.senders[snd], "ws_pack", bid, tr, version, slot))
-                    for tp, (bid, snd, slot, tr) in self.rounds[k].items() if (tr == "shm_region") == region}
+            return {
+                tp: (bid, tr, _invoke(self.senders[snd], "ws_pack", bid, tr, version, slot))
+                for tp, (bid, snd, slot, tr) in self.rounds[k].items()
+                if (tr == "shm_region") == region
+            }
 
         n = len(self.rounds)
         pending = [issue(k, True) for k in range(n)]  # region routes reuse no buffer: every round now
@@ -319,8 +334,11 @@ class Receiver:
         while i < n:
             # round i, and every later round already packed, go to the engine in one call (in order)
             j = i + 1  # a round past i + 1 whose other routes are not issued yet must wait for them
-            while (j < n and (j <= i + 1 or all(x[3] == "shm_region" for x in self.rounds[j].values()))
-                   and _ready([ref for _, _, ref in pending[j].values()])):
+            while (
+                j < n
+                and (j <= i + 1 or all(x[3] == "shm_region" for x in self.rounds[j].values()))
+                and _ready([ref for _, _, ref in pending[j].values()])
+            ):
                 j += 1
             handles: dict[str, list] = {}
             done = []
@@ -348,7 +366,9 @@ class Receiver:
 
             from safetensors.torch import save_file
 
-            fd, path = tempfile.mkstemp(suffix=".safetensors", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            fd, path = tempfile.mkstemp(
+                suffix=".safetensors", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+            )
             os.close(fd)
             try:
                 save_file({n: t.contiguous() for n, t in hf_weights}, path)
@@ -384,8 +404,11 @@ class SyncStats:
 def engine_layouts(derived: list[list[dict]]) -> list[tuple[tuple[int, int], EngineLayout]]:
     """((engine, tp rank), layout) for every rank of every engine, from each engine's `ws_derive` answer
     (one wire layout per TP rank), engines in order: what `build_plan` takes."""
-    return [((e, lay.tp_rank), lay) for e, per_rank in enumerate(derived)
-            for lay in map(EngineLayout.from_wire, per_rank)]
+    return [
+        ((e, lay.tp_rank), lay)
+        for e, per_rank in enumerate(derived)
+        for lay in map(EngineLayout.from_wire, per_rank)
+    ]
 
 
 def receiver_tables(plan: Plan, engine: int, transport: str | dict = "shm") -> tuple[dict, list]:
@@ -396,14 +419,21 @@ def receiver_tables(plan: Plan, engine: int, transport: str | dict = "shm") -> t
         if e != engine:
             continue
         mine = plan.for_receiver(i)
-        tables[str(tp)] = {"names": plan.dst_names[i], "shapes": {n: list(s) for n, s in plan.dst_shapes[i].items()},
-                           "numel": plan.dst_numel[i],
-                           "buckets": {str(b): np.ascontiguousarray(p).tobytes() for b, _, p in mine}}
+        tables[str(tp)] = {
+            "names": plan.dst_names[i],
+            "shapes": {n: list(s) for n, s in plan.dst_shapes[i].items()},
+            "numel": plan.dst_numel[i],
+            "buckets": {str(b): np.ascontiguousarray(p).tobytes() for b, _, p in mine},
+        }
         # slots alternate per receiver stream: a sender reuses (receiver, parity) two buckets later
-        per_tp[tp] = [(b, snd, (i, k % 2), transport if isinstance(transport, str) else transport[snd])
-                      for k, (b, snd, _) in enumerate(mine)]
-    rounds = [{tp: x for tp, x in zip(per_tp, col) if x is not None}
-              for col in itertools.zip_longest(*per_tp.values())]
+        per_tp[tp] = [
+            (b, snd, (i, k % 2), transport if isinstance(transport, str) else transport[snd])
+            for k, (b, snd, _) in enumerate(mine)
+        ]
+    rounds = [
+        {tp: x for tp, x in zip(per_tp, col) if x is not None}
+        for col in itertools.zip_longest(*per_tp.values())
+    ]
     return tables, rounds
 
 
@@ -417,10 +447,20 @@ class WeightSync:
     TorchTitan's `StateDictAdapter.to_hf`, or the `NameMaps` a trainer rank computed with it.
     """
 
-    def __init__(self, specs: list[ParamSpec], to_hf: Callable[[dict], dict] | NameMaps, senders: list,
-                 receivers: list | RolloutGroup, *,
-                 transport: str = "shm", bucket_mb: float = 64.0, engine_model_dir: str | None = None,
-                 direct: bool | None = None, receiver_buffers: bool = True, receiver_buffer_mb: float = 4096.0):
+    def __init__(
+        self,
+        specs: list[ParamSpec],
+        to_hf: Callable[[dict], dict] | NameMaps,
+        senders: list,
+        receivers: list | RolloutGroup,
+        *,
+        transport: str = "shm",
+        bucket_mb: float = 64.0,
+        engine_model_dir: str | None = None,
+        direct: bool | None = None,
+        receiver_buffers: bool = True,
+        receiver_buffer_mb: float = 4096.0,
+    ):
         self.group = None if isinstance(receivers, (list, tuple)) else receivers
         if self.group is not None:
             receivers = self.group.workers  # the group's own list: a restart replaces its entry in place
@@ -428,7 +468,9 @@ class WeightSync:
         self.transport, self.bucket_bytes = transport, int(bucket_mb * 2**20)
         # shm routes into a CPU engine rank write straight into its receiver region, up to this size
         self.region_bytes = int(receiver_buffer_mb * 2**20) if receiver_buffers else 0
-        self.regions: list[dict] = []  # per engine: {str(tp): what each rank answered (region table or why not)}
+        self.regions: list[
+            dict
+        ] = []  # per engine: {str(tp): what each rank answered (region table or why not)}
         self.engine_model_dir, self.direct = engine_model_dir, direct
         if transport != "auto":
             get_transport(transport)  # fail early on an unknown or unimplemented transport
@@ -443,7 +485,9 @@ class WeightSync:
         from .names import NameMaps, checkpoint_shapes
 
         t0 = time.perf_counter()
-        maps = self.to_hf if isinstance(self.to_hf, NameMaps) else NameMaps.from_adapter(self.specs, self.to_hf)
+        maps = (
+            self.to_hf if isinstance(self.to_hf, NameMaps) else NameMaps.from_adapter(self.specs, self.to_hf)
+        )
         if self.engine_model_dir is not None:
             check_names(maps.shapes, checkpoint_shapes(self.engine_model_dir))
         self._hf_order = hf_order = sorted(maps.shapes.items())
@@ -451,12 +495,16 @@ class WeightSync:
         derived = _get([_invoke(r, "ws_derive", hf_order) for r in self.receivers])
         self.layouts = layouts = engine_layouts(derived)  # what each engine's loaders do
         self.plan = plan = build_plan(self.specs, row_map, hf_order, layouts, self.bucket_bytes)
-        _get([_invoke(s, "ws_setup", plan.titan_names, plan.for_sender(r)) for r, s in enumerate(self.senders)])
+        _get(
+            [_invoke(s, "ws_setup", plan.titan_names, plan.for_sender(r)) for r, s in enumerate(self.senders)]
+        )
         self.route_transport = self._choose_routes()
         setups = []
         for e, rcv in enumerate(self.receivers):
             tables, rounds = receiver_tables(plan, e, self.route_transport[e])
-            setups.append(_invoke(rcv, "ws_setup", tables, rounds, self.senders, self.region_bytes, self.direct))
+            setups.append(
+                _invoke(rcv, "ws_setup", tables, rounds, self.senders, self.region_bytes, self.direct)
+            )
         self.regions = [r or {} for r in _get(setups)]
         self._give_regions(range(len(self.receivers)))
         if self.transport == "collective":
@@ -473,12 +521,14 @@ class WeightSync:
             if e in engines:
                 info = self.regions[e].get(str(tp), {})
                 for r in range(len(self.senders)):
-                    regions[r][i] = info if route(self.route_transport[e][r], "path" in info) == "shm_region" else None
+                    regions[r][i] = (
+                        info if route(self.route_transport[e][r], "path" in info) == "shm_region" else None
+                    )
         dst = [{} for _ in self.senders]
         cut = plan._bucket_slices()
         for b, (i, snd, _) in enumerate(plan.buckets.tolist()):
             if regions[snd].get(i):
-                dst[snd][b] = (i, plan.pieces[cut[b]:cut[b + 1]][:, [DST, DROW, DCOL, NR, NC]])
+                dst[snd][b] = (i, plan.pieces[cut[b] : cut[b + 1]][:, [DST, DROW, DCOL, NR, NC]])
         _get([_invoke(s, "ws_regions", regions[r], dst[r]) for r, s in enumerate(self.senders)])
 
     def _choose_routes(self) -> list[dict[int, str]]:
@@ -497,25 +547,36 @@ class WeightSync:
         import torch.distributed as dist
 
         if not all(hasattr(s.ws_join, "remote") for s in self.senders):
-            raise ValueError("sync.transport = 'collective' needs trainer ranks as Ray actors (each joins the "
-                             "group from its own process); use 'inprocess' or 'shm' for local senders")
+            raise ValueError(
+                "sync.transport = 'collective' needs trainer ranks as Ray actors (each joins the "
+                "group from its own process); use 'inprocess' or 'shm' for local senders"
+            )
         import ray
 
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         n_snd, world = len(self.senders), len(self.senders) + len(self.plan.receivers)
-        futures = [s.ws_join.remote(host, self._store.port, world, r, n_snd) for r, s in enumerate(self.senders)]
+        futures = [
+            s.ws_join.remote(host, self._store.port, world, r, n_snd) for r, s in enumerate(self.senders)
+        ]
         with concurrent.futures.ThreadPoolExecutor(max(len(self.receivers), 1)) as pool:
             joins = []
             for e, rcv in enumerate(self.receivers):
                 ranks = {str(tp): n_snd + i for i, (ee, tp) in enumerate(self.plan.receivers) if ee == e}
-                joins.append(pool.submit(lambda r=rcv, k=ranks: _get(_invoke(r, "ws_join", host, self._store.port,
-                                                                            world, k, n_snd))))
+                joins.append(
+                    pool.submit(
+                        lambda r=rcv, k=ranks: _get(
+                            _invoke(r, "ws_join", host, self._store.port, world, k, n_snd)
+                        )
+                    )
+                )
             for j in joins:
                 j.result()
         ray.get(futures)
 
-    def sync(self, version: int, keep_for_verify: bool = False, engines: list[int] | None = None) -> SyncStats:
+    def sync(
+        self, version: int, keep_for_verify: bool = False, engines: list[int] | None = None
+    ) -> SyncStats:
         """Every receiver (or those in `engines`) pulls its buckets, in parallel across engines; returns
         timings and acks. Raises `ReceiverLost` naming engines whose actor died, once the others are done."""
         plan = self.plan or self.build()
@@ -523,15 +584,21 @@ class WeightSync:
         t0 = time.perf_counter()
         if self.group is not None:  # from here the engines may hold weights no file holds
             self.group.keep_for_restart(None)
-        per_engine = _get_each([_invoke(self.receivers[e], "ws_sync", version, keep_for_verify, self.direct)
-                                for e in engines])
+        per_engine = _get_each(
+            [_invoke(self.receivers[e], "ws_sync", version, keep_for_verify, self.direct) for e in engines]
+        )
         if len(engines) == len(self.receivers):
             self.version = version
             if self.group is not None:
                 self.group.policy_version = version
         mine = np.isin(plan.buckets[:, 0], [i for i, (e, _) in enumerate(plan.receivers) if e in engines])
-        return SyncStats(version=version, seconds=time.perf_counter() - t0, bytes=int(plan.buckets[mine, 2].sum()),
-                         buckets=int(mine.sum()), acks=[a for acks in per_engine for a in acks])
+        return SyncStats(
+            version=version,
+            seconds=time.perf_counter() - t0,
+            bytes=int(plan.buckets[mine, 2].sum()),
+            buckets=int(mine.sum()),
+            acks=[a for acks in per_engine for a in acks],
+        )
 
     def replace_receiver(self, engine: int, receiver) -> None:
         """A restarted engine (same model folder and config) takes slot `engine`. Its loaders are run
@@ -541,21 +608,31 @@ class WeightSync:
         if self.plan is None:
             return
         if self.transport == "collective":
-            raise RuntimeError("weight sync: the collective transport cannot take back a restarted engine (its "
-                               "process group lost a member); use sync.transport = auto, shm or ray")
+            raise RuntimeError(
+                "weight sync: the collective transport cannot take back a restarted engine (its "
+                "process group lost a member); use sync.transport = auto, shm or ray"
+            )
         from .plan import PlanError
 
         old = {lay.tp_rank: lay for (e, _), lay in self.layouts if e == engine}
         new = [EngineLayout.from_wire(d) for d in _get(_invoke(receiver, "ws_derive", self._hf_order))]
-        if sorted(lay.tp_rank for lay in new) != sorted(old) or not all(_same_layout(lay, old[lay.tp_rank]) for lay in new):
-            raise PlanError(f"weight sync: restarted engine {engine} lays out its weights differently from the "
-                            "engine it replaces (another vLLM config?); the plan no longer fits it")
+        if sorted(lay.tp_rank for lay in new) != sorted(old) or not all(
+            _same_layout(lay, old[lay.tp_rank]) for lay in new
+        ):
+            raise PlanError(
+                f"weight sync: restarted engine {engine} lays out its weights differently from the "
+                "engine it replaces (another vLLM config?); the plan no longer fits it"
+            )
         if self.transport == "auto":
             node = _get(_invoke(receiver, "ws_node"))
-            self.route_transport[engine] = {r: "shm" if n == node else "ray" for r, n in enumerate(self._sender_nodes)}
+            self.route_transport[engine] = {
+                r: "shm" if n == node else "ray" for r, n in enumerate(self._sender_nodes)
+            }
         tables, rounds = receiver_tables(self.plan, engine, self.route_transport[engine])
-        self.regions[engine] = _get(_invoke(receiver, "ws_setup", tables, rounds, self.senders, self.region_bytes,
-                                            self.direct)) or {}
+        self.regions[engine] = (
+            _get(_invoke(receiver, "ws_setup", tables, rounds, self.senders, self.region_bytes, self.direct))
+            or {}
+        )
         self._give_regions([engine])
 
     def routes(self) -> list[dict]:
@@ -567,8 +644,14 @@ class WeightSync:
         for r, s in pairs:
             e, tp = self.plan.receivers[r]
             tr = self.route_transport[e][s]
-            out.append({"sender": s, "receiver": [e, tp], "transport": tr,
-                        "receiver_region": route(tr, "path" in self.regions[e].get(str(tp), {})) == "shm_region"})
+            out.append(
+                {
+                    "sender": s,
+                    "receiver": [e, tp],
+                    "transport": tr,
+                    "receiver_region": route(tr, "path" in self.regions[e].get(str(tp), {})) == "shm_region",
+                }
+            )
         return out
 
     def close(self) -> None:
@@ -585,7 +668,9 @@ class WeightSync:
         serving what the sync installed."""
         engines = list(range(len(self.receivers))) if engines is None else engines
         out = {}
-        for e, per_rank in zip(engines, _get([_invoke(self.receivers[e], "ws_verify", hf_weights) for e in engines])):
+        for e, per_rank in zip(
+            engines, _get([_invoke(self.receivers[e], "ws_verify", hf_weights) for e in engines])
+        ):
             for res in per_rank:
                 for name, d in res.items():
                     out[(e, name)] = max(out.get((e, name), 0.0), d)
@@ -593,5 +678,10 @@ class WeightSync:
 
 
 def _same_layout(a: EngineLayout, b: EngineLayout) -> bool:
-    return (a.tp_size == b.tp_size and a.dtype == b.dtype and a.shapes == b.shapes and list(a.runs) == list(b.runs)
-            and all(np.array_equal(a.runs[n], b.runs[n]) for n in a.runs))
+    return (
+        a.tp_size == b.tp_size
+        and a.dtype == b.dtype
+        and a.shapes == b.shapes
+        and list(a.runs) == list(b.runs)
+        and all(np.array_equal(a.runs[n], b.runs[n]) for n in a.runs)
+    )

@@ -177,13 +177,15 @@ class Region:
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8, count=max(nbytes, 1))
 
     @classmethod
-    def create(cls, nbytes: int) -> "Region":
-        r = cls(os.path.join(_SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True)
+    def create(cls, nbytes: int) -> Region:
+        r = cls(
+            os.path.join(_SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True
+        )
         weakref.finalize(r, _unlink_quietly, r.path)  # at exit or when dropped, whichever comes first
         return r
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> "Region":
+    def attach(cls, path: str, nbytes: int) -> Region:
         r = cls._attached.get(path)
         if r is None or r.nbytes != nbytes:
             r = cls._attached[path] = cls(path, nbytes, False)
@@ -200,7 +202,7 @@ class Region:
         import math
 
         n = math.prod(shape) * dtype.itemsize
-        return self.bytes[offset:offset + n].view(dtype).view(tuple(shape))
+        return self.bytes[offset : offset + n].view(dtype).view(tuple(shape))
 
     def unlink(self) -> None:
         if self.linked:
@@ -262,8 +264,10 @@ class Collective(Transport):
     @classmethod
     def _g(cls) -> dict:
         if not cls._group:
-            raise RuntimeError("collective weight sync: this process has not joined the sync group "
-                               "(WeightSync.build() forms it; was the group closed?)")
+            raise RuntimeError(
+                "collective weight sync: this process has not joined the sync group "
+                "(WeightSync.build() forms it; was the group closed?)"
+            )
         return cls._group
 
     @classmethod
@@ -303,8 +307,9 @@ class Collective(Transport):
         return buf
 
 
-def join_group(host: str, port: int, world: int, rank: int, senders: int, device: str = "cpu",
-               timeout_s: float = 300.0) -> int:
+def join_group(
+    host: str, port: int, world: int, rank: int, senders: int, device: str = "cpu", timeout_s: float = 300.0
+) -> int:
     """Join the weight-sync process group as `rank` of `world` (all members must call it concurrently;
     the TCP store at host:port is the driver's). nccl when `device` is CUDA, else gloo."""
     import datetime
@@ -314,7 +319,9 @@ def join_group(host: str, port: int, world: int, rank: int, senders: int, device
 
     leave_group()
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False, timeout=timeout))
+    store = dist.PrefixStore(
+        "rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False, timeout=timeout)
+    )
     dev = torch.device(device)
     if dev.type == "cuda":
         pg = dist.ProcessGroupNCCL(store, rank, world)
@@ -334,8 +341,12 @@ def leave_group() -> None:
     Collective._group.clear()
 
 
-TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcess, "shm": SharedMemory, "ray": RayObjectStore,
-                                          "collective": Collective}
+TRANSPORTS: dict[str, type[Transport]] = {
+    "inprocess": InProcess,
+    "shm": SharedMemory,
+    "ray": RayObjectStore,
+    "collective": Collective,
+}
 
 
 def get_transport(name: str) -> Transport:

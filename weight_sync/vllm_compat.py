@@ -51,8 +51,10 @@ def check() -> None:
             version = importlib.import_module("vllm").__version__
         except Exception:  # noqa: BLE001 - only for the message
             version = "unknown"
-        raise RuntimeError(f"rl-tpu weight sync needs vLLM internals missing from vLLM {version} (tested with "
-                           f"{TESTED}): {', '.join(missing)}")
+        raise RuntimeError(
+            f"rl-tpu weight sync needs vLLM internals missing from vLLM {version} (tested with "
+            f"{TESTED}): {', '.join(missing)}"
+        )
 
 
 def model(worker) -> Any:
@@ -87,7 +89,8 @@ def finish_reload(model_: Any, model_config: Any) -> None:
 def materialize(layer: Any) -> None:
     """Allocate a meta-restored layer's loaded-layout tensors (engine dtype, uninitialised)."""
     _get("vllm.model_executor.model_loader.reload.meta", "materialize_layer")(
-        layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
+        layer, _get(_LAYERWISE, "get_layerwise_info")(layer)
+    )
 
 
 def loaded_meta(layer: Any, name: str) -> Any:
@@ -107,8 +110,10 @@ def materialize_into(layer: Any, tensors: dict[str, Any]) -> None:
         if not meta.is_meta:
             raise RuntimeError(f"weight sync: {type(layer).__name__}.{name} is already materialised")
         if tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype or not t.is_contiguous():
-            raise RuntimeError(f"weight sync: region tensor for {type(layer).__name__}.{name} is "
-                               f"{tuple(t.shape)} {t.dtype}, vLLM expects {tuple(meta.shape)} {meta.dtype}")
+            raise RuntimeError(
+                f"weight sync: region tensor for {type(layer).__name__}.{name} is "
+                f"{tuple(t.shape)} {t.dtype}, vLLM expects {tuple(meta.shape)} {meta.dtype}"
+            )
         t.__class__ = meta.__class__
         t.__dict__ = meta.__dict__.copy()
         setattr(layer, name, t)

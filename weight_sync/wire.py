@@ -19,8 +19,15 @@ import warnings
 import torch
 
 _DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.bool: "BOOL",
 }
 _FROM = {v: k for k, v in _DTYPES.items()}
 
@@ -53,8 +60,11 @@ def _write_header(buf: memoryview | bytearray | torch.Tensor, header: bytes) -> 
     return torch.frombuffer(mv, dtype=torch.uint8, count=len(mv))
 
 
-def pack_into(buf: memoryview | bytearray | torch.Tensor, tensors: list[tuple[str, torch.Tensor]],
-              metadata: dict[str, str] | None = None) -> int:
+def pack_into(
+    buf: memoryview | bytearray | torch.Tensor,
+    tensors: list[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+) -> int:
     """Write `tensors` (1-D) into `buf` as safetensors; returns bytes written. `buf` is host memory, or a
     uint8 tensor on any device (the collective transport's GPU buffers)."""
     header = header_for([(n, t.dtype, t.numel()) for n, t in tensors], metadata)
@@ -62,19 +72,24 @@ def pack_into(buf: memoryview | bytearray | torch.Tensor, tensors: list[tuple[st
     off = len(header)
     for _, t in tensors:
         n = t.numel() * t.element_size()
-        body[off: off + n].view(t.dtype).copy_(t.reshape(-1))
+        body[off : off + n].view(t.dtype).copy_(t.reshape(-1))
         off += n
     return off
 
 
-def begin_pack(buf: memoryview | bytearray | torch.Tensor, name: str, dtype: torch.dtype, numel: int,
-               metadata: dict[str, str] | None = None) -> torch.Tensor:
+def begin_pack(
+    buf: memoryview | bytearray | torch.Tensor,
+    name: str,
+    dtype: torch.dtype,
+    numel: int,
+    metadata: dict[str, str] | None = None,
+) -> torch.Tensor:
     """Write the header of a one-tensor image into `buf` and return the tensor's (typed, 1-D) body for
     the caller to fill in place: a weight-sync bucket is one tensor whose layout both sides know."""
     header = header_for([(name, dtype, numel)], metadata)
     body = _write_header(buf, header)
     n = numel * torch.empty((), dtype=dtype).element_size()
-    return body[len(header): len(header) + n].view(dtype)
+    return body[len(header) : len(header) + n].view(dtype)
 
 
 def pack(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> bytearray:
@@ -88,18 +103,18 @@ def unpack(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     device), and its metadata."""
     if isinstance(buf, torch.Tensor):
         n = int.from_bytes(bytes(buf[:8].cpu().numpy()), "little")
-        hdr = json.loads(bytes(buf[8: 8 + n].cpu().numpy()))
-        body = buf[8 + n:]
+        hdr = json.loads(bytes(buf[8 : 8 + n].cpu().numpy()))
+        body = buf[8 + n :]
     else:
         mv = memoryview(buf).cast("B")
         n = int.from_bytes(mv[:8], "little")
-        hdr = json.loads(bytes(mv[8: 8 + n]))
+        hdr = json.loads(bytes(mv[8 : 8 + n]))
         if len(mv) == 8 + n:  # empty body: torch.frombuffer rejects zero-length buffers
             body = torch.empty(0, dtype=torch.uint8)
         else:
             with warnings.catch_warnings():  # read-only buffers (mmap, Ray) are fine: views are only read
                 warnings.simplefilter("ignore", UserWarning)
-                body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv), offset=0)[8 + n:]
+                body = torch.frombuffer(mv, dtype=torch.uint8, count=len(mv), offset=0)[8 + n :]
     meta = hdr.pop("__metadata__", {}) or {}
     out = {}
     for name, info in hdr.items():

@@ -19,7 +19,8 @@ garbage there; no loss reads it); `dr_grpo` is its own name here (verl spells it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -177,7 +178,9 @@ def compute_advantages(
             f"response_mask has shape {tuple(response_mask.shape)}, expected {tuple(token_level_rewards.shape)}"
         )
     if values is not None and values.shape != token_level_rewards.shape:
-        raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(token_level_rewards.shape)}")
+        raise ValueError(
+            f"values has shape {tuple(values.shape)}, expected {tuple(token_level_rewards.shape)}"
+        )
     if group_index.shape != token_level_rewards.shape[:1]:
         raise ValueError(
             f"group_index has shape {tuple(group_index.shape)}, expected ({token_level_rewards.shape[0]},)"

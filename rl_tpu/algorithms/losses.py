@@ -26,7 +26,8 @@ bounds (`gspo_clip_ratio_low/high`, verl's recipe values 3e-4 / 4e-4) instead of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -46,7 +47,9 @@ def _unknown(kind: str, name: str, known) -> ValueError:
 def _check_shapes(ref_name: str, ref: Tensor, **others: Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.shape != ref.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} like {ref_name}")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} like {ref_name}"
+            )
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -136,7 +139,9 @@ def rollout_is_weights(
             seq_raw = torch.exp(torch.clamp(log_w.sum(dim=-1), min=-20.0, max=20.0))  # [B]
             seq_valid = (fmask.sum(dim=-1) > 0).to(fmask.dtype)
             metrics["mismatch/is_mean"] = masked_mean(seq_raw, seq_valid).detach()
-            metrics["mismatch/is_clipfrac"] = masked_mean((seq_raw > threshold).to(fmask.dtype), seq_valid).detach()
+            metrics["mismatch/is_clipfrac"] = masked_mean(
+                (seq_raw > threshold).to(fmask.dtype), seq_valid
+            ).detach()
             weights = torch.clamp(seq_raw, max=threshold).unsqueeze(-1).expand_as(log_w).clone()
             weights = torch.where(fmask > 0, weights, torch.ones_like(weights))
     return weights, metrics
@@ -174,7 +179,12 @@ def ppo_clip_loss(
 
 
 def gspo_loss(
-    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token GSPO surrogate `[B, T]` (arXiv 2507.18071): a sequence-level ratio.
 
@@ -200,7 +210,9 @@ def _vanilla(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
 
 
 def _gspo(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
-    return gspo_loss(log_prob, old_log_prob, advantages, mask, cfg.gspo_clip_ratio_low, cfg.gspo_clip_ratio_high)
+    return gspo_loss(
+        log_prob, old_log_prob, advantages, mask, cfg.gspo_clip_ratio_low, cfg.gspo_clip_ratio_high
+    )
 
 
 def _sft(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
@@ -211,7 +223,9 @@ def _sft(cfg: AlgorithmConfig, log_prob, old_log_prob, advantages, mask):
 
 # name -> (cfg, log_prob, old_log_prob, advantages, mask) -> (per-token loss [B, T], metrics)
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "vanilla": _vanilla, "gspo": _gspo, "sft": _sft,
+    "vanilla": _vanilla,
+    "gspo": _gspo,
+    "sft": _sft,
 }
 
 # policy losses whose per-token value is -A x f(ratio): exactly zero wherever the advantage is zero
@@ -246,8 +260,10 @@ def mini_batch_rows(num_seqs: int, mini_batches: int) -> tuple[Tensor, ...]:
 def update_rows(advantages: Tensor, response_mask: Tensor, mini_batches: int, world_size: int) -> Tensor:
     """`rows_to_run` of each of the update's mini-batches (`mini_batch_rows`, as the trainer splits the
     batch), as indices into the whole batch: the rows whose old log-probs the update reads."""
-    parts = [rows[rows_to_run(advantages[rows], response_mask[rows], world_size)]
-             for rows in mini_batch_rows(advantages.shape[0], mini_batches)]
+    parts = [
+        rows[rows_to_run(advantages[rows], response_mask[rows], world_size)]
+        for rows in mini_batch_rows(advantages.shape[0], mini_batches)
+    ]
     return torch.cat(parts)
 
 
@@ -276,14 +292,24 @@ def compute_policy_loss(
     if cfg.policy_loss not in POLICY_LOSSES:
         raise _unknown("policy_loss", cfg.policy_loss, POLICY_LOSSES)
     _check_shapes(
-        "log_prob", log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
-        ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob,
+        "log_prob",
+        log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        ref_log_prob=ref_log_prob,
+        entropy=entropy,
+        rollout_log_prob=rollout_log_prob,
     )
     horizon = cfg.loss_scale_factor or None
 
     def agg(x: Tensor) -> Tensor:
         return agg_loss(
-            x, response_mask, cfg.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+            x,
+            response_mask,
+            cfg.loss_agg_mode,
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
             horizon=horizon,
         )
 
@@ -302,9 +328,12 @@ def compute_policy_loss(
     elif rollout_log_prob is not None:  # measure the inference/trainer gap even when not correcting it
         with torch.no_grad():
             fmask = response_mask.to(old_log_prob.dtype)
-            metrics["mismatch/kl"] = masked_mean((rollout_log_prob.detach() - old_log_prob) * fmask, fmask).detach()
+            metrics["mismatch/kl"] = masked_mean(
+                (rollout_log_prob.detach() - old_log_prob) * fmask, fmask
+            ).detach()
             metrics["mismatch/k3_kl"] = masked_mean(
-                kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask).detach()
+                kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask
+            ).detach()
     loss = agg(pg_mat)
     metrics["loss/policy"] = loss.detach()
     if cfg.use_kl_loss:
@@ -356,14 +385,21 @@ def compute_value_loss(
 
 
 def apply_kl_in_reward(
-    token_level_scores: Tensor, log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, kl_coef: float, kind: str
+    token_level_scores: Tensor,
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    kind: str,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token rewards with an in-reward KL penalty: scores - kl_coef * kl_penalty(log_prob, ref) * mask.
 
     All `[B, T]`; `log_prob` is the rollout-time (old) policy. Returns (token_level_rewards, metrics) with
     actor/reward_kl_penalty (mean over sequences of each sequence's token-mean KL) and its coefficient.
     """
-    _check_shapes("token_level_scores", token_level_scores, log_prob=log_prob, ref_log_prob=ref_log_prob, mask=mask)
+    _check_shapes(
+        "token_level_scores", token_level_scores, log_prob=log_prob, ref_log_prob=ref_log_prob, mask=mask
+    )
     with torch.no_grad():
         fmask = mask.to(token_level_scores.dtype)
         kld = kl_penalty(log_prob, ref_log_prob, kind) * fmask

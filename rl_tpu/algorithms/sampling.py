@@ -43,8 +43,9 @@ def overlong_penalty(response_lengths: Tensor, max_tokens: int, buffer_len: int,
     """
     if not 0 <= buffer_len <= max_tokens:
         raise ValueError(f"overlong_buffer_len={buffer_len} must be in [0, max_tokens={max_tokens}]")
-    lengths = response_lengths.to(torch.get_default_dtype() if not response_lengths.is_floating_point()
-                                  else response_lengths.dtype)
+    lengths = response_lengths.to(
+        torch.get_default_dtype() if not response_lengths.is_floating_point() else response_lengths.dtype
+    )
     if buffer_len == 0:
         return torch.zeros_like(lengths)
     exceed = lengths - (max_tokens - buffer_len)

@@ -31,8 +31,10 @@ def load_examples(paths: str | Path | Iterable[str | Path]) -> list[Example]:
     for p in paths:
         path = Path(p)
         if path.suffix not in PARQUET + JSONL:
-            raise DataError(f"{path}: unknown data file extension {path.suffix!r}; "
-                            f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines)")
+            raise DataError(
+                f"{path}: unknown data file extension {path.suffix!r}; "
+                f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines)"
+            )
         if not path.is_file():
             raise DataError(f"{path}: data file not found")
         rows = _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
@@ -61,7 +63,9 @@ def _read_jsonl(path: Path) -> list[Example]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # e.g. a parquet file named .jsonl
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); is it a JSON Lines file?") from None
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); is it a JSON Lines file?"
+        ) from None
     out = []
     # split on "\n" only: str.splitlines would also split inside strings holding U+2028 (which
     # write_jsonl leaves unescaped)
@@ -101,9 +105,11 @@ def write_parquet(examples: Iterable[Example], path: str | Path) -> Path:
         try:
             columns[key] = pa.array([r[key] for r in rows])
         except (pa.ArrowException, TypeError, ValueError) as e:
-            raise DataError(f"{path}: column `{key}` cannot be stored in parquet ({type(e).__name__}: {e}); "
-                            "its rows probably mix types (e.g. a string ground truth in one row and an "
-                            "object in another): write one task per file, or use write_jsonl") from None
+            raise DataError(
+                f"{path}: column `{key}` cannot be stored in parquet ({type(e).__name__}: {e}); "
+                "its rows probably mix types (e.g. a string ground truth in one row and an "
+                "object in another): write one task per file, or use write_jsonl"
+            ) from None
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path)
     return path

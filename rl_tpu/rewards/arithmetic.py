@@ -11,9 +11,8 @@ Score: 1.0 if the answer equals `ground_truth` (an int, or a string holding one)
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 INTEGER = re.compile(r"(?:(?<![\d)])-)?\d+")
@@ -30,8 +29,9 @@ def extract_answer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  **kw) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kw
+) -> float:
     try:
         expected = int(str(ground_truth).strip())
     except ValueError:

@@ -25,10 +25,12 @@ def select(data_source: str):
         return gsm8k.compute_score
     if "math" in source:
         return math.compute_score
-    raise NotImplementedError(f"no built-in reward for data_source {data_source!r}; name a reward "
-                              "function in reward.functions")
+    raise NotImplementedError(
+        f"no built-in reward for data_source {data_source!r}; name a reward function in reward.functions"
+    )
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  **kw) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kw
+) -> float:
     return select(data_source)(data_source, solution_str, ground_truth, extra_info, **kw)

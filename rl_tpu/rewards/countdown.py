@@ -13,19 +13,22 @@ tag was found but the equation is invalid or wrong, 0.0 if there is no answer ta
 
 from __future__ import annotations
 
-from typing import Any
-
 import ast
 import json
 import re
 from collections import Counter
 from fractions import Fraction
+from typing import Any
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 MAX_EXPR_CHARS = 200
 
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 class InvalidEquation(ValueError):
@@ -37,8 +40,9 @@ def parse_ground_truth(ground_truth) -> tuple[int, list[int]]:
     try:
         return int(gt["target"]), [int(n) for n in gt["numbers"]]
     except (TypeError, KeyError, ValueError):
-        raise ValueError(f"countdown ground_truth must be {{'target': int, 'numbers': [int, ...]}}, "
-                         f"got {ground_truth!r}") from None
+        raise ValueError(
+            f"countdown ground_truth must be {{'target': int, 'numbers': [int, ...]}}, got {ground_truth!r}"
+        ) from None
 
 
 def evaluate(expr: str) -> tuple[Fraction, list[int]]:
@@ -79,8 +83,15 @@ def check_equation(answer: str, target: int, numbers: list[int]) -> bool:
     return not (Counter(used) - Counter(numbers)) and value == target
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  format_score: float = 0.1, score: float = 1.0, **kw) -> float:
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    format_score: float = 0.1,
+    score: float = 1.0,
+    **kw,
+) -> float:
     target, numbers = parse_ground_truth(ground_truth)
     tags = ANSWER_TAG.findall(solution_str)
     if not tags:

@@ -10,9 +10,8 @@ It checks the shape only, never correctness; weight it low next to a correctness
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 STYLES = ("answer_tag", "gsm8k", "boxed")
 
@@ -26,7 +25,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 
@@ -41,8 +40,12 @@ def style_for(data_source: str) -> str:
 
 def has_format(text: str, style: str) -> bool:
     if style == "answer_tag":
-        return re.fullmatch(r"(?s)(?:(?!<answer>).)*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>\s*",
-                            text) is not None
+        return (
+            re.fullmatch(
+                r"(?s)(?:(?!<answer>).)*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>\s*", text
+            )
+            is not None
+        )
     if style == "gsm8k":
         return re.search(r"#### \-?[0-9\.\,]*[0-9]", text) is not None
     if style == "boxed":
@@ -50,7 +53,13 @@ def has_format(text: str, style: str) -> bool:
     raise ValueError(f"unknown format style {style!r}; choose one of {STYLES}")
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  style: str | None = None, **kw) -> float:
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    style: str | None = None,
+    **kw,
+) -> float:
     style = style or (extra_info or {}).get("format_style") or style_for(data_source)
     return 1.0 if has_format(solution_str, style) else 0.0

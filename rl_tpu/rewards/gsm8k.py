@@ -8,10 +8,9 @@ answer was found but is wrong, 0.0 if none was found.
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
 from fractions import Fraction
+from typing import Any
 
 _CLIP_CHARS = 300
 
@@ -37,8 +36,16 @@ def _same_number(a: str, b: str) -> bool:
         return a == b
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  method: str = "strict", format_score: float = 0.0, score: float = 1.0, **kw) -> float:
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+    **kw,
+) -> float:
     answer = extract_solution(solution_str, method)
     if answer is None:
         return 0.0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +37,10 @@ class RewardSpecError(RewardError, UserError, ValueError):
 def split_spec(spec: str) -> tuple[str, str, bool]:
     """`spec` -> (module or path, function name, is_file). Pure string logic, no imports."""
     if not isinstance(spec, str) or not spec.strip():
-        raise RewardSpecError(f"reward spec {spec!r} must be a non-empty string like 'pkg.module:function' "
-                              "or 'path/to/file.py:function'")
+        raise RewardSpecError(
+            f"reward spec {spec!r} must be a non-empty string like 'pkg.module:function' "
+            "or 'path/to/file.py:function'"
+        )
     spec = spec.strip()
     target, sep, fn = spec.rpartition(":")
     # `C:\x.py` style drive letters or a spec without ':' leave no usable module part on the left.
@@ -69,8 +70,10 @@ def reward_name(spec: str) -> str:
 
 def _import_file(path: Path, spec: str) -> ModuleType:
     if not path.is_file():
-        raise RewardSpecError(f"reward spec {spec!r}: file {str(path)!r} not found (relative paths are "
-                              f"resolved against the current directory {str(Path.cwd())!r})")
+        raise RewardSpecError(
+            f"reward spec {spec!r}: file {str(path)!r} not found (relative paths are "
+            f"resolved against the current directory {str(Path.cwd())!r})"
+        )
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     name = f"rl_tpu_user_reward_{path.stem}_{digest}"
     if name in sys.modules:
@@ -84,8 +87,9 @@ def _import_file(path: Path, spec: str) -> ModuleType:
         mspec.loader.exec_module(module)
     except BaseException as e:
         del sys.modules[name]
-        raise RewardSpecError(f"reward spec {spec!r}: importing {str(path)!r} raised "
-                              f"{type(e).__name__}: {e}") from e
+        raise RewardSpecError(
+            f"reward spec {spec!r}: importing {str(path)!r} raised {type(e).__name__}: {e}"
+        ) from e
     return module
 
 
@@ -93,13 +97,17 @@ def _import_module(name: str, spec: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except BaseException as e:  # SyntaxError, SystemExit in user code, ...: all mean "not importable"
-        raise RewardSpecError(f"reward spec {spec!r}: module {name!r} is not importable: "
-                              f"{type(e).__name__}: {e}") from e
+        raise RewardSpecError(
+            f"reward spec {spec!r}: module {name!r} is not importable: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _callables(module: ModuleType) -> list[str]:
-    own = [n for n, v in vars(module).items()
-           if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__]
+    own = [
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__
+    ]
     return sorted(own) or sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v))
 
 
@@ -112,13 +120,13 @@ def load_reward_fn(spec: str) -> Callable:
         module = _import_module(target, spec)
     if not hasattr(module, fn_name):
         names = _callables(module)
-        raise RewardSpecError(f"reward spec {spec!r}: {target!r} has no attribute {fn_name!r}; "
-                              f"callables defined there: {', '.join(names) if names else '(none)'}")
+        raise RewardSpecError(
+            f"reward spec {spec!r}: {target!r} has no attribute {fn_name!r}; "
+            f"callables defined there: {', '.join(names) if names else '(none)'}"
+        )
     fn = getattr(module, fn_name)
     if not callable(fn):
-        raise RewardSpecError(f"reward spec {spec!r}: {target}.{fn_name} is a {type(fn).__name__}, not callable")
+        raise RewardSpecError(
+            f"reward spec {spec!r}: {target}.{fn_name} is a {type(fn).__name__}, not callable"
+        )
     return fn
-
-
-def is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))

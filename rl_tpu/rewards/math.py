@@ -12,9 +12,8 @@ Score: 1.0 if equivalent, else 0.0.
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 from math_verify import parse, verify
 
@@ -32,8 +31,9 @@ def _fallback(solution_str: str, ground_truth: str) -> float:
     return 1.0 if normalize(answer) == normalize(ground_truth) else 0.0
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  **kw) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kw
+) -> float:
     ground_truth = str(ground_truth)
     try:
         gold = parse(f"\\boxed{{{ground_truth}}}", raise_on_error=True)

@@ -67,8 +67,13 @@ class RewardInput:
     @classmethod
     def for_example(cls, example: Any, solution_str: str, sample_index: int = 0) -> RewardInput:
         """The input for one completion of a `rl_tpu.data.Example`; sample id "<uid>#<sample_index>"."""
-        return cls(sample_id=f"{example.uid}#{sample_index}", data_source=example.data_source,
-                   solution_str=solution_str, ground_truth=example.ground_truth, extra_info=example.extra_info)
+        return cls(
+            sample_id=f"{example.uid}#{sample_index}",
+            data_source=example.data_source,
+            solution_str=solution_str,
+            ground_truth=example.ground_truth,
+            extra_info=example.extra_info,
+        )
 
 
 @dataclass(kw_only=True)
@@ -83,8 +88,11 @@ class RewardResult:
 
     def metrics(self) -> dict[str, float]:
         """Scalars to log: reward/mean, reward/errors, reward/timeouts, reward/<name>/mean, reward/<name>/<key>."""
-        out = {"reward/mean": _mean(self.scores), "reward/errors": float(self.errors),
-               "reward/timeouts": float(self.timeouts)}
+        out = {
+            "reward/mean": _mean(self.scores),
+            "reward/errors": float(self.errors),
+            "reward/timeouts": float(self.timeouts),
+        }
         for name, values in self.function_scores.items():
             out[f"reward/{name}/mean"] = _mean(values)
         for key, values in self.extra.items():
@@ -110,7 +118,9 @@ def normalize_output(out: Any) -> tuple[float, dict[str, float]]:
         extras = {str(k): float(v) for k, v in out.items() if k != "score" and isinstance(v, numbers.Real)}
         out = out["score"]
     if not isinstance(out, numbers.Real):
-        raise TypeError(f"returned {type(out).__name__} {out!r:.80}; expected a number or a dict with 'score'")
+        raise TypeError(
+            f"returned {type(out).__name__} {out!r:.80}; expected a number or a dict with 'score'"
+        )
     score = float(out)
     if not math.isfinite(score):
         raise ValueError(f"returned a non-finite score {score}")
@@ -185,8 +195,9 @@ class RewardPool:
         if not cfg.functions:
             raise RewardSpecError("reward.functions is empty; name at least one 'module:function'")
         if cfg.weights and len(cfg.weights) != len(cfg.functions):
-            raise RewardSpecError(f"reward.weights has {len(cfg.weights)} entries but reward.functions has "
-                                  f"{len(cfg.functions)}")
+            raise RewardSpecError(
+                f"reward.weights has {len(cfg.weights)} entries but reward.functions has {len(cfg.functions)}"
+            )
         if cfg.on_error not in ("zero", "raise"):
             raise RewardSpecError(f"reward.on_error must be 'zero' or 'raise', got {cfg.on_error!r}")
         self.specs = [resolve_spec(s) for s in cfg.functions]
@@ -213,8 +224,9 @@ class RewardPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.specs), daemon=True,
-                                 name="rl-tpu-reward-worker")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self.specs), daemon=True, name="rl-tpu-reward-worker"
+        )
         # Spawn re-runs the parent's __main__ in the child unless __main__ has no file: hide it, since
         # workers load everything by spec. This makes the pool work from stdin, notebooks, Ray workers
         # and unguarded scripts, and saves the child a re-import of the driver.
@@ -232,8 +244,10 @@ class RewardPool:
             waiting = [w for w in self._workers if not w.ready]
             left = min(w.since for w in waiting) + self.startup_timeout_s - time.monotonic()
             if left <= 0:
-                raise RewardError(f"reward workers did not start within {self.startup_timeout_s:.0f} s "
-                                  f"(loading {self.specs})")
+                raise RewardError(
+                    f"reward workers did not start within {self.startup_timeout_s:.0f} s "
+                    f"(loading {self.specs})"
+                )
             for conn in wait_conns([w.conn for w in waiting], timeout=left):
                 self._on_message(self._by_conn(conn), None)
 
@@ -288,8 +302,11 @@ class RewardPool:
 
     def _next_deadline(self) -> float:
         now = time.monotonic()
-        ends = [w.since + (self.timeout_s if w.ready else self.startup_timeout_s)
-                for w in self._workers if w.pending or not w.ready]
+        ends = [
+            w.since + (self.timeout_s if w.ready else self.startup_timeout_s)
+            for w in self._workers
+            if w.pending or not w.ready
+        ]
         return max(0.0, min(ends) - now) if ends else 1.0
 
     def _by_conn(self, conn) -> _Worker | None:
@@ -308,8 +325,10 @@ class RewardPool:
                     # which would repeat in every replacement: retry a few times, then give up.
                     self._startup_deaths += 1
                     if self._startup_deaths >= MAX_STARTUP_DEATHS:
-                        raise RewardError(f"reward workers exited during startup {self._startup_deaths} times in "
-                                          f"a row (last exit code {w.proc.exitcode}) while loading {self.specs}")
+                        raise RewardError(
+                            f"reward workers exited during startup {self._startup_deaths} times in "
+                            f"a row (last exit code {w.proc.exitcode}) while loading {self.specs}"
+                        ) from None
                 self._replace(w, batch, queue, failure=f"worker process died (exit code {w.proc.exitcode})")
                 return
             kind = msg[0]
@@ -331,7 +350,9 @@ class RewardPool:
         now = time.monotonic()
         for w in list(self._workers):
             if not w.ready and now - w.since > self.startup_timeout_s:
-                raise RewardError(f"a replacement reward worker did not start within {self.startup_timeout_s:.0f} s")
+                raise RewardError(
+                    f"a replacement reward worker did not start within {self.startup_timeout_s:.0f} s"
+                )
             if w.pending and now - w.since > self.timeout_s:
                 self._on_message(w, batch, queue)  # it may have answered at the last moment
                 if w in self._workers and w.pending and time.monotonic() - w.since > self.timeout_s:
@@ -361,11 +382,17 @@ class RewardPool:
         batch.record_failure(call_id, f"{name} on {sample_id}: {message}", timeout)
         if timeout and not self._logged_timeout:
             self._logged_timeout = True
-            logger.warning("%s: %s; scored 0.0 (later timeouts are only counted in reward/timeouts)", what, message)
+            logger.warning(
+                "%s: %s; scored 0.0 (later timeouts are only counted in reward/timeouts)", what, message
+            )
         elif not timeout and not self._logged_error:
             self._logged_error = True
-            logger.warning("%s raised %s; scored 0.0 (later errors are only counted in reward/errors)\n%s",
-                           what, message, tb or "")
+            logger.warning(
+                "%s raised %s; scored 0.0 (later errors are only counted in reward/errors)\n%s",
+                what,
+                message,
+                tb or "",
+            )
 
     def _abort(self) -> None:
         """After an exception mid-batch: no worker may keep working on (or answering) that batch."""
@@ -395,8 +422,12 @@ class _Batch:
 
     def kwargs(self, call_id: int) -> dict:
         s = self.samples[(call_id - self.base) // self.n_fn]
-        return dict(data_source=s.data_source, solution_str=s.solution_str, ground_truth=s.ground_truth,
-                    extra_info=s.extra_info)
+        return dict(
+            data_source=s.data_source,
+            solution_str=s.solution_str,
+            ground_truth=s.ground_truth,
+            extra_info=s.extra_info,
+        )
 
     def describe(self, call_id: int) -> tuple[str, str]:
         k = call_id - self.base
@@ -420,11 +451,20 @@ class _Batch:
         per_fn = {name: [self.values[i * n_fn + j] for i in range(n_s)] for j, name in enumerate(self.names)}
         scores = [sum(weights[j] * self.values[i * n_fn + j] for j in range(n_fn)) for i in range(n_s)]
         keys = sorted({(j, key) for k, e in enumerate(self.extras) for key in e for j in [k % n_fn]})
-        extra = {f"{self.names[j]}/{key}": [self.extras[i * n_fn + j].get(key, float("nan")) for i in range(n_s)]
-                 for j, key in keys}
-        failed = [any(self.failed[i * n_fn:(i + 1) * n_fn]) for i in range(n_s)]
-        return RewardResult(scores=scores, function_scores=per_fn, extra=extra, failed=failed,
-                            errors=self.errors, timeouts=self.timeouts, first_error=self.first_error)
+        extra = {
+            f"{self.names[j]}/{key}": [self.extras[i * n_fn + j].get(key, float("nan")) for i in range(n_s)]
+            for j, key in keys
+        }
+        failed = [any(self.failed[i * n_fn : (i + 1) * n_fn]) for i in range(n_s)]
+        return RewardResult(
+            scores=scores,
+            function_scores=per_fn,
+            extra=extra,
+            failed=failed,
+            errors=self.errors,
+            timeouts=self.timeouts,
+            first_error=self.first_error,
+        )
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -12,10 +12,13 @@ Rewards need no registration: `reward.custom_reward_function.path=pkg://rl_tpu.r
 verl logs a failing plugin import only at debug level, so `loaded()` lets a user (and the tests) check.
 """
 
+# the platform registers first: the engine and checkpoint registrations run on it
+# isort: off
 from rl_tpu.integrations.verl import platform  # noqa: F401  (registers on import)
 from rl_tpu.integrations.verl import engine  # noqa: F401
 from rl_tpu.integrations.verl import checkpoint  # noqa: F401
 from rl_tpu.integrations.verl import patches
+# isort: on
 
 patches.apply()  # CPU-only workarounds (patches.py names each verl line); nothing on an accelerator host
 
@@ -33,6 +36,7 @@ def loaded() -> dict[str, bool]:
     return {
         "platform": PlatformRegistry.get("cpu") is platform.PlatformCPU,
         "engine": all(engines.get(d) is engine.RlTpuEngine for d in engine.DEVICES),
-        "checkpoint": CheckpointEngineRegistry._registry.get(CHECKPOINT_BACKEND) is checkpoint.RlTpuCheckpointEngine,
+        "checkpoint": CheckpointEngineRegistry._registry.get(CHECKPOINT_BACKEND)
+        is checkpoint.RlTpuCheckpointEngine,
         "cpu_patches": bool(patches._APPLIED) or platform._accelerator_present(),
     }

@@ -46,7 +46,8 @@ import pickle
 import tempfile
 import time
 import uuid
-from typing import Any, AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator
+from typing import Any
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -69,14 +70,24 @@ class RlTpuCheckpointEngine(CheckpointEngine):
     worker (after `attach_server_adapter`). `checkpoint_engine.engine_kwargs.rl_tpu`: `timeout_s` bounds every
     wait; `verify=True` has the engines keep what they installed for `rl_ws_verify` (bit-for-bit checks)."""
 
-    def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0, verify: bool = False,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        timeout_s: float = 600.0,
+        verify: bool = False,
+        **kwargs: Any,
+    ):
         if kwargs:
-            raise TypeError(f"rl_tpu checkpoint engine: unknown checkpoint_engine.engine_kwargs.rl_tpu keys "
-                            f"{sorted(kwargs)} (accepted: timeout_s, verify)")
+            raise TypeError(
+                f"rl_tpu checkpoint engine: unknown checkpoint_engine.engine_kwargs.rl_tpu keys "
+                f"{sorted(kwargs)} (accepted: timeout_s, verify)"
+            )
         if int(bucket_size) <= 0:
-            raise ValueError(f"rl_tpu checkpoint engine: checkpoint_engine.update_weights_bucket_megabytes must be "
-                             f"> 0, got bucket_size={bucket_size} bytes")
+            raise ValueError(
+                f"rl_tpu checkpoint engine: checkpoint_engine.update_weights_bucket_megabytes must be "
+                f"> 0, got bucket_size={bucket_size} bytes"
+            )
         self.bucket_size, self.is_master, self.timeout_s = int(bucket_size), bool(is_master), float(timeout_s)
         self.verify = bool(verify)  # engines keep the installed loaded-layout tensors for `rl_ws_verify`
         self.model_engine = None  # trainer side: RlTpuEngine
@@ -99,8 +110,10 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         from rl_tpu.integrations.verl.engine import RlTpuEngine
 
         if not isinstance(engine, RlTpuEngine):
-            raise TypeError(f"checkpoint_engine.backend=rl_tpu needs actor.strategy=rl_tpu (our engine holds the "
-                            f"shards it sends); the actor engine is {type(engine).__name__}")
+            raise TypeError(
+                f"checkpoint_engine.backend=rl_tpu needs actor.strategy=rl_tpu (our engine holds the "
+                f"shards it sends); the actor engine is {type(engine).__name__}"
+            )
         self.model_engine = engine
 
     def attach_server_adapter(self, adapter: Any) -> None:
@@ -117,7 +130,12 @@ class RlTpuCheckpointEngine(CheckpointEngine):
 
     def prepare(self) -> dict[str, Any]:
         if self.model_engine is not None:
-            meta = {"role": "trainer", "node": _node_id(), "plan_id": self.plan_id, "bucket_size": self.bucket_size}
+            meta = {
+                "role": "trainer",
+                "node": _node_id(),
+                "plan_id": self.plan_id,
+                "bucket_size": self.bucket_size,
+            }
             if self.is_master:
                 meta["store"] = self._host_store()
             if self.plan_id is None:
@@ -127,10 +145,17 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         if self.server_adapter is not None:
             sa = self.server_adapter
             if getattr(sa.config, "name", "vllm") != "vllm":
-                raise NotImplementedError(f"rl_tpu checkpoint engine: rollout.name={sa.config.name!r} (vllm only)")
+                raise NotImplementedError(
+                    f"rl_tpu checkpoint engine: rollout.name={sa.config.name!r} (vllm only)"
+                )
             leader = sa.rollout_rank == 0
-            meta = {"role": "rollout", "node": _node_id(), "plan_id": self.plan_id, "replica": sa.replica_rank,
-                    "leader": leader}
+            meta = {
+                "role": "rollout",
+                "node": _node_id(),
+                "plan_id": self.plan_id,
+                "replica": sa.replica_rank,
+                "leader": leader,
+            }
             if leader and self.plan_id is None:
                 from rl_tpu.weight_sync.names import checkpoint_shapes
 
@@ -139,8 +164,10 @@ class RlTpuCheckpointEngine(CheckpointEngine):
                 meta["engine_hf"] = engine_hf
                 meta["layouts"] = self._rpc_results("rl_verl_derive", hf_order)
             return meta
-        raise RuntimeError("rl_tpu checkpoint engine: no training engine or rollout server was handed to it "
-                           "(the plugin's hooks did not run: was rl_tpu.integrations.verl imported by `import verl`?)")
+        raise RuntimeError(
+            "rl_tpu checkpoint engine: no training engine or rollout server was handed to it "
+            "(the plugin's hooks did not run: was rl_tpu.integrations.verl imported by `import verl`?)"
+        )
 
     def _host_store(self) -> tuple[str, int]:
         if self._store is None:
@@ -148,15 +175,18 @@ class RlTpuCheckpointEngine(CheckpointEngine):
             import torch.distributed as dist
 
             host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=_td(self.timeout_s))
+            self._store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=_td(self.timeout_s)
+            )
             self._store_addr = (host, self._store.port)
         return self._store_addr
 
     def _server(self):
         sa = self.server_adapter
         if not sa._ensure_server_handle():  # verl's lazy lookup of the replica's vLLMHttpServer actor
-            raise RuntimeError("rl_tpu checkpoint engine: only a replica's leading rollout worker talks to its server")
+            raise RuntimeError(
+                "rl_tpu checkpoint engine: only a replica's leading rollout worker talks to its server"
+            )
         return sa.server_handle
 
     def _rpc(self, method: str, *args) -> None:
@@ -166,9 +196,11 @@ class RlTpuCheckpointEngine(CheckpointEngine):
             ray.get(self._server().collective_rpc.remote(method, args=args), timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
             if method in str(e) and ("has no attribute" in str(e) or "not found" in str(e).lower()):
-                raise RuntimeError(f"rl_tpu checkpoint engine: the vLLM workers have no {method!r}; start vLLM with "
-                                   f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
-                                   f"{WORKER_EXTENSION}") from e
+                raise RuntimeError(
+                    f"rl_tpu checkpoint engine: the vLLM workers have no {method!r}; start vLLM with "
+                    f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+                    f"{WORKER_EXTENSION}"
+                ) from e
             raise
 
     def _rpc_results(self, method: str, *args) -> list:
@@ -191,16 +223,22 @@ class RlTpuCheckpointEngine(CheckpointEngine):
                     pass
 
     @classmethod
-    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
-                       metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list], dict[str, list]]:
         """The driver: build the plan (first sync) from every worker's `prepare()` metadata."""
         S, R = actor_wg_world_size, rollout_world_size
         trainers, rollouts = metadata[:S], metadata[S:]
-        if len(metadata) != S + R or any(m.get("role") != "trainer" for m in trainers) or \
-                any(m.get("role") != "rollout" for m in rollouts):
-            raise RuntimeError(f"rl_tpu checkpoint engine: expected {S} trainer then {R} rollout metadata, got roles "
-                               f"{[m.get('role') for m in metadata]} (verl's hybrid rollout runs in the actor's own "
-                               "workers; this backend needs standalone rollout workers)")
+        if (
+            len(metadata) != S + R
+            or any(m.get("role") != "trainer" for m in trainers)
+            or any(m.get("role") != "rollout" for m in rollouts)
+        ):
+            raise RuntimeError(
+                f"rl_tpu checkpoint engine: expected {S} trainer then {R} rollout metadata, got roles "
+                f"{[m.get('role') for m in metadata]} (verl's hybrid rollout runs in the actor's own "
+                "workers; this backend needs standalone rollout workers)"
+            )
         store = trainers[0].get("store")
         if store is None:
             raise RuntimeError("rl_tpu checkpoint engine: trainer rank 0 is not the master (is_master=False)")
@@ -209,15 +247,23 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         def args(ranks: range, pid: str, setup: list) -> dict[str, list]:
             # `init_process_group`'s arguments, one list entry per worker of one side
             n = len(ranks)
-            return {"rank": list(ranks), "world_size": [S + R] * n, "store": [store] * n, "senders": [S] * n,
-                    "plan_id": [pid] * n, "setup": setup}
+            return {
+                "rank": list(ranks),
+                "world_size": [S + R] * n,
+                "store": [store] * n,
+                "senders": [S] * n,
+                "plan_id": [pid] * n,
+                "setup": setup,
+            }
 
         if len(ids) == 1 and None not in ids:  # the plan stands: nothing to hand out
             pid = ids.pop()
             return args(range(S), pid, [None] * S), args(range(S, S + R), pid, [None] * R)
         if ids != {None}:
-            raise RuntimeError(f"rl_tpu checkpoint engine: workers hold different plans {sorted(map(str, ids))} "
-                               "(a worker restarted?); rebuilding one side's plan is not implemented: restart the run")
+            raise RuntimeError(
+                f"rl_tpu checkpoint engine: workers hold different plans {sorted(map(str, ids))} "
+                "(a worker restarted?); rebuilding one side's plan is not implemented: restart the run"
+            )
         plan, engines = _build_plan(trainers, rollouts)
         from rl_tpu.weight_sync.sync import receiver_tables
 
@@ -227,13 +273,23 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         for m in rollouts:
             e = engines.index(m["replica"])
             tables, _ = receiver_tables(plan, e, "shm")
-            order = {str(tp): [b for b, _, _ in plan.for_receiver(i)]
-                     for i, (ee, tp) in enumerate(plan.receivers) if ee == e}
+            order = {
+                str(tp): [b for b, _, _ in plan.for_receiver(i)]
+                for i, (ee, tp) in enumerate(plan.receivers)
+                if ee == e
+            }
             rollout_setup.append({"tables": tables if m["leader"] else None, "order": order})
         return args(range(S), pid, actor_setup), args(range(S, S + R), pid, rollout_setup)
 
-    def init_process_group(self, rank: int, world_size: int, store: tuple[str, int], senders: int,
-                           plan_id: str, setup: dict | None) -> None:
+    def init_process_group(
+        self,
+        rank: int,
+        world_size: int,
+        store: tuple[str, int],
+        senders: int,
+        plan_id: str,
+        setup: dict | None,
+    ) -> None:
         import torch.distributed as dist
 
         self.rank, self.senders = int(rank), int(senders)
@@ -242,10 +298,14 @@ class RlTpuCheckpointEngine(CheckpointEngine):
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(self.timeout_s))
         if setup is None:
             if self.plan_id != plan_id:
-                raise RuntimeError(f"rl_tpu checkpoint engine: worker {rank} holds plan {self.plan_id}, not {plan_id}")
+                raise RuntimeError(
+                    f"rl_tpu checkpoint engine: worker {rank} holds plan {self.plan_id}, not {plan_id}"
+                )
             return
         if self.model_engine is not None:
-            self._worker.ws_setup(setup["names"], setup["buckets"])  # TrainerWorker's Sender (weight_sync/sync.py)
+            self._worker.ws_setup(
+                setup["names"], setup["buckets"]
+            )  # TrainerWorker's Sender (weight_sync/sync.py)
             self.buckets = sorted(int(b) for b in setup["buckets"])
         else:
             if setup["tables"] is not None:
@@ -263,40 +323,54 @@ class RlTpuCheckpointEngine(CheckpointEngine):
     def _key(self, version: int, sender: int) -> str:
         return f"rl_tpu/{self.plan_id}/v{version}/s{sender}"
 
-    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
-                           global_steps: int | None = None) -> dict[str, float]:
+    async def send_weights(
+        self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None
+    ) -> dict[str, float]:
         """Pack this rank's buckets (its own shard's pieces only) and publish their handles. `weights` is not
         iterated: for our engine that generator would gather full tensors."""
         if self.model_engine is None:
             raise RuntimeError("rl_tpu checkpoint engine: send_weights on a worker without a training engine")
         if self.plan_id is None:
-            raise RuntimeError("rl_tpu checkpoint engine: send_weights before init_process_group handed out a plan")
+            raise RuntimeError(
+                "rl_tpu checkpoint engine: send_weights before init_process_group handed out a plan"
+            )
         version = self._version(global_steps)
         t0 = time.perf_counter()
         w = self._worker
-        handles = {b: w.ws_pack(b, "shm", version, ("verl", b)) for b in self.buckets}  # pooled file per bucket
+        handles = {
+            b: w.ws_pack(b, "shm", version, ("verl", b)) for b in self.buckets
+        }  # pooled file per bucket
         if self._last_key is not None:
             self._store.delete_key(self._last_key)  # the previous sync's receivers are done with it
         self._last_key = self._key(version, self.rank)
         self._store.set(self._last_key, json.dumps({str(b): list(h) for b, h in handles.items()}))
-        self.stats = {"rl_tpu/send_s": time.perf_counter() - t0,
-                      "rl_tpu/send_bytes": float(sum(h[1] for h in handles.values()))}
+        self.stats = {
+            "rl_tpu/send_s": time.perf_counter() - t0,
+            "rl_tpu/send_bytes": float(sum(h[1] for h in handles.values())),
+        }
         return dict(self.stats)
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Wait for every sender's handles, then yield the one control record for our vLLM extension."""
         import asyncio
 
         if self.plan_id is None:
-            raise RuntimeError("rl_tpu checkpoint engine: receive_weights before init_process_group handed out a plan")
+            raise RuntimeError(
+                "rl_tpu checkpoint engine: receive_weights before init_process_group handed out a plan"
+            )
         version = self._version(global_steps)
         handles: dict[str, list] = {}
         for s in range(self.senders):
-            raw = await asyncio.to_thread(self._store.get, self._key(version, s))  # blocks until set (timeout_s)
+            raw = await asyncio.to_thread(
+                self._store.get, self._key(version, s)
+            )  # blocks until set (timeout_s)
             handles.update(json.loads(raw))
         per_tp = {tp: [[b, handles[str(b)], "shm"] for b in bids] for tp, bids in self.order.items()}
-        record = json.dumps({"plan_id": self.plan_id, "version": version, "keep": self.verify,
-                             "handles": per_tp}).encode()
+        record = json.dumps(
+            {"plan_id": self.plan_id, "version": version, "keep": self.verify, "handles": per_tp}
+        ).encode()
         yield RECORD, torch.frombuffer(bytearray(record), dtype=torch.uint8)
 
 
@@ -316,12 +390,16 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
 
     t0 = trainers[0]
     specs = t0["specs"]
-    maps = NameMaps.from_adapter(specs, functools.partial(titan.titan_to_hf, titan.build_model_spec(t0["model_path"])))
+    maps = NameMaps.from_adapter(
+        specs, functools.partial(titan.titan_to_hf, titan.build_model_spec(t0["model_path"]))
+    )
     leaders = [m for m in rollouts if m["leader"]]
     engines = [m["replica"] for m in leaders]
     if not leaders or len(set(engines)) != len(engines):
-        raise RuntimeError(f"rl_tpu checkpoint engine: one leading rollout worker per replica expected, got replicas "
-                           f"{engines}")
+        raise RuntimeError(
+            f"rl_tpu checkpoint engine: one leading rollout worker per replica expected, got replicas "
+            f"{engines}"
+        )
     for m in leaders:
         check_names(maps.shapes, m["engine_hf"])  # raises naming every missing / extra / mis-shaped tensor
     layouts = engine_layouts([m["layouts"] for m in leaders])
@@ -329,9 +407,11 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     for r, s, _ in plan.buckets.tolist():
         e = plan.receivers[r][0]
         if trainers[s]["node"] != leaders[e]["node"]:
-            raise NotImplementedError(f"rl_tpu checkpoint engine: trainer rank {s} (node {trainers[s]['node']}) and "
-                                      f"rollout replica {engines[e]} (node {leaders[e]['node']}) are on different "
-                                      "hosts; this backend moves shards through /dev/shm (same host only)")
+            raise NotImplementedError(
+                f"rl_tpu checkpoint engine: trainer rank {s} (node {trainers[s]['node']}) and "
+                f"rollout replica {engines[e]} (node {leaders[e]['node']}) are on different "
+                "hosts; this backend moves shards through /dev/shm (same host only)"
+            )
     return plan, engines
 
 

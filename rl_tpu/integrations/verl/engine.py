@@ -24,8 +24,9 @@ Invariants and decisions:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
-from typing import Any, Callable, Generator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,9 @@ def trainer_config(engine_config: Any, optimizer_config: Any, device: str, world
     opt = optimizer_config
     dtype = _DTYPES.get(str(engine_config.dtype))
     if dtype is None:
-        raise NotImplementedError(f"rl_tpu engine: engine dtype {engine_config.dtype!r} is not supported "
-                                  "(float32 or bfloat16)")
+        raise NotImplementedError(
+            f"rl_tpu engine: engine dtype {engine_config.dtype!r} is not supported (float32 or bfloat16)"
+        )
     name = getattr(opt, "optimizer", None) or getattr(opt, "name", "AdamW")
     if name != "AdamW":
         raise NotImplementedError(f"rl_tpu engine: optimizer {name!r} is not supported (AdamW)")
@@ -57,7 +59,9 @@ def trainer_config(engine_config: Any, optimizer_config: Any, device: str, world
         raise NotImplementedError(f"rl_tpu engine: optim eps {opt.eps} is not supported (1e-8)")
     schedule = getattr(opt, "lr_scheduler_type", None) or getattr(opt, "warmup_style", None) or "constant"
     if schedule not in ("constant", "cosine"):
-        raise NotImplementedError(f"rl_tpu engine: lr scheduler {schedule!r} is not supported (constant, cosine)")
+        raise NotImplementedError(
+            f"rl_tpu engine: lr scheduler {schedule!r} is not supported (constant, cosine)"
+        )
     total = opt.total_training_steps if opt.total_training_steps and opt.total_training_steps > 0 else 1
     warmup = opt.lr_warmup_steps
     if warmup is None or warmup < 0:  # verl: -1 defers to the ratio of total steps
@@ -101,10 +105,18 @@ class RlTpuEngine(BaseEngine):
         if not dist.is_initialized():
             raise RuntimeError("rl_tpu engine: torch.distributed is not initialised (verl's worker does it)")
         path = getattr(self.model_config, "local_path", None) or self.model_config.path
-        cfg = trainer_config(self.engine_config, self.optimizer_config, get_device_name(), dist.get_world_size())
+        cfg = trainer_config(
+            self.engine_config, self.optimizer_config, get_device_name(), dist.get_world_size()
+        )
         # TrainerWorker joins the group verl already initialised (init_process_group is skipped then)
-        self.worker = TrainerWorker(cfg, path, dist.get_rank(), dist.get_world_size(),
-                                    os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 0)))
+        self.worker = TrainerWorker(
+            cfg,
+            path,
+            dist.get_rank(),
+            dist.get_world_size(),
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", 0)),
+        )
 
     @property
     def module(self) -> torch.nn.Module:
@@ -138,7 +150,9 @@ class RlTpuEngine(BaseEngine):
 
     # ------------------------------------------------------------------ compute
 
-    def forward_backward_batch(self, data: TensorDict, loss_function: Optional[Callable], forward_only: bool = False) -> Any:
+    def forward_backward_batch(
+        self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False
+    ) -> Any:
         """Forward (and backward unless `forward_only`) of this rank's rows, in verl's micro-batches;
         returns verl's `{"model_output", "loss", "metrics"}` with jagged `log_probs` (and `entropy`)."""
         w = self.worker
@@ -162,7 +176,7 @@ class RlTpuEngine(BaseEngine):
             parallel.reshard(w.model)  # a forward without backward leaves the root unit unsharded
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
-    def _forward_step(self, mb: TensorDict, loss_function: Optional[Callable]) -> tuple[torch.Tensor, dict]:
+    def _forward_step(self, mb: TensorDict, loss_function: Callable | None) -> tuple[torch.Tensor, dict]:
         from rl_tpu.trainer import ops
 
         w = self.worker
@@ -186,17 +200,24 @@ class RlTpuEngine(BaseEngine):
             head.rl_index, head.rl_temperature = None, 1.0
 
         def jagged(x: torch.Tensor) -> torch.Tensor:
-            return torch.nested.nested_tensor_from_jagged(torch.cat([x[i, :n] for i, n in enumerate(lens)]), offsets)
+            return torch.nested.nested_tensor_from_jagged(
+                torch.cat([x[i, :n] for i, n in enumerate(lens)]), offsets
+            )
 
         model_output = {"log_probs": jagged(lp)}
         if tu.get_non_tensor_data(data=mb, key="calculate_entropy", default=False):
             model_output["entropy"] = jagged(ent)
         if loss_function is not None:
-            loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=self.get_data_parallel_group())
+            loss, metrics = loss_function(
+                model_output=model_output, data=mb, dp_group=self.get_data_parallel_group()
+            )
         else:
             loss, metrics = torch.zeros((), device=w.local), {}
-        out = {"model_output": {k: v.detach() for k, v in model_output.items()},
-               "loss": float(loss.detach().item()), "metrics": metrics}
+        out = {
+            "model_output": {k: v.detach() for k, v in model_output.items()},
+            "loss": float(loss.detach().item()),
+            "metrics": metrics,
+        }
         return loss, out
 
     def optimizer_zero_grad(self) -> None:
@@ -223,8 +244,10 @@ class RlTpuEngine(BaseEngine):
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         if (model or optimizer) and torch.device(device).type != self.worker.local.type:
-            raise NotImplementedError(f"rl_tpu engine: moving the model to {device!r} (offload) is not implemented; "
-                                      f"it stays on {self.worker.local}")
+            raise NotImplementedError(
+                f"rl_tpu engine: moving the model to {device!r} (offload) is not implemented; "
+                f"it stays on {self.worker.local}"
+            )
 
     # ------------------------------------------------------------------ weights out
 
@@ -241,19 +264,28 @@ class RlTpuEngine(BaseEngine):
         yield from tmodel.titan_to_hf(self.worker.spec, parallel.full_state_dict(self.worker.model)).items()
 
     def get_per_tensor_param_shard(self, **kwargs):
-        raise NotImplementedError("rl_tpu engine: per-shard export (verl's delta_sharded backends) is not "
-                                  "implemented; the `rl_tpu` checkpoint backend syncs shards by plan instead")
+        raise NotImplementedError(
+            "rl_tpu engine: per-shard export (verl's delta_sharded backends) is not "
+            "implemented; the `rl_tpu` checkpoint backend syncs shards by plan instead"
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
-                        max_ckpt_to_keep: Optional[int] = None, **kwargs) -> None:
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        **kwargs,
+    ) -> None:
         if hdfs_path:
             raise NotImplementedError("rl_tpu engine: hdfs checkpoint paths are not implemented")
         self.worker.save_checkpoint(local_path)  # DCP: model + optimizer + scheduler (trainer/worker.py)
 
-    def load_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, del_local_after_load: bool = True,
-                        **kwargs) -> None:
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs
+    ) -> None:
         if hdfs_path:
             raise NotImplementedError("rl_tpu engine: hdfs checkpoint paths are not implemented")
         self.worker.load_checkpoint(local_path)
@@ -266,8 +298,10 @@ def _check_positions(position_ids: torch.Tensor, lens: list[int]) -> None:
         raise NotImplementedError("rl_tpu engine: 3-D (m-RoPE) position_ids are not supported")
     expected = torch.cat([torch.arange(n) for n in lens]).to(position_ids.device)
     if not torch.equal(position_ids.values().to(expected.dtype), expected):
-        raise NotImplementedError("rl_tpu engine: rows must be one sequence at positions 0..n-1 "
-                                  "(packed or offset position_ids are not supported)")
+        raise NotImplementedError(
+            "rl_tpu engine: rows must be one sequence at positions 0..n-1 "
+            "(packed or offset position_ids are not supported)"
+        )
 
 
 def _temperature(mb: TensorDict) -> float:
@@ -304,6 +338,7 @@ class _EvalMode(BaseEngineCtx):
 
 # ---------------------------------------------------------------------- verl's separate-async trainer
 
+
 def save_local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of this rank's parameter shards. verl's fsdp2 helper uses `.cpu()`, which on a CPU host
     returns the live tensor itself, so the "saved" pi_old would follow every optimizer step; this clones."""
@@ -319,8 +354,10 @@ def restore_local_shards(module: torch.nn.Module, saved: dict[str, torch.Tensor]
 
     local = fsdp_local_shards(module)  # views of the parameters' own storage
     if local.keys() != saved.keys():
-        raise ValueError(f"rl_tpu engine: saved shards do not match the model's parameters "
-                         f"(missing {sorted(local.keys() - saved.keys())[:3]}, extra {sorted(saved.keys() - local.keys())[:3]})")
+        raise ValueError(
+            f"rl_tpu engine: saved shards do not match the model's parameters "
+            f"(missing {sorted(local.keys() - saved.keys())[:3]}, extra {sorted(saved.keys() - local.keys())[:3]})"
+        )
     for n, t in local.items():
         t.copy_(saved[n])
 

@@ -33,8 +33,11 @@ def _gloo_process_group() -> None:
         import os
         from datetime import timedelta
 
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
-                                init_method=os.environ.get("DIST_INIT_METHOD", None))
+        dist.init_process_group(
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_second),
+            init_method=os.environ.get("DIST_INIT_METHOD", None),
+        )
         return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     vd.initialize_global_process_group_ray = init_ray

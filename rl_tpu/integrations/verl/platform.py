@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
@@ -23,8 +23,17 @@ def _cpu_device_module() -> types.ModuleType:
     """What verl calls on `get_torch_device()`: torch.cpu's functions plus the memory statistics verl
     logs after every step (`engine_workers.py`, `_postprocess_output`), which torch.cpu lacks (0 here)."""
     m = types.ModuleType("rl_tpu_verl_cpu_device")
-    for name in ("current_device", "device_count", "is_available", "synchronize", "set_device", "Stream",
-                 "current_stream", "stream", "Event"):
+    for name in (
+        "current_device",
+        "device_count",
+        "is_available",
+        "synchronize",
+        "set_device",
+        "Stream",
+        "current_stream",
+        "stream",
+        "Event",
+    ):
         if hasattr(torch.cpu, name):
             setattr(m, name, getattr(torch.cpu, name))
     for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
@@ -79,7 +88,7 @@ class PlatformCPU(PlatformBase):
     def set_device(self, device_index: int) -> None:
         return None
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         return None
 
     def manual_seed(self, seed: int) -> None:
@@ -94,7 +103,7 @@ class PlatformCPU(PlatformBase):
     def empty_cache(self) -> None:
         return None
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         return (None, None)
 
     def communication_backend_name(self) -> str:

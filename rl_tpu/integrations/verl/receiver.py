@@ -42,8 +42,9 @@ class VerlWeightReceiver(WeightReceiver, vLLMColocateWorkerExtension):
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         side = getattr(self, "_rl_engine_side", None)
         if side is None or not side.buckets:  # no rl_tpu plan on this worker: verl's full-tensor path
-            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done,
-                                                   use_shm=use_shm)
+            return super().update_weights_from_ipc(
+                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+            )
         if peft_config:
             raise NotImplementedError("rl_tpu checkpoint backend: LoRA adapters are not synced by plan")
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
@@ -55,15 +56,20 @@ class VerlWeightReceiver(WeightReceiver, vLLMColocateWorkerExtension):
         def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
             for name, t in weights:
                 if name != RECORD:
-                    raise RuntimeError(f"rl_tpu checkpoint backend: verl's stream carried the full tensor {name!r}; "
-                                       "with a plan set up only its control record is expected")
+                    raise RuntimeError(
+                        f"rl_tpu checkpoint backend: verl's stream carried the full tensor {name!r}; "
+                        "with a plan set up only its control record is expected"
+                    )
                 records.append(bytes(t.cpu().numpy()))  # copied out: verl reuses the stream's buffer
 
         device = getattr(self, "device", None) or torch.device("cpu")
-        BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=device, use_shm=use_shm).receive_weights(
-            on_bucket_received=on_bucket)
+        BucketedWeightReceiver(
+            zmq_handle=self._get_zmq_handle(), device=device, use_shm=use_shm
+        ).receive_weights(on_bucket_received=on_bucket)
         if len(records) != 1:
-            raise RuntimeError(f"rl_tpu checkpoint backend: expected one control record in the stream, got {len(records)}")
+            raise RuntimeError(
+                f"rl_tpu checkpoint backend: expected one control record in the stream, got {len(records)}"
+            )
         rec = json.loads(records[0])
         side.begin(int(rec["version"]), bool(rec.get("keep", False)), None)
         side.receive(rec["handles"])

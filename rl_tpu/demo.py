@@ -11,7 +11,8 @@
 6. OUT/report.json, OUT/curves.png and a summary table.
 
 Why limited demonstrations and a control: with unlimited demonstrations, continued fine-tuning alone
-also climbs (DESIGN.md), so RL's gain must be shown against the same training time spent on SFT.
+also climbs (docs/demo.md, "What limits the choice"), so RL's gain must be shown against the same
+training time spent on SFT.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Create or update .venv with the pinned CPU stack (uv.lock). Idempotent: a second run with nothing
 # changed returns at once. Extra arguments are passed to `uv sync` (e.g. --extra verl).
 #
-# Role environments (DESIGN.md, "Environments per role"): `scripts/setup.sh --role-env xla` creates or
+# Role environments (docs/devices.md, "Role environments"): `scripts/setup.sh --role-env xla` creates or
 # updates .venv-xla from locks/xla.txt (a compiled, hashed requirements file: uv.lock holds one torch per
 # extra but one set of base pins, and the xla role needs torch 2.9 with an older TorchTitan than the
 # base pin), then installs this project into it without dependencies. `--relock-role-env xla` recompiles

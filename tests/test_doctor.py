@@ -81,7 +81,7 @@ def test_cuda_build_without_gpu_and_with_one():
     gpu = env(torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1)
     v = judge_device("cuda", gpu)
     assert v.usable and "1 GPU(s)" in v.reason and "untested on hardware" in v.reason
-    # a GPU but a TorchTitan that does not import on that torch (DESIGN.md: 0.3.0 on torch 2.11)
+    # a GPU but a TorchTitan that does not import on that torch (docs/decisions.md: 0.3.0 on torch 2.11)
     broken = env(
         torch="2.11.0+cu130",
         torch_cuda="13.0",

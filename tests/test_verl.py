@@ -506,7 +506,7 @@ class _VllmServer:
         return self.llm.collective_rpc("rl_named_weights")[0]
 
     def reload_reference(self, hf: dict[str, torch.Tensor]) -> None:
-        """vLLM's own full-tensor reload (the reference path, DESIGN.md) of the trainer's full weights."""
+        """vLLM's own full-tensor reload (the reference path, docs/weight_sync.md) of the full weights."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sorted(hf.items()))})
         self.llm.reset_prefix_cache()
 

@@ -15,9 +15,9 @@ Invariants:
   so `fully_shard` raises "DeviceMesh process groups not initialized!") train on ONE rank with plain,
   unsharded parameters: `make_parallel_dims` returns None and `build_parallel_model` skips the
   parallelize function. Compute is in the parameters' dtype (fp32): there is no FSDP mixed precision.
-- TorchTitan 0.3.0 facts (DESIGN.md): `ParallelDims` builds meshes on `tools.utils.device_type`,
-  which is "cuda" on a CPU-only host, so it is pointed at the devices-table device; the
-  `partial_dtensor` SPMD backend is the one that works on gloo.
+- TorchTitan 0.3.0 facts (docs/decisions.md, stack facts): `ParallelDims` builds meshes on
+  `tools.utils.device_type`, which is "cuda" on a CPU-only host, so it is pointed at the devices-table
+  device; the `partial_dtensor` SPMD backend is the one that works on gloo.
 """
 
 from __future__ import annotations

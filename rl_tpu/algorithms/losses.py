@@ -12,7 +12,9 @@ Invariants:
   which is only additive across micro-batches when they share T: pass `cfg.loss_scale_factor` (> 0) when
   micro-batches are padded to different lengths.
 - Metrics: `loss/*` values are this micro-batch's share (sum them over micro-batches and ranks);
-  `actor/*` and `mismatch/*` values are micro-batch-local means (average them). They are detached 0-dim
+  `actor/*` and `mismatch/*` values are micro-batch-local means (average them), except those in
+  `MAX_METRICS`, micro-batch-local maxima (take the max over micro-batches, ranks and updates; a mean of
+  them is only a lower bound of the step's max). They are detached 0-dim
   tensors on the loss's device, not floats: reading one (`float(v)`) waits for the device, which on
   XLA/TPU ends the traced graph, so the trainer reads them all at once per optimizer step.
 - Importance weights (truncated IS between the inference engine and the trainer) are detached and
@@ -35,6 +37,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from rl_tpu.config import AlgorithmConfig
 
+# metrics that are a max over the micro-batch's tokens: reduce them with max, not a (token-weighted) mean
+MAX_METRICS = frozenset({"mismatch/max_abs_logprob_diff"})
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 ROLLOUT_IS_MODES = ("none", "token", "sequence")
@@ -56,6 +60,15 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of `x` over `mask` (any shape); 0 when the mask is empty."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_max_abs(x: Tensor, mask: Tensor) -> Tensor:
+    """max |x| over `mask` (any shape), detached; 0 when the mask is empty. A masked position never
+    counts, whatever it holds (inf or NaN included)."""
+    x = x.detach()
+    if x.numel() == 0:  # an empty micro-batch (a static shape: no device sync)
+        return x.new_zeros(())
+    return torch.where(mask != 0, x.abs(), torch.zeros_like(x)).amax()
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
@@ -116,8 +129,9 @@ def rollout_is_weights(
     token: w_t = min(exp(old_t - rollout_t), threshold). sequence: w = min(prod_t exp(old_t - rollout_t),
     threshold) over the valid tokens of the sequence, broadcast to its tokens. Masked positions get 1.
     The weights are detached. Metrics: mismatch/kl (k1 estimate of KL(rollout || old), sampled from the
-    rollout policy), mismatch/k3_kl, mismatch/is_mean (mean weight before truncation, over tokens or
-    sequences) and mismatch/is_clipfrac (fraction truncated).
+    rollout policy), mismatch/k3_kl, mismatch/max_abs_logprob_diff (max |old - rollout| over the valid
+    tokens: per-token parity, which a signed mean can hide), mismatch/is_mean (mean weight before
+    truncation, over tokens or sequences) and mismatch/is_clipfrac (fraction truncated).
     """
     if mode not in ROLLOUT_IS_MODES or mode == "none":
         raise _unknown("rollout_is mode", mode, ("token", "sequence"))
@@ -128,6 +142,7 @@ def rollout_is_weights(
         metrics = {
             "mismatch/kl": masked_mean(-log_w, fmask).detach(),
             "mismatch/k3_kl": masked_mean(kl_penalty(rollout_log_prob, old_log_prob, "k3"), fmask).detach(),
+            "mismatch/max_abs_logprob_diff": masked_max_abs(old_log_prob - rollout_log_prob, fmask),
         }
         if mode == "token":
             raw = torch.exp(torch.clamp(log_w, min=-20.0, max=20.0))
@@ -287,7 +302,8 @@ def compute_policy_loss(
     - entropy_coeff * agg(entropy) [if entropy_coeff > 0], each agg with `cfg.loss_agg_mode` and the
     global normalisers (see the module docstring). Metrics: loss/policy, loss/kl, loss/entropy,
     loss/total, actor/entropy, actor/clipfrac, actor/clipfrac_lower (vanilla), actor/ppo_kl, and
-    mismatch/* when `rollout_log_prob` is given (the IS weights' metrics too when `cfg.rollout_is` is on).
+    mismatch/* when `rollout_log_prob` is given (kl, k3_kl, max_abs_logprob_diff; the IS weights' metrics
+    too when `cfg.rollout_is` is on).
     """
     if cfg.policy_loss not in POLICY_LOSSES:
         raise _unknown("policy_loss", cfg.policy_loss, POLICY_LOSSES)
@@ -334,6 +350,9 @@ def compute_policy_loss(
             metrics["mismatch/k3_kl"] = masked_mean(
                 kl_penalty(rollout_log_prob.detach(), old_log_prob, "k3"), fmask
             ).detach()
+            metrics["mismatch/max_abs_logprob_diff"] = masked_max_abs(
+                rollout_log_prob.detach() - old_log_prob, fmask
+            )
     loss = agg(pg_mat)
     metrics["loss/policy"] = loss.detach()
     if cfg.use_kl_loss:

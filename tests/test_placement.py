@@ -362,15 +362,17 @@ def two_node_cluster():
             [sys.executable, "-c", wait], env=env, timeout=600, capture_output=True, text=True
         )
         if out.returncode != 0:
-            # The cluster itself did not form (not our code under test): print why, with which node died and
-            # the nodes' own logs, then skip naming what is needed. Seen once in CI, never reproduced here.
+            # The cluster itself did not form (not our code under test). Under CI that is a failure with
+            # why, which node died and the nodes' own logs: a skip there would hide the 2-node coverage.
+            # Elsewhere the same report is a warning and the test skips naming what it needs.
             logs = "\n".join(
                 f"--- {n}.log (exit {p.poll()}):\n" + Path(f"{tmp}/{n}.log").read_text()[-3000:]
                 for n, p in zip(("node_a", "node_b"), nodes)
             )
-            warnings.warn(
-                f"2-node cluster did not come up:\n{out.stderr[-4000:]}\n{logs}", stacklevel=1
-            )  # shown in full by pytest
+            report = f"2-node cluster did not come up:\n{out.stderr[-4000:]}\n{logs}"
+            if os.environ.get("CI", "").strip().lower() in ("true", "1"):
+                pytest.fail(report, pytrace=False)
+            warnings.warn(report, stacklevel=1)  # shown in full by pytest
             last = (out.stderr.strip().splitlines() or ["?"])[-1]
             pytest.skip(f"needs a second local Ray node to join a head on 127.0.0.1; here: {last[:300]}")
         yield address, json.loads(out.stdout.strip().splitlines()[-1]), env

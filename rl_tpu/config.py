@@ -78,8 +78,9 @@ class TrainerConfig:
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
     # float32 matmuls of the model's linears and log-prob head on CPU (trainer/cpu_matmul.py): "auto" times
     # MKL (aten) and oneDNN on the model's shapes at start and runs each matmul on the faster (cached per
-    # CPU model, torch and thread count, so a machine keeps its choice); "onednn" (~2x MKL on a Zen 5 box,
-    # bench/RESULTS.md) or "aten" (torch's default, MKL's sgemm) pin one. Other devices and bf16: aten
+    # CPU model, torch and thread count, so a machine keeps its choice); "onednn" or "aten" (torch's
+    # default, MKL's sgemm) pin one; which is faster depends on the CPU (docs/decisions.md). Other devices
+    # and bf16: aten
     cpu_matmul: Literal["auto", "onednn", "aten"] = "auto"
     # a micro-batch's samples of one prompt run packed: the prompt once, each response at its own length
     # attending to it (trainer/attention.py); same log-probs and gradients, fewer positions. Off on
@@ -121,9 +122,9 @@ class RolloutConfig:
     max_model_len: int = F(512, ge=32)
     kv_cache_gb: float = F(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = F(0.5, gt=0, le=1)
-    # false: vLLM compiles the model (torch.compile / inductor). On vllm-cpu, 1.25-1.4x the tokens/s of
-    # eager on the bench models, for ~40 s more at the first start on a machine (~10 s once inductor's
-    # cache holds it); true keeps starts and tests fast (bench/RESULTS.md, session 12).
+    # false: vLLM compiles the model (torch.compile / inductor): more tokens/s, for a longer start (much
+    # longer the first time on a machine, before inductor's cache holds it); true keeps starts and tests
+    # fast (docs/decisions.md).
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
     num_threads: int = F(

@@ -5,7 +5,7 @@ Invariants:
   plain floats. A resumed run truncates the file to the steps before the resume point, so the file
   always reads as one uninterrupted run.
 - `RUN_DIR/samples.jsonl` holds a few sampled completions per step with their rewards.
-- Metric names are a public contract (README, issue 6): `reward/mean`, `loss/policy`, `time/step`, ...
+- Metric names are a public contract (listed in the README): `reward/mean`, `loss/policy`, `time/step`, ...
 """
 
 from __future__ import annotations

@@ -155,8 +155,8 @@ REPLICATED_STEP_MAX_PARAMS = 500_000_000
 
 def replicated_step(mode: str, num_params: int) -> bool:
     """Whether FSDP2 keeps parameters gathered and gradients local for a whole optimizer step
-    (`trainer.fsdp_step`). On CPU the gloo collectives do not overlap compute, so each one saved counts:
-    on a 13M model, 2 ranks, 2 micro-batches, replicated is 22 % faster per step (bench/RESULTS.md)."""
+    (`trainer.fsdp_step`). On CPU the gloo collectives do not overlap compute, so each one saved counts
+    (docs/decisions.md has the measurement)."""
     if mode not in ("auto", "sharded", "replicated"):
         raise ValueError(f"trainer.fsdp_step = {mode!r}: expected 'auto', 'sharded' or 'replicated'")
     return mode == "replicated" or (mode == "auto" and num_params <= REPLICATED_STEP_MAX_PARAMS)

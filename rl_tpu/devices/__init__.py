@@ -138,8 +138,7 @@ _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABL
 def _init_cpu() -> None:
     """Keep memory a training step frees for the next one (glibc, Linux). By default glibc serves
     blocks above its mmap threshold (at most 32 MB) with fresh mappings and gives them back on free, so
-    every step page-faults and zeroes its activations again: 15-40k page faults and ~0.1 s of system
-    time per step on the bench model, 4-9 % of the update (bench/RESULTS.md, session 17). Blocks under
+    every step page-faults and zeroes its activations again (its cost: docs/decisions.md). Blocks under
     2 GB now come from the heap and freed memory stays in the process, which keeps its peak RSS between
     steps. Left alone where the user set glibc's malloc variables or preloads another allocator."""
     if (

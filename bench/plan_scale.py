@@ -351,8 +351,8 @@ def run_derive(tmp: Path) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from rl_tpu.weight_sync import EngineReceiver
     from rl_tpu.weight_sync.names import checkpoint_shapes
-    from rl_tpu.weight_sync.sync import Receiver
 
     model = build_qwen3_06b(tmp / "qwen3-0.6b")
     llm = LLM(
@@ -362,7 +362,7 @@ def run_derive(tmp: Path) -> dict:
         max_model_len=256,
         block_size=32,
         seed=0,
-        worker_extension_cls="rl_tpu.rollout.receiver.WeightReceiver",
+        worker_extension_cls="rl_tpu.rollout.worker_extension.WorkerExtension",
     )
     model_bytes = sum(math.prod(s) * 2 for s in checkpoint_shapes(model).values())
     Path("/proc/self/clear_refs").write_text("5")
@@ -374,7 +374,7 @@ def run_derive(tmp: Path) -> dict:
     hf_order = sorted(checkpoint_shapes(model).items())
     hf_order = [(n, s) for n, s in hf_order if n != "lm_head.weight"]
     t0 = time.perf_counter()
-    (lay,) = Receiver(llm).ws_derive(hf_order)
+    (lay,) = EngineReceiver(llm).ws_derive(hf_order)
     secs = time.perf_counter() - t0
     extra = (rss_peak_mib() * 1024 - before) * 1024
     n_runs = sum(len(b) // 56 for b in lay["runs"].values())

@@ -135,9 +135,9 @@ def titan_state(model_dir: Path):
 
 
 def holder_cls():
-    from rl_tpu.weight_sync.sync import Sender
+    from rl_tpu.weight_sync import SyncSender
 
-    class Holder(Sender):
+    class Holder(SyncSender):
         """A sender rank holding its Shard(0) pieces (what `TrainerWorker` does with its DTensor shards)."""
 
         def __init__(self, shards, threads: int | None = 1):
@@ -149,7 +149,10 @@ def holder_cls():
             # senders beside the engine oversubscribed 2 cores; OpenMP's spin-waits doubled the sync time
             if threads:
                 apply_threads(threads)
-            super().__init__(lambda: shards)
+            self.shards = shards
+
+        def ws_shards(self):
+            return self.shards
 
         def mem_reset(self) -> int:
             return mem_reset()
@@ -189,8 +192,7 @@ def run_size(
     import ray
     from vllm import LLM
 
-    from rl_tpu.weight_sync import ParamSpec, WeightSync
-    from rl_tpu.weight_sync.sync import Receiver
+    from rl_tpu.weight_sync import EngineReceiver, ParamSpec, WeightSync
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     model_dir = build_model(tmp, layers, hidden, inter)
@@ -223,13 +225,13 @@ def run_size(
         max_model_len=256,
         block_size=32,
         seed=0,
-        worker_extension_cls="rl_tpu.rollout.receiver.WeightReceiver",
+        worker_extension_cls="rl_tpu.rollout.worker_extension.WorkerExtension",
     )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     Holder = holder_cls()
     actors = [ray.remote(num_cpus=0)(Holder).remote(p) for p in pieces]
     local = [Holder(p, threads=None) for p in pieces]
-    engine = Receiver(llm)
+    engine = EngineReceiver(llm)
     results = {}
     rows = [
         (t2, t2.removesuffix("_files"), t2 != "shm_files")

@@ -1,4 +1,5 @@
-"""Ray at the edges: starting it on a busy machine, and saying why an actor died.
+"""Ray at the edges: starting or joining it for a run, starting it on a busy machine, and saying why an
+actor died.
 
 Ray 2.60's raylet waits a fixed 30 s for its agents; a loaded 2-core box misses that deadline now and
 then, and starting again succeeds. Every place that starts Ray (the loop, tests, benches) goes through
@@ -9,9 +10,14 @@ and adds what only the dead worker's own log says (a fatal signal), for the engi
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_tpu.config import Config
 
 log = logging.getLogger("rl_tpu")
 
@@ -86,3 +92,38 @@ def _crash_line(log: Path, tail_bytes: int = 65536) -> str | None:
         return None
     found = _CRASH.findall(text)
     return found[-1].strip() if found else None
+
+
+def start_ray(cfg: Config, plan=None) -> bool:
+    """Join `cluster.address`, or start a local Ray advertising `cluster.num_cpus` CPUs (0: all cores,
+    and at least what the placement bundles reserve: sync mode runs the roles in turn). True if this
+    call started or joined it (False: this process was already connected)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    from rl_tpu.devices import get_device
+    from rl_tpu.rollout.engine import rollout_device
+
+    get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
+    rollout_device(cfg).apply_env()
+    # The console shows our progress and results; Ray's and vLLM's logs (and every actor's output) come
+    # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
+    verbose = cfg.logging.verbose
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=verbose,
+        logging_level=logging.INFO if verbose else logging.ERROR,
+        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}},
+    )
+    if cfg.cluster.address:
+        kwargs["address"] = cfg.cluster.address
+    else:
+        # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
+        need = math.ceil(plan.totals().get("CPU", 0)) if plan is not None else 0
+        kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1, need)
+    try:
+        return init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e

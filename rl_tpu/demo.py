@@ -30,12 +30,9 @@ from rl_tpu.config import Config, load_config, with_overrides
 
 @dataclass(kw_only=True)
 class DemoPlan:
-    # measured on 2026-12-02 (docs/demo.md): the 0.5 M-parameter model learns 2-digit addition from
-    # demonstrations ~3x faster per second than the 3.4 M one; from 300 of them SFT at lr 6e-3 memorises
-    # (loss ~0.03) and stalls near 0.6-0.7 held out, where GRPO on fresh prompts still climbs (0.675 ->
-    # 0.845 in 250 steps, 0.83-0.90 over 300-400); 500 demonstrations let SFT alone solve the task, 400 on
-    # the 3.4 M model stall near 0.3, where GRPO barely moves. 350 GRPO steps: the time one set of actors
-    # saves (no second start-up) spent on GRPO and, as long, on the control
+    # The smallest model that learns the task, and few enough demonstrations that SFT memorises them and
+    # stalls while GRPO on fresh prompts still climbs; with more, SFT alone solves the task and GRPO has
+    # nothing to show. How these values were chosen, with the measurements: docs/demo.md
     size: str = "tiny"
     demonstrations: int = 300
     train_prompts: int = 4000
@@ -46,8 +43,8 @@ class DemoPlan:
     sft_eval_every: int = 100  # SFT steps between held-out evaluations
     sft_patience: int = 2  # evaluations without improvement before SFT stops, counted once it fits:
     # the mean training loss since the previous evaluation below this. Before, held-out accuracy is noise
-    # near 0 (on an AMX Xeon the first 300 steps sat at loss 1.26-0.91, accuracy 0.040, 0.015, 0.035, and
-    # patience alone stopped SFT there, too weak a start for GRPO). None: patience counts from the start
+    # near 0 and patience alone can stop SFT there, too weak a start for GRPO (docs/demo.md). None:
+    # patience counts from the start
     sft_fit_loss: float | None = 0.2
     sft_max_steps: int = 1000
     grpo_steps: int = 350
@@ -194,8 +191,9 @@ def _sft_phase(
 def run_demo(
     out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None, verbose: bool = False
 ) -> dict:
+    from rl_tpu.cluster import start_ray
     from rl_tpu.data import make_synthetic
-    from rl_tpu.loop import start_ray, start_shared_roles, train
+    from rl_tpu.loop import start_shared_roles, train
     from rl_tpu.metrics import read_metrics
     from rl_tpu.model_folder import load_tokenizer
     from rl_tpu.sft import SFTSession

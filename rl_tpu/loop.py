@@ -1,34 +1,32 @@
-"""The RL driver: one function that reads top to bottom.
+"""The RL driver: `train(cfg)` starts the roles, then runs `rl_step` until `trainer.total_steps`.
+
+One step reads top to bottom (`rl_step`):
 
     prompts -> rollout.generate (vLLM actors) -> rewards (process pool) -> advantages (pure math)
-            -> trainer.train_step (TorchTitan actors) -> weight sync (version v+1) -> log, checkpoint
+            -> trainer.train_step (TorchTitan actors) -> weight sync (the next policy version) -> eval
 
-Modes (`cluster.mode`):
+and `train` logs it and checkpoints. Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
 - `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
   the same time, so they cannot take turns on shared devices): generation of step k+1 is submitted before
-  training step k, so it overlaps training; its data is one version old (`staleness` = trainer version -
-  sampling version, bounded by `cluster.max_staleness`, which the one-step pipeline keeps at <= 1).
-  Trainer log-probs are recomputed before each update (`old_log_probs`), and `algorithm.rollout_is`
-  corrects the inference/trainer mismatch; `mismatch/kl` measures it.
+  training step k (`Rollouts`), so it overlaps training; its data is one version old (`staleness` =
+  trainer version - sampling version, bounded by `cluster.max_staleness`, which the one-step pipeline
+  keeps at <= 1). Trainer log-probs are recomputed before each update (`old_log_probs`), and
+  `algorithm.rollout_is` corrects the inference/trainer mismatch; `mismatch/kl` measures it.
 Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
 bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by
 `cluster.*_resources`; where they landed is written to RUN_DIR/placement.json at start-up. `colocated`
 also puts the engines to sleep during training (frees device memory on CUDA; vLLM-CPU has no sleep mode,
 so there it is a no-op reported once); `disaggregated` never sleeps them.
-The controller holds no weights. Every call into an actor is an explicit method call on a group.
+The controller holds no weights. Every call into an actor is an explicit method call on a group; the
+policy version is the trainer group's (`TrainerGroup.policy_version`), which the weight sync reads.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import shutil
-import tempfile
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,170 +42,20 @@ from rl_tpu.algorithms import (
 )
 from rl_tpu.batching import RolloutBatch, build_rollout_batch
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
-from rl_tpu.cluster import init_ray
+from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.metrics import MetricsLogger
-from rl_tpu.model_folder import check_model_folder, load_tokenizer
-from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
+from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
+from rl_tpu.placement import plan_from_config
 from rl_tpu.rewards import RewardInput, RewardPool
+from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
 from rl_tpu.types import Completion
+from rl_tpu.weight_sync import WeightSync
 
 log = logging.getLogger("rl_tpu")
 
-
-# ---------------------------------------------------------------------------------------------------
-# setup
-
-
-def ensure_model(cfg: Config, run_dir: Path) -> str:
-    """`model.path` (checked: a folder the trainer can build, with a tokenizer), or a tiny model built
-    (once) into the run folder."""
-    if cfg.model.path:
-        check_model_folder(cfg.model.path, trainer=True)
-        return cfg.model.path
-    out = run_dir / "model"
-    if not (out / "model.safetensors").is_file():
-        from rl_tpu.tiny_model import make_tiny_model
-
-        make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed)
-    return str(out)
-
-
-def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
-    """The model folder (`ensure_model`) and its tokenizer, with every prompt checked against
-    `data.max_prompt_length`."""
-    model_path = ensure_model(cfg, run_dir)
-    tok = load_tokenizer(model_path, chat_template=True)
-    check_prompt_lengths(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
-    return model_path, tok
-
-
-def start_ray(cfg: Config, plan=None) -> bool:
-    """Join `cluster.address`, or start a local Ray advertising `cluster.num_cpus` CPUs (0: all cores,
-    and at least what the placement bundles reserve: sync mode runs the roles in turn). True if this
-    call started or joined it (False: this process was already connected)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    from rl_tpu.devices import get_device
-    from rl_tpu.rollout.engine import rollout_device
-
-    get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
-    rollout_device(cfg).apply_env()
-    # The console shows our progress and results; Ray's and vLLM's logs (and every actor's output) come
-    # back with `logging.verbose` (`--verbose`). Actor logs are always in Ray's session folder.
-    verbose = cfg.logging.verbose
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
-    kwargs: dict[str, Any] = dict(
-        include_dashboard=False,
-        log_to_driver=verbose,
-        logging_level=logging.INFO if verbose else logging.ERROR,
-        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}},
-    )
-    if cfg.cluster.address:
-        kwargs["address"] = cfg.cluster.address
-    else:
-        # actors mostly wait on each other: advertise more CPUs than cores so they can all be placed
-        need = math.ceil(plan.totals().get("CPU", 0)) if plan is not None else 0
-        kwargs["num_cpus"] = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1, need)
-    try:
-        return init_ray(attempts=1 if cfg.cluster.address else 3, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"could not start or join Ray ({e}); is the machine overloaded?") from e
-
-
-class WeightSyncer:
-    """Push the trainer's weights into every engine under a new policy version.
-
-    `sync.transport` = inprocess | shm | ray | collective selects the plan-based `WeightSync` (each
-    engine gets exactly its shard's bytes). `sync.transport = "reload"` is the full-tensor reference
-    path: the trainer exports HF safetensors and the engines `reload_weights` them. `sync.verify`
-    compares every engine parameter with vLLM's own full-tensor loader after each sync, bit for bit.
-
-    A restarted engine (`RolloutGroup.on_restart`, or one found dead during a sync) is synced alone
-    with the trainer's current weights, labelled `trainer_version`. `lock` is held while an update
-    changes the trainer's weights and its version, so that label is never one update behind (async mode
-    restarts an engine from the generation thread while the trainer trains)."""
-
-    def __init__(self, cfg: Config, trainer, rollout, model_path: str, tmp_dir: Path):
-        self.cfg, self.trainer, self.rollout, self.tmp_dir = cfg, trainer, rollout, tmp_dir
-        self.lock = threading.Lock()
-        self.trainer_version = 0  # the version of the weights the trainer holds now
-        self.verified = 0  # engine parameters the last verified sync compared (`sync.verify`)
-        self.plan_sync = None
-        if cfg.sync.transport != "reload":
-            from rl_tpu.weight_sync import WeightSync
-
-            # names and rows from rank 0's own adapter: the driver needs no TorchTitan (5-12 s to import here)
-            self.plan_sync = WeightSync(
-                trainer.param_specs(),
-                trainer.name_maps(),
-                trainer.actors,
-                rollout,
-                transport=cfg.sync.transport,
-                bucket_mb=cfg.sync.bucket_mb,
-                receiver_buffer_mb=cfg.sync.receiver_buffer_mb,
-                engine_model_dir=model_path,
-            )
-
-    def __call__(self, version: int) -> dict[str, float]:
-        """Every engine gets the trainer's weights as `version`."""
-        from rl_tpu.weight_sync import ReceiverLost
-
-        t = time.perf_counter()
-        try:
-            nbytes = self._sync(version)
-        except ReceiverLost as e:  # the others are synced; a restarted engine is synced on its own
-            for engine in e.engines:
-                self.rollout.restart_worker(engine, f"died during the weight sync of version {version}")
-            nbytes = 0.0
-        except Exception:
-            self.trainer.check_alive()  # a dead trainer rank fails every engine's sync: name it
-            raise
-        self.rollout.policy_version = version
-        out = {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t}
-        if self.cfg.sync.verify and self.plan_sync is not None:
-            out["sync/verified_params"] = float(self.verified)  # engine parameters found bit-identical
-        return out
-
-    def _sync(self, version: int, engines: list[int] | None = None) -> float:
-        if self.plan_sync is not None:
-            stats = self.plan_sync.sync(version, keep_for_verify=self.cfg.sync.verify, engines=engines)
-            if self.cfg.sync.verify:
-                diffs = self.plan_sync.verify(sorted(self.trainer.hf_state_dict().items()), engines)
-                bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}
-                if bad:
-                    raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's: {bad}")
-                self.verified = len(diffs)
-            return float(stats.bytes)
-        folder = self.tmp_dir / "sync"
-        self.trainer.export_hf(str(folder))
-        self.rollout.load_weights_full(str(folder / "model.safetensors"), version, workers=engines)
-        return float((folder / "model.safetensors").stat().st_size)
-
-    def engine_restarted(self, engine: int) -> None:
-        """`RolloutGroup.on_restart`: the new engine takes its slot in the plan and gets the current policy."""
-        with self.lock:
-            if self.plan_sync is not None:
-                self.plan_sync.replace_receiver(engine, self.rollout.workers[engine])
-            self._sync(self.trainer_version, engines=[engine])
-            log.info(
-                "rollout worker %d restarted and synced to policy version %d", engine, self.trainer_version
-            )
-
-    def build(self) -> None:
-        if self.plan_sync is not None:
-            self.plan_sync.build()
-
-    def routes(self) -> list[dict]:
-        """(sender rank, receiver, transport) of every pair the sync moves bytes over (placement.json)."""
-        return self.plan_sync.routes() if self.plan_sync is not None else []
-
-    def close(self) -> None:
-        if self.plan_sync is not None:
-            self.plan_sync.close()
+__all__ = ["Roles", "prepare_batch", "rl_step", "start_shared_roles", "train"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,6 +228,94 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
     }
 
 
+class Rollouts:
+    """Each step's data. In async mode the next step's generation is submitted before this step trains,
+    so it overlaps the update; `wait()` lets it finish first where the engine must be idle (a weight
+    sync: the engine is serial). `loader_state()` is the data position a checkpoint must record: before
+    the draw in flight, which a resume draws again (and samples with the newer weights, so async
+    resumes are not bit-reproducible)."""
+
+    def __init__(self, cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok):
+        self.cfg, self.rollout, self.pool, self.loader, self.tok = cfg, rollout, pool, loader, tok
+        self.ahead = cfg.cluster.mode == "async"
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending: Future | None = None
+        self._state_before: dict | None = None  # loader position before the in-flight draw
+
+    def _submit(self) -> Future:
+        return self._pool.submit(generate_and_score, self.cfg, self.rollout, self.pool, self.loader, self.tok)
+
+    def next(self, last: bool) -> tuple[Scored, dict[str, float]]:
+        """This step's data (and its timings); in async mode, unless `last`, the next draw starts."""
+        pending, self._pending = self._pending or self._submit(), None
+        data = pending.result()
+        if self.ahead and not last:
+            self._state_before = self.loader.state_dict()
+            self._pending = self._submit()
+        return data
+
+    def wait(self) -> None:
+        """Let an in-flight generation finish (its result is kept for the next step)."""
+        if self._pending is not None:
+            done: Future = Future()
+            done.set_result(self._pending.result())
+            self._pending = done
+
+    def loader_state(self) -> dict:
+        return self._state_before if self._pending is not None else self.loader.state_dict()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class Run:
+    """What every step of one run uses: its config, roles, weight sync, data and rewards."""
+
+    cfg: Config
+    trainer: Any  # TrainerGroup
+    rollout: Any  # RolloutGroup
+    sync: WeightSync
+    rollouts: Rollouts
+    pool: RewardPool
+    tok: Any
+    test_set: list[Example]
+    colocated: bool  # trainer and engines take turns on shared devices
+
+
+def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
+    """One RL step: data, advantages, the update, the new policy into the engines, evaluation."""
+    cfg, trainer, rollout = run.cfg, run.trainer, run.rollout
+    t_step = time.perf_counter()
+    # 1. data for this step (in async mode, generated during the previous step's training)
+    data, timings = run.rollouts.next(last=step == cfg.trainer.total_steps)
+    # 2. advantages and the update
+    t = time.perf_counter()
+    if run.colocated:
+        rollout.sleep()  # hand the shared devices to the trainer (CUDA); a no-op reported once elsewhere
+    rb, prep_metrics = prepare_batch(cfg, data, trainer, run.tok)
+    batch_metrics = step_metrics(rb, trainer.policy_version)
+    with run.sync.lock:  # a restarted engine must not be synced mid-update (see WeightSync)
+        train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
+    if run.colocated:
+        rollout.wake_up()
+    timings["time/train"] = time.perf_counter() - t
+    metrics = data.metrics | prep_metrics | batch_metrics | train_metrics
+    metrics["rollout/samples"] = float(sum(len(g) for g in data.groups))  # completions in the update
+    # 3. the new policy into the engines (after an in-flight generation: the engine is serial)
+    run.rollouts.wait()
+    metrics |= run.sync.push()
+    timings["time/sync"] = metrics["sync/seconds"]
+    # 4. evaluation
+    if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+        metrics |= evaluate(cfg, rollout, run.pool, run.test_set, run.tok)
+    metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
+    timings["time/step"] = time.perf_counter() - t_step
+    n_tokens = int(rb.batch.response_mask.sum().item())
+    metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}
+    return metrics, data
+
+
 # ---------------------------------------------------------------------------------------------------
 # the loop
 
@@ -398,9 +334,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     (run_dir / "config.toml").write_text(to_toml(cfg))
     # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
     # rather than after the trainer and the engines have started (minutes on a CPU box).
-    resume = resolve_resume(
-        run_dir, cfg.checkpoint.resume
-    )  # first: a damaged checkpoint stops the run at once
+    resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops at once
     train_set, test_set = build_datasets(cfg.data)
     if cfg.data.test_files and not cfg.trainer.test_freq:
         log.warning(
@@ -408,29 +342,24 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             "(--trainer.test_freq=N evaluates every N steps and after the last)",
             len(test_set),
         )
-    # A model folder of the user's is checked now (its files); the tokenizer (about 10 s on 2 cores, most
-    # of it importing transformers) and the prompt lengths it checks, or the tiny default when it still has
-    # to be built, come while Ray starts: a failure there stops Ray again and is reported.
+    # A model folder of the user's is checked now (its files); the tokenizer (most of it importing
+    # transformers) and the prompt lengths it checks, or the tiny default when it still has to be
+    # built, come while Ray starts: a failure there stops Ray again and is reported.
     if cfg.model.path:
         check_model_folder(cfg.model.path, trainer=True)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     if roles is not None:
         check_roles(cfg, roles, plan)
-    # The reward functions load in the pool's workers (about a second), which reports a missing file
-    # or function, a syntax or import error. Before, the pool started beside the trainer and engines
-    # and its error came after theirs had finished starting.
+    # The reward functions load in the pool's workers, which report a missing file or function, a
+    # syntax or import error before the trainer and engines start.
     pool = RewardPool(cfg.reward)
 
-    tmp = Path(tempfile.mkdtemp(prefix="rl_tpu_sync_"))
-    own = trainer = rollout = syncer = logger = bar = None  # own: the roles this run starts (and ends)
-    pipeline = ThreadPoolExecutor(max_workers=1)  # async mode: the next step's generation
-    pending: Future | None = None
-    pending_data_state: dict | None = None  # loader position before the in-flight draw (async)
+    own = trainer = sync = rollouts = logger = bar = None  # own: the roles this run starts (and ends)
     last: dict[str, float] = {}
-    step = version = 0
+    step = 0
     hf: str | None = None
-    startup_s: float | None = None
+    model_path: str | None = None
     try:
         with ThreadPoolExecutor(max_workers=1) as ex:
             built = ex.submit(_model_and_tokenizer, cfg, run_dir, train_set + test_set)
@@ -450,72 +379,34 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             roles.rollout.load_state_dict({"calls": 0})
         active = own or roles
         trainer, rollout = active.trainer, active.rollout
-        syncer = WeightSyncer(cfg, trainer, rollout, model_path, tmp)
-        syncer.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
+        sync = WeightSync.for_run(cfg.sync, trainer, rollout, model_path)
+        sync.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
         if roles is not None and resume is None:
-            syncer(version)  # the engines hold whatever the caller last gave them
+            sync.push()  # the engines hold whatever the caller last gave them
 
         def engine_restarted(engine: int) -> None:
-            syncer.engine_restarted(engine)
-            write_placement_json(run_dir, active.groups, rollout, syncer.routes())  # the new engine's process
+            sync.engine_restarted(engine)
+            write_placement_json(run_dir, active.groups, rollout, sync.routes())  # the new engine's process
 
         rollout.on_restart = engine_restarted
-        write_placement_json(run_dir, active.groups, rollout, syncer.routes())
+        write_placement_json(run_dir, active.groups, rollout, sync.routes())
         if resume is not None:
             state = load_state(resume)
-            trainer.load_checkpoint(str(resume / "trainer"))
+            trainer.load_checkpoint(str(resume / "trainer"), policy_version=state["version"])
             loader.load_state_dict(state["data"])
             rollout.load_state_dict(state["rollout"])
-            step, version = state["step"], state["version"]
-            syncer.trainer_version = version
-            syncer(version)  # the engines restart from the original weights: give them the checkpoint's
+            step = state["step"]
+            sync.push()  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
+        rollouts = Rollouts(cfg, rollout, pool, loader, tok)
+        run = Run(cfg, trainer, rollout, sync, rollouts, pool, tok, test_set, plan.placement == "colocated")
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
-        startup_s = (
-            time.perf_counter() - t_start
-        )  # Ray, reward workers, trainer, engines, plan: ready for step 1
+        startup_s: float | None = time.perf_counter() - t_start  # Ray, rewards, roles, plan: ready
         log.info("ready for the first step after %.1f s", startup_s)
         bar = _progress(cfg, step)
         while step < cfg.trainer.total_steps:
             step += 1
-            t_step = time.perf_counter()
-            # 1. data for this step (in async mode, submitted during the previous step's training)
-            if pending is None:
-                pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
-            data, timings = pending.result()
-            pending = None
-            if cfg.cluster.mode == "async" and step < cfg.trainer.total_steps:
-                pending_data_state = loader.state_dict()
-                pending = pipeline.submit(generate_and_score, cfg, rollout, pool, loader, tok)
-            # 2. advantages and the update
-            t = time.perf_counter()
-            if plan.placement == "colocated":
-                rollout.sleep()  # hand the shared devices to the trainer (CUDA); a no-op reported once elsewhere
-            rb, prep_metrics = prepare_batch(cfg, data, trainer, tok)
-            with syncer.lock:  # a restarted engine must not be synced mid-update (see WeightSyncer)
-                train_metrics = trainer.train_step(rb.batch, cfg.algorithm)
-                syncer.trainer_version = version + 1
-            if plan.placement == "colocated":
-                rollout.wake_up()
-            timings["time/train"] = time.perf_counter() - t
-            metrics = data.metrics | prep_metrics | step_metrics(rb, version) | train_metrics
-            metrics["rollout/samples"] = float(sum(len(g) for g in data.groups))  # completions in the update
-            # 3. new weights into the engines (waits for an in-flight generation: the engine is serial)
-            if pending is not None:
-                pending_data = pending.result()
-                pending = _done_future(pending_data)
-            version += 1
-            metrics |= syncer(version)
-            timings["time/sync"] = metrics["sync/seconds"]
-            # 4. evaluation, logging, checkpoint
-            if cfg.trainer.test_freq and (
-                step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps
-            ):
-                metrics |= evaluate(cfg, rollout, pool, test_set, tok)
-            metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
-            timings["time/step"] = time.perf_counter() - t_step
-            n_tokens = int(rb.batch.response_mask.sum().item())
-            metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}
+            metrics, data = rl_step(run, step)
             if startup_s is not None:
                 metrics["time/startup"], startup_s = startup_s, None
             logger.log(step, metrics)
@@ -526,121 +417,35 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
                 reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['throughput/tokens_per_s']:.0f}"
             )
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.trainer.total_steps:
-                # async: the next step's prompts are already drawn; a resume draws them again (and
-                # samples them with the newer weights, so async resumes are not bit-reproducible)
-                data_state = pending_data_state if pending is not None else loader.state_dict()
-                state = {"version": version, "data": data_state, "rollout": rollout.state_dict()}
+                state = {
+                    "version": trainer.policy_version,
+                    "data": rollouts.loader_state(),
+                    "rollout": rollout.state_dict(),
+                }
                 save_checkpoint(
                     run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last
                 )
         hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
     finally:
-        pipeline.shutdown(wait=True, cancel_futures=True)
-        for closer in (bar, logger, pool, syncer):
+        for closer in (rollouts, bar, logger, pool, sync):
             if closer is not None:
                 closer.close()
         if own is not None:
             own.shutdown()
         elif roles is not None:
-            roles.rollout.on_restart = None  # this run's syncer is closed; the caller keeps the roles
+            roles.rollout.on_restart = None  # this run's sync is closed; the caller keeps the roles
             # and an engine restarted between jobs gets this run's policy (none if the run stopped early)
-            roles.rollout.keep_for_restart(hf, version)
-        shutil.rmtree(tmp, ignore_errors=True)
+            roles.rollout.keep_for_restart(hf, roles.trainer.policy_version)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
 
 
-@dataclass
-class Roles:
-    """A trainer group and engines started once for several jobs on the same processes (the demo: SFT,
-    GRPO, an SFT control and evaluations); `train(cfg, roles=...)` runs on them without starting any."""
-
-    trainer: Any  # TrainerGroup
-    rollout: Any  # RolloutGroup
-    groups: PlacementGroups  # the loop's placement for the config they were started with
-
-    def shutdown(self) -> None:
-        for group in (self.rollout, self.trainer):
-            group.shutdown()
-        self.groups.remove()
-
-
-def start_shared_roles(cfg: Config, model_path: str) -> Roles:
-    """Reserve the loop's placement for `cfg` and start its trainer group and engines on `model_path`, side
-    by side (Ray must be running: `start_ray`). The caller ends them with `Roles.shutdown()`."""
-    groups = PlacementGroups(plan_from_config(cfg, os.cpu_count() or 1))
-    try:
-        return Roles(*start_roles(cfg, model_path, groups), groups)
-    except BaseException:
-        groups.remove()
-        raise
-
-
-def check_roles(cfg: Config, roles: Roles, plan) -> None:
-    """ValueError naming what `cfg` asks of the placement, the engines or the trainer's processes that
-    `roles` (started for another config) cannot give."""
-    from rl_tpu.trainer.worker import restart_conflicts
-
-    if roles.groups.plan != plan:
-        raise ValueError(
-            "train: the roles were started for another placement (trainer.world_size / num_threads, "
-            "rollout.engines / tensor_parallel_size / num_threads, cluster.*): start them with this "
-            "config"
-        )
-    started = roles.rollout.cfg
-    have = to_dict(started.rollout)
-    differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if have[k] != v]
-    differ += [f"trainer.{k}" for k in restart_conflicts(roles.trainer.cfg.trainer, cfg.trainer)]
-    if cfg.model.dtype != started.model.dtype or cfg.model.dtype != roles.trainer.cfg.model.dtype:
-        differ.append("model.dtype")
-    if differ:
-        raise ValueError(
-            f"train: {', '.join(differ)} differ from what the roles were started with (fixed when "
-            "their processes start: the engines' sampling, the trainer's shape): start them with this "
-            "config"
-        )
-
-
-def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
-    """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
-    TorchTitan builds, vLLM engine start-up)."""
-    from rl_tpu.rollout import RolloutGroup
-    from rl_tpu.trainer import TrainerGroup
-
-    return start_side_by_side(
-        lambda: TrainerGroup(cfg, model_path, placement=groups),
-        lambda: RolloutGroup(cfg, model_path, placement=groups),
-    )
-
-
-def start_side_by_side(*makers: Callable[[], Any]) -> tuple:
-    """Call each maker in its own thread. If one fails, those that started are closed (`close()` or
-    `shutdown()`) and the first error is raised."""
-    with ThreadPoolExecutor(max_workers=len(makers)) as ex:
-        futures = [ex.submit(m) for m in makers]
-    made, errors = [], []
-    for f in futures:
-        try:
-            made.append(f.result())
-        except BaseException as e:  # noqa: BLE001 - re-raised below once the others are closed
-            errors.append(e)
-    if errors:
-        for obj in made:
-            (getattr(obj, "close", None) or obj.shutdown)()
-        raise errors[0]
-    return tuple(made)
-
-
-def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list) -> Path:
-    """RUN_DIR/placement.json: where every actor runs (engines report their own node and threads)."""
-    reports = {("rollout", i): r for i, r in enumerate(rollout.threads())}
-    actors = placement_record(groups.plan, groups.bundle_nodes(), groups.node_ips, reports)
-    return write_placement(run_dir / "placement.json", groups.plan.placement, actors, sync_routes)
-
-
-def _done_future(value: Any) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
+    """The model folder (`ensure_model`) and its tokenizer, with every prompt checked against
+    `data.max_prompt_length`."""
+    model_path = ensure_model(cfg, run_dir)
+    tok = load_tokenizer(model_path, chat_template=True)
+    check_prompt_lengths(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
+    return model_path, tok
 
 
 def _samples(data: Scored, k: int) -> list[dict[str, Any]]:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_tpu.errors import ModelError
+
+if TYPE_CHECKING:
+    from rl_tpu.config import Config
 
 # Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
 # config.json's model_type and fails with a message about sentencepiece.
@@ -66,3 +69,17 @@ def load_tokenizer(path: str | Path, *, chat_template: bool = False, key: str = 
             "messages); add `chat_template` to tokenizer_config.json or a chat_template.jinja"
         )
     return tok
+
+
+def ensure_model(cfg: Config, run_dir: Path) -> str:
+    """`model.path` (checked: a folder the trainer can build, with a tokenizer), or a tiny model built
+    (once) into the run folder."""
+    if cfg.model.path:
+        check_model_folder(cfg.model.path, trainer=True)
+        return cfg.model.path
+    out = run_dir / "model"
+    if not (out / "model.safetensors").is_file():
+        from rl_tpu.tiny_model import make_tiny_model
+
+        make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed)
+    return str(out)

@@ -2,7 +2,7 @@
 many CPU threads each uses.
 
 Invariants:
-- The bundle math is pure (`plan_placement`, `rollout_threads`, `check_fits`): numbers in, a `Plan`
+- The bundle math is pure (`plan_placement`, `rollout_threads`, `check_fits`): numbers in, a `PlacementPlan`
   out. Creating the placement groups, waiting for them and reading back their nodes happen in
   `PlacementGroups`; each actor sets its own thread count (`apply_threads`).
 - One bundle per trainer rank. One bundle per engine holding all its TP ranks (tp x CPUs, tp x the
@@ -57,7 +57,7 @@ class Slot:
 
     role: str  # "trainer" | "rollout"
     index: int  # trainer rank or engine index
-    group: str  # placement group name in `Plan.bundles`: "trainer", "rollout" or "shared"
+    group: str  # placement group name in `PlacementPlan.bundles`: "trainer", "rollout" or "shared"
     bundle: int
     num_cpus: float
     accelerator: dict[str, float] = field(default_factory=dict)  # e.g. {"GPU": 0.5}
@@ -65,7 +65,7 @@ class Slot:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class PlacementPlan:
     placement: str
     bundles: dict[str, list[dict[str, float]]]  # placement group name -> its bundles
     slots: list[Slot]
@@ -118,7 +118,7 @@ def plan_placement(
     rollout_threads: int,
     trainer_resources: dict[str, float] | None = None,
     rollout_resources: dict[str, float] | None = None,
-) -> Plan:
+) -> PlacementPlan:
     """Bundles and slots for `world_size` trainer ranks and `engines` engines of `tp` ranks each."""
     tres, rres = dict(trainer_resources or {}), dict(rollout_resources or {})
     if min(world_size, trainer_threads, engines, tp, rollout_threads) < 1:
@@ -152,7 +152,7 @@ def plan_placement(
             )
             for e in range(engines)
         ]
-        return Plan(placement=placement, bundles=bundles, slots=slots)
+        return PlacementPlan(placement=placement, bundles=bundles, slots=slots)
     if placement != "colocated":
         raise PlacementError(f"cluster.placement must be 'colocated' or 'disaggregated', got {placement!r}")
     if accelerator == "TPU":
@@ -196,7 +196,7 @@ def plan_placement(
         )
         for e in range(engines)
     ]
-    return Plan(placement=placement, bundles=bundles, slots=slots)
+    return PlacementPlan(placement=placement, bundles=bundles, slots=slots)
 
 
 def plan_trainers(
@@ -205,13 +205,13 @@ def plan_trainers(
     world_size: int,
     trainer_threads: int,
     trainer_resources: dict[str, float] | None = None,
-) -> Plan:
+) -> PlacementPlan:
     """The trainer's own placement group: one bundle per rank (a `TrainerGroup` started without the
     loop's placement reserves this, so Ray starts all its ranks or none)."""
     if min(world_size, trainer_threads) < 1:
         raise PlacementError("placement needs trainer.world_size and trainer.num_threads >= 1")
     acc = {accelerator: 1.0} if accelerator else {}
-    return Plan(
+    return PlacementPlan(
         placement="disaggregated",
         bundles={
             "trainer": [
@@ -242,7 +242,7 @@ def choose_placement(requested: str, *, mode: str, accelerator: str | None, tp: 
     return "colocated" if mode == "sync" and shareable else "disaggregated"
 
 
-def plan_from_config(cfg: Any, cores: int) -> Plan:
+def plan_from_config(cfg: Any, cores: int) -> PlacementPlan:
     """`plan_placement` for a `Config` (`cluster.placement = "auto"` resolved by `choose_placement`);
     `cores` sizes `rollout.num_threads = 0` (auto)."""
     from rl_tpu.devices import get_device
@@ -281,7 +281,7 @@ def _keys(group: str, resource: str) -> str:
     return " or ".join(_KEYS[(r, kind)] for r in roles)
 
 
-def check_fits(plan: Plan, nodes: list[dict[str, float]]) -> None:
+def check_fits(plan: PlacementPlan, nodes: list[dict[str, float]]) -> None:
     """Raise PlacementError if a bundle fits on no node, or the bundles together exceed the cluster.
     `nodes`: each alive node's total resources (Ray's `ray.nodes()[i]["Resources"]`)."""
     for group, bundles in plan.bundles.items():
@@ -329,7 +329,7 @@ def apply_threads(threads: int, *, cpu_tp_engine: bool = False) -> None:
 
 
 def placement_record(
-    plan: Plan,
+    plan: PlacementPlan,
     bundle_nodes: dict[tuple[str, int], str],
     node_ips: dict[str, str],
     reports: dict[tuple[str, int], dict] | None = None,
@@ -373,7 +373,7 @@ class PlacementGroups:
     """The plan's placement groups, reserved on the cluster (PACK strategy: a role's bundles share nodes
     where they fit). `options(slot)` gives the actor options that put an actor in its bundle."""
 
-    def __init__(self, plan: Plan, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    def __init__(self, plan: PlacementPlan, timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
         from ray.util import placement_group
 

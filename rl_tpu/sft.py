@@ -76,8 +76,9 @@ class SFTSession:
 
 def run_sft(cfg: Config) -> dict[str, Any]:
     """`trainer.total_steps` SFT steps over the training data; writes RUN_DIR/hf (a HF model folder)."""
-    from rl_tpu.loop import ensure_model, start_ray
+    from rl_tpu.cluster import start_ray
     from rl_tpu.metrics import MetricsLogger
+    from rl_tpu.model_folder import ensure_model
 
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """vLLM rollout workers: `RolloutGroup` (M engines as Ray actors), `RolloutWorker` (one engine),
-the `WeightReceiver` vLLM worker extension, and `generate_text` (one in-process engine, no Ray).
+the `WorkerExtension` vLLM worker extension, and `generate_text` (one in-process engine, no Ray).
 
 Importing this package does not import vLLM or start Ray; engines start when a group or worker is made.
 """

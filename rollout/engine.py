@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RECEIVER_CLS = "rl_tpu.rollout.receiver.WeightReceiver"
+RECEIVER_CLS = "rl_tpu.rollout.worker_extension.WorkerExtension"
 
 
 @dataclass(frozen=True, kw_only=True)

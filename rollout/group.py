@@ -24,8 +24,8 @@ Invariants:
   threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
   `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, from `num_cpus_per_worker`; set by the
   worker itself, since a driver that started vLLM-CPU hides it from libgomp).
-- `policy_version` is the version every worker holds; `load_weights_full` installs on all workers and
-  only then advances it.
+- Each engine records the policy version it serves (`RolloutWorker.version`, set when an install
+  completes); `policy_version` asks them.
 """
 
 from __future__ import annotations
@@ -117,7 +117,6 @@ class RolloutGroup:
             raise FileNotFoundError(f"model folder {self.model_path!r} has no config.json")
         self.timeout_s, self.ping_timeout_s = timeout_s, ping_timeout_s
         self._calls = 0
-        self.policy_version = 0
         self.restarts, self.max_restarts = 0, cfg.rollout.max_restarts
         self.on_restart: Callable[[int], None] | None = None  # gives a restarted worker the current policy
         # without on_restart: (safetensors path, version) a restarted worker is given; ORIGINAL: none needed
@@ -140,7 +139,7 @@ class RolloutGroup:
         """Start worker i's actor in its slot (Ray restarts nothing by itself: `restart_worker` does,
         since a new engine must also be given the current weights)."""
         # A plain (single-threaded) actor: with a concurrency group Ray runs every call on a pool thread,
-        # and vLLM-CPU generated ~30 % slower there (bench/RESULTS.md, 2026-12-01). So `ping` queues
+        # where vLLM-CPU generates markedly slower (docs/decisions.md). So `ping` queues
         # behind a running call; a stuck engine is caught by the call's own timeout.
         actor_cls = ray.remote(RolloutWorker)
         from rl_tpu.devices.roles import role_options
@@ -310,7 +309,6 @@ class RolloutGroup:
                 self._restore = kept
             raise
         if len(workers) == self.num_workers:
-            self.policy_version = version
             # a path costs nothing to keep; tensors would stay in the object store for the group's life
             self._restore = None if stamp is None else (path, version, stamp)
         return stats
@@ -321,13 +319,20 @@ class RolloutGroup:
         they hold weights that cannot be given back (a restart then raises). The loop calls it when a job
         on shared roles ends."""
         self._restore = None if path is None else (str(path), version, file_stamp(str(path)))
-        if path is not None:
-            self.policy_version = version
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version the engines serve, as each engine reports it (they hold it; the group
+        keeps no copy). Engines that disagree (a sync into some of them failed) raise."""
+        versions = {int(p["policy_version"]) for p in self.ping()}
+        if len(versions) != 1:
+            raise RuntimeError(f"rollout engines serve different policy versions: {sorted(versions)}")
+        return versions.pop()
 
     def state_dict(self) -> dict:
         """What a resumed run needs to sample as the uninterrupted one would: the call index (seeds
-        derive from it) and the policy version."""
-        return {"calls": self._calls, "policy_version": self.policy_version}
+        derive from it; the policy version is the trainer's)."""
+        return {"calls": self._calls}
 
     def load_state_dict(self, state: dict) -> None:
         self._calls = int(state["calls"])

@@ -10,6 +10,9 @@ Invariants:
   error is re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
 - After every install the engine's prefix cache is reset, so no KV block computed under old weights
   can be reused.
+- `version` is the policy version this engine serves, the one its completions carry: set only when an
+  install completes (the weight sync's `ws_sync`, or `load_weights`), back to the initial one when the
+  engine restarts.
 - Weights cross vLLM's process boundary (multiprocess engine core, or TP ranks in worker processes)
   as a safetensors file in /dev/shm; with an in-process single-rank engine tensors pass as they are.
 """
@@ -38,9 +41,10 @@ from rl_tpu.rollout.engine import (
     sampling_params,
     to_completions,
 )
-from rl_tpu.rollout.receiver import decode_payload
+from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
+from rl_tpu.weight_sync.receiver import EngineRanks, SyncReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +91,9 @@ def check_weights(
             raise ValueError(f"full weight update misses {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-class RolloutWorker:
-    """Owns one vLLM engine. Create through `RolloutGroup` (or `ray.remote(RolloutWorker)`)."""
+class RolloutWorker(SyncReceiver):
+    """Owns one vLLM engine and its side of the weight sync (`SyncReceiver`: the `ws_*` methods). Create
+    through `RolloutGroup` (or `ray.remote(RolloutWorker)`)."""
 
     def __init__(
         self, cfg: Config, model_path: str, worker_index: int = 0, initial_version: int = 0, threads: int = 0
@@ -99,7 +104,7 @@ class RolloutWorker:
         if threads:  # per TP rank, from the placement bundle; before the engine starts (rl_tpu.placement)
             tp = cfg.rollout.tensor_parallel_size
             apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and tp > 1)
-        elif not self._crosses_process():
+        elif not self.ws_crosses_process():
             # Ray's OMP_NUM_THREADS (from num_cpus) reaches an in-process engine only if libgomp was not
             # loaded at exec: a driver that started vLLM's CPU platform puts libgomp in LD_PRELOAD, and
             # actors it starts afterwards then run the machine's core count (rl_tpu.placement)
@@ -118,9 +123,7 @@ class RolloutWorker:
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
         self.version = self.initial_version
-        self._receiver = (
-            None  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
-        )
+        self.ws_reset()  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
         self.start_s = time.perf_counter() - t
 
     def _warm_up(self) -> None:
@@ -136,17 +139,20 @@ class RolloutWorker:
         if llm is not None:
             from rl_tpu.weight_sync import vllm_compat
 
-            if (
-                getattr(self, "_receiver", None) is not None
-            ):  # free the receiver regions now (else at process exit)
-                try:
-                    llm.collective_rpc("rl_ws_close")
-                except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
-                    logger.warning("weight sync: closing the engine's receiver regions failed: %s", e)
+            try:  # free the receiver regions now (else at process exit)
+                if self._ws_recv.set_up:
+                    EngineRanks(llm).close()
+            except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
+                logger.warning("weight sync: closing the engine's receiver regions failed: %s", e)
+            self.ws_reset()
             vllm_compat.shutdown_engine(llm)
             del llm
 
-    def _crosses_process(self) -> bool:
+    # -- what the weight sync's receiver side (SyncReceiver) needs -----------------------------------
+    def ws_engine(self):
+        return self.llm
+
+    def ws_crosses_process(self) -> bool:
         rc = self.cfg.rollout
         return rc.multiprocess or rc.tensor_parallel_size > 1
 
@@ -170,12 +176,6 @@ class RolloutWorker:
         }
 
     def policy_version(self) -> int:
-        return self.version
-
-    def set_policy_version(self, version: int) -> int:
-        """Called by the plan-based weight sync once every bucket of `version` is installed and the
-        prefix cache is reset: completions from now on report this version."""
-        self.version = int(version)
         return self.version
 
     def generate(
@@ -212,9 +212,9 @@ class RolloutWorker:
                 c.extra["generate_s"] = dt
         return result
 
-    def load_weights(self, payload: Any, version: int, full: bool = True) -> dict:
+    def load_weights(self, payload: Any, version: int, full: bool = True, keep: bool = False) -> dict:
         """Install HF-named full tensors (pairs, a dict, safetensors bytes or a path), reset the prefix
-        cache and record `version`. Returns timing and counts."""
+        cache and record `version`. Returns timing and counts. `keep`: verify mode (`ws_verify`)."""
         t0 = time.perf_counter()
         try:
             shapes = payload_shapes(payload)
@@ -223,7 +223,7 @@ class RolloutWorker:
             raise WeightsRejected(str(e)) from e
         wire, path = self._to_wire(payload)
         try:
-            loaded = self.llm.collective_rpc("rl_load_full", args=(wire,))
+            loaded = self.llm.collective_rpc("rl_load_full", args=(wire, keep))
         except Exception as e:
             self.restart_engine()
             raise RuntimeError(
@@ -245,7 +245,7 @@ class RolloutWorker:
             payload = str(payload)
         elif isinstance(payload, (bytearray, memoryview)):
             payload = bytes(payload)
-        if not self._crosses_process() or isinstance(payload, (bytes, str)):
+        if not self.ws_crosses_process() or isinstance(payload, (bytes, str)):
             return payload, None
         # tensors cannot cross vLLM's process boundary: hand the ranks a shared-memory file
         from safetensors.torch import save_file
@@ -253,40 +253,6 @@ class RolloutWorker:
         path = os.path.join(SHM_DIR, f"rl_tpu_w{self.index}_{uuid.uuid4().hex}.safetensors")
         save_file({n: t.contiguous() for n, t in payload}, path)
         return path, path
-
-    # Plan-based weight sync (rl_tpu.weight_sync.sync): this actor is the receiver of its engine. It
-    # pulls its buckets from the trainer ranks and hands them to the engine's ranks; see `Receiver`.
-    def _ws(self):
-        if self._receiver is None:
-            from rl_tpu.weight_sync.sync import Receiver
-
-            self._receiver = Receiver(self.llm, crosses_process=self._crosses_process())
-        return self._receiver
-
-    def ws_derive(self, hf_specs: list) -> list[dict]:
-        return self._ws().ws_derive(hf_specs)
-
-    def ws_node(self) -> str:
-        return self._ws().ws_node()
-
-    def ws_setup(
-        self, tables: dict, rounds: list, senders: list, region_bytes: int = 0, direct: bool | None = None
-    ) -> dict:
-        return self._ws().ws_setup(tables, rounds, senders, region_bytes, direct)
-
-    def ws_sync(self, version: int, keep: bool = False, direct: bool | None = None) -> list[dict]:
-        acks = self._ws().ws_sync(version, keep, direct)
-        self.version = int(version)
-        return acks
-
-    def ws_verify(self, hf_weights: Any) -> list[dict]:
-        return self._ws().ws_verify(hf_weights)
-
-    def ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list:
-        return self._ws().ws_join(host, port, world, ranks, senders)
-
-    def ws_leave(self) -> None:
-        self._ws().ws_leave()
 
     def restart_engine(self) -> None:
         """Fresh engine from the model folder (policy version back to the initial one)."""

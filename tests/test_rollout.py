@@ -420,7 +420,7 @@ def granted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is the AMX tile data s
     assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
     return bool(mask.value & (1 << 18))
 before = granted()
-import rl_tpu.rollout.receiver
+import rl_tpu.rollout.worker_extension
 print(before, granted())
 """
 

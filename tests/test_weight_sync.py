@@ -2,8 +2,8 @@
 
 What is checked (fp32, exact where the issue asks for exact):
 - after a real train step, every engine parameter equals, bit for bit, what vLLM's own full-tensor
-  loader produces from the trainer's gathered weights (verify mode), for 1 engine and (slow) 2 engines
-  and (slow) a TP=2 engine;
+  loader produces from the trainer's gathered weights (verify mode), for 1 engine, 2 engines and a TP=2
+  engine;
 - vLLM's log-probs of sampled completions equal the trainer's within 1e-5, and greedy generation equals
   Hugging Face transformers running the trainer's exported weights;
 - a trainer whose parameters do not match the engine (missing / mis-shaped) raises one error listing
@@ -138,7 +138,7 @@ def test_fsdp2_to_one_engine_bit_exact_logprob_parity_and_hf_greedy(trained, rol
     hf = trained.hf_state_dict()
     diffs = ws.verify(sorted(hf.items()))
     assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
-    assert _greedy(rollout1, PROMPTS) == after  # reinstalling through vLLM's loader changed nothing
+    assert _greedy(rollout1, PROMPTS) == after  # verify computes its reference aside: same weights served
 
     # log-prob parity on sampled completions
     groups = rollout1.generate(PROMPTS, n=2, temperature=1.0, max_tokens=8)
@@ -298,13 +298,14 @@ def _shard_senders(titan: dict, world: int = 2):
     """`world` sender ranks as Ray actors, each holding its Shard(0) rows of the TorchTitan tensors (what a
     `TrainerWorker` holds as DTensor shards), with `set` to overwrite them in place like an optimizer step
     and `scribble` to fill every receiver region it maps with garbage."""
-    from rl_tpu.weight_sync import ParamSpec
-    from rl_tpu.weight_sync.sync import Sender
+    from rl_tpu.weight_sync import ParamSpec, SyncSender
 
-    class Shards(Sender):  # defined here: Ray pickles it by value
+    class Shards(SyncSender):  # defined here: Ray pickles it by value
         def __init__(self, shards):
             self.held = shards
-            super().__init__(lambda: self.held)
+
+        def ws_shards(self):
+            return self.held
 
         def set(self, shards) -> None:
             for n, t in shards.items():
@@ -545,7 +546,7 @@ def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny
         ws = _weight_sync(trained, g, tiny_qwen3, transport="shm")
         plan = ws.build()
         tp = 2 if "--rollout.tensor_parallel_size=2" in overrides else 1
-        assert sorted(plan.receivers) == [(0, r) for r in range(tp)]
+        assert sorted(plan.engine_ranks) == [(0, r) for r in range(tp)]
         assert len(ws.routes()) == 2 * tp and all(
             r["receiver_region"] for r in ws.routes()
         )  # regions in each rank

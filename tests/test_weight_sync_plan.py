@@ -20,8 +20,9 @@ from rl_tpu.weight_sync.engine_side import apply_bucket
 from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
 from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names, owners
 from rl_tpu.weight_sync.rows import merge_rows, rows_cols, runs_1d, split_at
+from rl_tpu.weight_sync.sender import LocalSender
 from rl_tpu.weight_sync.specs import ParamSpec
-from rl_tpu.weight_sync.sync import Sender, receiver_tables
+from rl_tpu.weight_sync.sync import receiver_tables
 from rl_tpu.weight_sync.transports import get_transport
 from rl_tpu.weight_sync.wire import pack, pack_into, unpack
 
@@ -141,7 +142,7 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
     layouts = [((0, r), hand_layout(hf_order, tp, r)) for r in range(tp)]
     plan = build_plan(sp, hf_row_map(sp, to_hf), hf_order, layouts, bucket_bytes)
     senders = [
-        Sender(lambda r=r: {n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)
+        LocalSender(lambda r=r: {n: local_chunk(t, world, r) for n, t in full.items()}) for r in range(world)
     ]
     for r, s in enumerate(senders):
         s.ws_setup(plan.titan_names, plan.for_sender(r))
@@ -151,7 +152,7 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
     _, rounds = receiver_tables(plan, 0)
     for rnd in rounds:  # the receiver's install order, as `Receiver.ws_sync` walks it
         for tp_rank, (bid, snd, slot, _) in rnd.items():
-            i = plan.receivers.index((0, tp_rank))
+            i = plan.engine_ranks.index((0, tp_rank))
             handle = senders[snd].ws_pack(bid, transport, 7, slot)
             pieces = dict((b, p) for b, _, p in plan.for_receiver(i))[bid]
             per_receiver_bytes[i] += apply_bucket(

@@ -1,6 +1,6 @@
 """A trainer-rank stand-in for the cross-environment weight-sync test (tests/test_role_env.py): a Ray actor
 started with `.venv-xla/bin/python` (torch 2.9 + torch_xla 2.9) that holds TorchTitan-named parameters on
-`xla:0` and serves them to `WeightSync` through the real `Sender` (the same `ws_*` methods as
+`xla:0` and serves them to `WeightSync` as a real `SyncSender` (the same `ws_*` methods as
 `TrainerWorker`). It stands in for the TorchTitan model only, which does not build on torch 2.9
 (docs/devices.md); everything that moves bytes is the project's own code.
 """
@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from rl_tpu.weight_sync.sender import SyncSender
 
-class XlaStandInTrainer:
+
+class XlaStandInTrainer(SyncSender):
     def __init__(self, titan_file: str):
         from safetensors.torch import load_file
 
         from rl_tpu.devices import get_device
-        from rl_tpu.weight_sync.sync import Sender
 
         device = get_device("xla")
         device.init()
         self.local = device.local_device()
         self.params = {n: t.to(self.local) for n, t in load_file(titan_file).items()}
         self._host: dict[str, torch.Tensor] | None = None
-        self._sender = Sender(self._shards)
 
-    def _shards(self) -> dict[str, torch.Tensor]:
+    def ws_shards(self) -> dict[str, torch.Tensor]:
         # one device-to-host copy per policy version, not per bucket
         if self._host is None:
             self._host = {n: t.cpu() for n, t in self.params.items()}
@@ -61,20 +61,5 @@ class XlaStandInTrainer:
         """The live weights as a safetensors file (what the driver verifies the engine against)."""
         from safetensors.torch import save_file
 
-        save_file({n: t.contiguous() for n, t in self._shards().items()}, path)
+        save_file({n: t.contiguous() for n, t in self.ws_shards().items()}, path)
         return path
-
-    def ws_setup(self, names, buckets):
-        return self._sender.ws_setup(names, buckets)
-
-    def ws_regions(self, regions, dst):
-        return self._sender.ws_regions(regions, dst)
-
-    def ws_pack(self, bucket, transport, version, slot=None):
-        return self._sender.ws_pack(bucket, transport, version, slot)
-
-    def ws_node(self):
-        return self._sender.ws_node()
-
-    def ws_close(self):
-        return self._sender.ws_close()

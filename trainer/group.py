@@ -11,6 +11,9 @@ Invariants:
   several nodes, on rank 0's node IP instead (the port is still chosen on the driver's host).
 - A batch is put in the object store once and every rank reads the whole batch (see worker.py);
   per-row results (log-probs, values) are reassembled here in batch order.
+- `policy_version` is the version of the weights the ranks hold: 0 as loaded from the model folder,
+  one more after each `train_step`. It is the run's one policy version: the weight sync stamps the
+  engines with it, the loop's staleness and checkpoints read it.
 - A dead actor or an exception in one rank raises `TrainerError` naming the rank and the method; the
   group is then unusable (the other ranks may be blocked in a collective): call `shutdown()`.
 """
@@ -67,6 +70,7 @@ class TrainerGroup:
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"TrainerGroup: model folder {model_path!r} has no config.json")
         self.cfg, self.model_path = cfg, str(model_path)
+        self.policy_version = 0
         self.world_size = int(world_size or cfg.trainer.world_size)
         if self.world_size < 1:
             raise ValueError(f"TrainerGroup: world_size must be >= 1, got {self.world_size}")
@@ -173,7 +177,10 @@ class TrainerGroup:
         return self._assemble(batch, self._call("compute_values", self._put(batch)), 1)[0]
 
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
-        return self._call("train_step", self._put(batch), algo_cfg)[0]
+        """One update (PPO epochs over mini-batches); the weights become the next policy version."""
+        metrics = self._call("train_step", self._put(batch), algo_cfg)[0]
+        self.policy_version += 1
+        return metrics
 
     def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, with_metrics: bool = False):
         """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step;
@@ -185,9 +192,13 @@ class TrainerGroup:
         Path(path).mkdir(parents=True, exist_ok=True)
         return self._call("save_checkpoint", str(path))[0]
 
-    def load_checkpoint(self, path: str) -> int:
-        """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step."""
-        return self._call("load_checkpoint", str(path))[0]
+    def load_checkpoint(self, path: str, policy_version: int | None = None) -> int:
+        """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step. The
+        loop passes the `policy_version` the checkpoint was saved at (None: leave it as it is)."""
+        step = self._call("load_checkpoint", str(path))[0]
+        if policy_version is not None:
+            self.policy_version = int(policy_version)
+        return step
 
     def restart_from(self, model_path: str, trainer_cfg: TrainerConfig | None = None) -> None:
         """Every rank takes `model_path`'s weights with a fresh optimizer (`TrainerWorker.restart_from`),
@@ -198,7 +209,7 @@ class TrainerGroup:
 
             check_restartable(self.cfg.trainer, trainer_cfg, "TrainerGroup.restart_from")
         self._call("restart_from", str(model_path), trainer_cfg)
-        self.model_path = str(model_path)
+        self.model_path, self.policy_version = str(model_path), 0
         if trainer_cfg is not None:
             self.cfg = dataclasses.replace(self.cfg, trainer=trainer_cfg)
 
@@ -217,7 +228,7 @@ class TrainerGroup:
 
     def check_alive(self) -> None:
         """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""
-        self._call("policy_step")
+        self._call("ping")
 
     def _kill_actors(self) -> None:
         import ray

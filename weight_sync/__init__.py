@@ -3,8 +3,23 @@
 Importable with torch alone: vLLM, Ray and TorchTitan are imported inside the functions that use them.
 """
 
-from .plan import Plan, PlanError, build_plan
+from .calls import ReceiverLost
+from .plan import PlanError, SyncPlan, build_plan
+from .receiver import EngineReceiver, SyncReceiver
+from .sender import LocalSender, SyncSender
 from .specs import ParamSpec
-from .sync import ReceiverLost, SyncStats, WeightSync
+from .sync import SyncStats, WeightSync
 
-__all__ = ["ParamSpec", "Plan", "PlanError", "ReceiverLost", "SyncStats", "WeightSync", "build_plan"]
+__all__ = [
+    "EngineReceiver",
+    "LocalSender",
+    "ParamSpec",
+    "PlanError",
+    "ReceiverLost",
+    "SyncPlan",
+    "SyncReceiver",
+    "SyncSender",
+    "SyncStats",
+    "WeightSync",
+    "build_plan",
+]

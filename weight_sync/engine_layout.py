@@ -15,7 +15,7 @@ fusion (q/k/v -> qkv_proj, gate/up -> gate_up_proj), TP narrowing, vocab padding
 row-preserving layout transform, as vLLM's loaders do them.
 
 Installing shards is `engine_side.py`. Functions here run inside a vLLM worker (through the
-`WeightReceiver` extension's methods); they import vLLM lazily so this module imports with torch alone.
+`WorkerExtension` extension's methods); they import vLLM lazily so this module imports with torch alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The weight-sync state inside one vLLM worker (one TP rank): layout derivation, its bucket tables, and
-the install session of each sync. `rollout.receiver.WeightReceiver` (the worker extension) holds one
+the install session of each sync. `rollout.worker_extension.WorkerExtension` (the worker extension) holds one
 `EngineSide` and forwards its `rl_ws_*` methods here, so every call into the engine is a method called by
 name with plain arguments (vLLM's multiprocess RPC refuses pickled functions, tensors and numpy arrays).
 
@@ -88,8 +88,7 @@ class EngineSide:
         self.layers: dict[str, tuple[Any, str]] = {}  # param -> (module, attribute)
         self.params_of: dict[int, list[str]] = {}  # id(module) -> its params in the plan
         self.session: _Session | None = None
-        self.kept: dict[str, torch.Tensor] = {}
-        self.version = -1
+        self.kept: dict[str, torch.Tensor] = {}  # verify mode: the last install's loaded-layout tensors
         self.region: Region | None = None
         self.region_params: dict[
             str, tuple[int, tuple[int, ...], torch.dtype]
@@ -256,7 +255,7 @@ class EngineSide:
         s.process_s += time.perf_counter() - t0
 
     def finish(self) -> dict:
-        """End the install (layers not sent keep their weights), record and acknowledge the version."""
+        """End the install (layers not sent keep their weights) and acknowledge the version."""
         s, self.session = self.session, None
         if s is None:
             raise RuntimeError("weight sync: finish without an open session")
@@ -267,13 +266,18 @@ class EngineSide:
         incomplete = sorted(f"{n} ({-r:+d} elements)" for n, r in s.remaining.items() if r != 0)
         if incomplete:
             raise RuntimeError(f"weight sync v{s.version}: parameters not fully received: {incomplete}")
-        self.version, self.kept = s.version, s.kept
+        self.kept = s.kept
         return {
             "rank": vllm_compat.tp_rank(),
             "version": s.version,
             "bytes": s.received_bytes,
             "process_s": s.process_s,
         }
+
+    def keep_reference(self, hf_weights: list) -> None:
+        """A full-tensor reload in verify mode: keep what vLLM's own loaders make of `hf_weights` (the
+        payload the engine is about to install) as the install's loaded-layout tensors."""
+        self.kept = reference_layout(self.worker, hf_weights)
 
     def verify(self, hf_weights: Any) -> dict[str, float]:
         """Max |diff| per engine parameter between what the last sync installed (loaded layout) and what

@@ -29,15 +29,15 @@ import numpy as np
 from .rows import rows_cols, split_at
 from .specs import ParamSpec
 
-# columns of `Plan.pieces`
+# columns of `SyncPlan.pieces`
 PIECE_COLS = ("bucket", "sender", "src", "src_row", "src_col", "dst", "dst_row", "dst_col", "nrows", "ncols")
 B, SND, SRC, SROW, SCOL, DST, DROW, DCOL, NR, NC = range(len(PIECE_COLS))
 
 
 @dataclass
-class Plan:
+class SyncPlan:
     titan_names: list[str]  # `src` indexes this list
-    receivers: list[tuple[int, int]]  # (engine index, tp rank)
+    engine_ranks: list[tuple[int, int]]  # (engine index, tp rank): the plan's receivers, by index
     dst_names: list[list[str]]  # per receiver: engine params in install order; `dst` indexes it
     dst_shapes: list[dict[str, tuple[int, ...]]]  # per receiver: loaded-layout shape
     dst_numel: list[dict[str, int]]  # per receiver: elements each engine param receives
@@ -115,7 +115,7 @@ def build_plan(
     hf_order: list[tuple[str, tuple[int, ...]]],
     layouts: list[tuple[tuple[int, int], object]],
     bucket_bytes: int,
-) -> Plan:
+) -> SyncPlan:
     """Compose trainer placements, the HF row map and engine layouts into bucketed pieces.
 
     `row_map`: HF name -> (index into `specs`, runs (HF row, TorchTitan row, nrows)).
@@ -183,9 +183,9 @@ def build_plan(
         all_pieces.append(pieces)
     pieces = np.concatenate(all_pieces) if all_pieces else np.zeros((0, len(PIECE_COLS)), dtype=np.int64)
     pieces, buckets = _bucketize(pieces, bucket_bytes, elem)
-    return Plan(
+    return SyncPlan(
         titan_names=[s.name for s in specs],
-        receivers=receivers,
+        engine_ranks=receivers,
         dst_names=dst_names,
         dst_shapes=dst_shapes,
         dst_numel=dst_numel,

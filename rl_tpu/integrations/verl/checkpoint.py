@@ -275,7 +275,7 @@ class RlTpuCheckpointEngine(CheckpointEngine):
             tables, _ = receiver_tables(plan, e, "shm")
             order = {
                 str(tp): [b for b, _, _ in plan.for_receiver(i)]
-                for i, (ee, tp) in enumerate(plan.receivers)
+                for i, (ee, tp) in enumerate(plan.engine_ranks)
                 if ee == e
             }
             rollout_setup.append({"tables": tables if m["leader"] else None, "order": order})
@@ -305,7 +305,7 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         if self.model_engine is not None:
             self._worker.ws_setup(
                 setup["names"], setup["buckets"]
-            )  # TrainerWorker's Sender (weight_sync/sync.py)
+            )  # TrainerWorker's SyncSender (weight_sync/sender.py)
             self.buckets = sorted(int(b) for b in setup["buckets"])
         else:
             if setup["tables"] is not None:
@@ -405,7 +405,7 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     layouts = engine_layouts([m["layouts"] for m in leaders])
     plan = build_plan(specs, maps.rows, sorted(maps.shapes.items()), layouts, t0["bucket_size"])
     for r, s, _ in plan.buckets.tolist():
-        e = plan.receivers[r][0]
+        e = plan.engine_ranks[r][0]
         if trainers[s]["node"] != leaders[e]["node"]:
             raise NotImplementedError(
                 f"rl_tpu checkpoint engine: trainer rank {s} (node {trainers[s]['node']}) and "

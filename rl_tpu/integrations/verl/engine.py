@@ -342,7 +342,7 @@ class _EvalMode(BaseEngineCtx):
 def save_local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of this rank's parameter shards. verl's fsdp2 helper uses `.cpu()`, which on a CPU host
     returns the live tensor itself, so the "saved" pi_old would follow every optimizer step; this clones."""
-    from rl_tpu.weight_sync.sync import fsdp_local_shards
+    from rl_tpu.weight_sync.sender import fsdp_local_shards
 
     return {n: t.clone() for n, t in fsdp_local_shards(module).items()}
 
@@ -350,7 +350,7 @@ def save_local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def restore_local_shards(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
     """Copy shards saved by `save_local_shards` back into the same parameters, in place."""
-    from rl_tpu.weight_sync.sync import fsdp_local_shards
+    from rl_tpu.weight_sync.sender import fsdp_local_shards
 
     local = fsdp_local_shards(module)  # views of the parameters' own storage
     if local.keys() != saved.keys():

@@ -2,7 +2,7 @@
 (`actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=` this class's qualified name).
 
 It is verl's own extension (`vLLMColocateWorkerExtension`: LoRA, fp8 and the full-tensor
-`update_weights_from_ipc` keep working) plus ours (`rollout.receiver.WeightReceiver`: the plan-based
+`update_weights_from_ipc` keep working) plus ours (`rollout.worker_extension.WorkerExtension`: the plan-based
 `rl_ws_*` methods). Imported only inside vLLM worker processes (it imports vLLM through verl).
 
 `update_weights_from_ipc` is the call verl makes on every vLLM worker per weight update
@@ -24,10 +24,10 @@ import pickle
 import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-from rl_tpu.rollout.receiver import WeightReceiver
+from rl_tpu.rollout.worker_extension import WorkerExtension
 
 
-class VerlWeightReceiver(WeightReceiver, vLLMColocateWorkerExtension):
+class VerlWeightReceiver(WorkerExtension, vLLMColocateWorkerExtension):
     def rl_verl_derive(self, hf_specs: list, prefix: str) -> None:
         """Derive this rank's engine layout and write it to `<prefix>.<tp rank>` (verl's server drops
         return values)."""

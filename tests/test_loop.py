@@ -2,10 +2,12 @@
 in worker processes. Runs use the tiny model and a reward a tiny model can learn in a few steps."""
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from rl_tpu.config import load_config
 
@@ -75,9 +77,11 @@ def reward_files(tmp_path_factory):
     return d
 
 
-pytestmark = pytest.mark.usefixtures("loop_ray")
+# the real-stack runs share one local Ray per module; the pure-logic tests below them need none
+real_stack = pytest.mark.usefixtures("loop_ray")
 
 
+@real_stack
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_reward_rises(mode, tmp_path, reward_files):
     from rl_tpu.loop import train
@@ -106,6 +110,7 @@ def test_reward_rises(mode, tmp_path, reward_files):
         "sync/bytes",
         "staleness",
         "mismatch/kl",
+        "mismatch/max_abs_logprob_diff",
         "throughput/tokens_per_s",
         "response/length_mean",
     ):
@@ -120,6 +125,7 @@ def test_reward_rises(mode, tmp_path, reward_files):
     )
 
 
+@real_stack
 def test_failing_and_hanging_rewards_are_counted_and_raise_policy_stops(tmp_path, reward_files):
     from rl_tpu.loop import train
     from rl_tpu.rewards import RewardError
@@ -171,6 +177,7 @@ WALL_CLOCK_METRICS = {
 }
 
 
+@real_stack
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     from rl_tpu.loop import train
 
@@ -197,6 +204,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reward_files):
     assert hf_a == hf_b
 
 
+@real_stack
 def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, reward_files, kill_actor):
     """`train(cfg, roles=...)` on a trainer and an engine that already ran another job (other lr, other
     step count: trained weights, Adam moments, a used call counter, other engine weights) logs exactly what
@@ -236,6 +244,7 @@ def test_a_run_on_shared_roles_reproduces_a_run_that_starts_its_own(tmp_path, re
         roles.shutdown()
 
 
+@real_stack
 def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, reward_files):
     """What an async resume promises (rl_tpu.checkpoint): the step count, policy versions and the data
     order continue as in an uninterrupted run; the completions do not (the first step after the resume
@@ -284,14 +293,28 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
     assert (tmp_path / "cut" / "hf" / "model.safetensors").is_file()
 
 
+# Engine/trainer log-prob parity on the sampled tokens: (bound of |mismatch/kl|, the signed token mean,
+# bound of mismatch/max_abs_logprob_diff, the largest per-token gap, which no cancellation can hide).
+# The trainer still reduces the max metric as a token-weighted mean of each rank's (and micro-batch's) max,
+# so until it reduces it with a max (losses.MAX_METRICS) the logged value is a lower bound of the step's max.
+# fp32: 1e-5 per token (measured 9.5e-7, 2 fp32 ulps of a log-prob near -ln 512).
+FP32_PARITY = (1e-5, 1e-5)
+# bf16 (engine in bf16, trainer bf16 over fp32 masters): measured per-token max 5.3e-3 and 4.0e-3 on the two
+# steps (|kl| 7e-5); 2e-2 leaves 4x for the mean-of-maxima reduction and other samples, and is still under
+# half a bf16 ulp of such a log-prob (0.031 / 2 in [4, 8)) and far below what a wrong token or an off-by-one
+# position gives (O(1) on this model).
+BF16_PARITY = (1e-3, 2e-2)
+
+
+@real_stack
 @pytest.mark.parametrize(
-    "options, reward, mismatch_tol",
+    "options, reward, mismatch_tol",  # mismatch_tol: bounds of (|mismatch/kl|, mismatch/max_abs_logprob_diff)
     [
         # on-policy update: old log-probs from the update's forward, the reference inside the same call
         (
             ["--trainer.reference=true", "--algorithm.use_kl_loss=true", "--sync.transport=shm"],
             "compute_score",
-            1e-5,
+            FP32_PARITY,
         ),
         # recompute path: two PPO epochs, KL in the reward, truncated IS, RLOO, the object-store transport
         (
@@ -304,7 +327,7 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
                 "--sync.transport=ray",
             ],
             "compute_score",
-            1e-5,
+            FP32_PARITY,
         ),
         # DAPO: dynamic sampling (refill and truncation) and the overlong penalty; REINFORCE++; collective sync
         (
@@ -315,10 +338,11 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
                 "--sync.transport=collective",
             ],
             "uniform_on_even_prompts",
-            1e-5,
+            FP32_PARITY,
         ),
         # PPO with a critic (GAE) in bf16 (trainer bf16 over fp32 master weights, bf16 engine); auto routes.
-        # bf16 parity: |mismatch/kl| <= 1e-3 (measured ~1e-4 on this model; fp32 stays at 1e-5)
+        # bf16 parity: |mismatch/kl| <= 1e-3 (measured ~1e-4 on this model; fp32 stays at 1e-5);
+        # per token see BF16_PARITY
         (
             [
                 "--trainer.critic=true",
@@ -327,7 +351,7 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
                 "--sync.transport=auto",
             ],
             "compute_score",
-            1e-3,
+            BF16_PARITY,
         ),
         # the full-tensor reload path, Dr. GRPO, and no engine log-probs (so no mismatch metric); two mini-batches
         # without KL in the reward: the separate old-log-prob pass runs only the sequences the update runs
@@ -354,7 +378,10 @@ def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch
     from rl_tpu.loop import on_policy_update, train
 
     fn = f'--reward.functions=["{reward_files / "digits.py"}:{reward}"]'
-    cfg = _run_cfg(tmp_path, "run", "--trainer.total_steps=2", "--sync.verify=true", fn, *options)
+    every_sample = "--logging.samples_per_step=64"  # all 8 x 8 completions of each step, with their rewards
+    cfg = _run_cfg(
+        tmp_path, "run", "--trainer.total_steps=2", "--sync.verify=true", every_sample, fn, *options
+    )
     assert on_policy_update(cfg) == (
         not {"--trainer.ppo_epochs=2", "--trainer.ppo_mini_batches=2"} & set(options)
     )
@@ -365,19 +392,209 @@ def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         if mismatch_tol is None:
-            assert "mismatch/kl" not in r
-        else:  # engine and trainer agree on the sampled tokens' log-probs (fp32 per-token parity is 1e-5)
-            assert abs(r["mismatch/kl"]) <= mismatch_tol, r["mismatch/kl"]
-        assert r["loss/policy"] == r["loss/policy"]  # not NaN
+            assert "mismatch/kl" not in r and "mismatch/max_abs_logprob_diff" not in r
+        else:  # engine and trainer agree on the sampled tokens' log-probs, on average and on every token
+            kl_tol, max_tol = mismatch_tol
+            assert abs(r["mismatch/kl"]) <= kl_tol, r["mismatch/kl"]
+            assert 0.0 <= r["mismatch/max_abs_logprob_diff"] <= max_tol, r["mismatch/max_abs_logprob_diff"]
+        assert math.isfinite(r["loss/policy"]), r["loss/policy"]
         assert r["rollout/samples"] == 8 * 8 and r["rollout/restarts"] == 0
+        # sync.verify compared engine parameters with vLLM's own loader's after every sync: some were compared
+        assert r.get("sync/verified_params", 0.0) > 0, (r["step"], r.get("sync/verified_params"))
     if "--algorithm.use_kl_loss=true" in options:
         assert all("loss/kl" in r for r in rows)
     if "--algorithm.rollout_is=token" in options:
         assert all("mismatch/is_mean" in r and "actor/reward_kl_penalty" in r for r in rows)
-    if "--algorithm.dynamic_sampling=true" in options:  # half the groups are uniform: refilled, then cut to 8
-        assert all(
-            r["dynamic_sampling/kept_groups"] == 8 and r["dynamic_sampling/drawn_groups"] > 8 for r in rows
-        )
-        assert all("reward/overlong_penalty" in r for r in rows)
+    if "--algorithm.dynamic_sampling=true" in options:
+        _check_dynamic_sampling_and_overlong_penalty(cfg, rows, tmp_path / "run" / "samples.jsonl")
     if "--trainer.critic=true" in options:
         assert all(any(k.startswith("critic/") for k in r) for r in rows)
+
+
+def _check_dynamic_sampling_and_overlong_penalty(cfg, rows: list[dict], samples_file: Path) -> None:
+    """`uniform_on_even_prompts`: the groups of even prompts are uniform (all 0.0), so half of each draw is
+    dropped and more prompts are drawn. Every step trains on exactly 8 groups (data.batch_size), each of an
+    odd prompt and with rewards that vary; the samples file holds all of them with their rewards (before
+    the overlong penalty). `generate_and_score`'s choice of groups is checked exactly with fakes below."""
+    from rl_tpu.algorithms import overlong_penalty
+
+    samples = [json.loads(x) for x in samples_file.read_text().splitlines()]
+    a = cfg.algorithm
+    for r in rows:
+        assert r["dynamic_sampling/kept_groups"] == cfg.data.batch_size == 8, r  # truncated to the batch
+        drawn = r["dynamic_sampling/drawn_groups"]
+        assert drawn > 8 and drawn % 8 == 0, drawn  # whole loader batches, refilled at least once
+        groups: dict[str, list[float]] = {}
+        for x in samples:
+            if x["step"] == r["step"]:
+                groups.setdefault(x["uid"], []).append(x["reward"])
+        assert len(groups) == 8 and all(len(g) == 8 for g in groups.values()), groups
+        assert all(max(g) > min(g) for g in groups.values()), groups  # no uniform group was kept
+        assert all(int(uid.rsplit("-", 1)[1]) % 2 == 1 for uid in groups), sorted(groups)  # odd prompts only
+        # the overlong penalty's value: the mean over the batch of min(0, -(len - 8) / 8 * factor), concave in
+        # len, so it lies between the penalty of the longest response and the penalty of the mean length
+        # (one value when every response is as long as the longest)
+        pen = r["reward/overlong_penalty"]
+
+        def penalty(length: float) -> float:
+            lengths = torch.tensor([length], dtype=torch.float64)
+            return overlong_penalty(
+                lengths, cfg.rollout.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor
+            ).item()
+
+        lo, hi = penalty(r["response/length_max"]), penalty(r["response/length_mean"])
+        assert lo - 1e-6 <= pen <= hi + 1e-6, (
+            pen,
+            lo,
+            hi,
+            r["response/length_mean"],
+            r["response/length_max"],
+        )
+        assert lo < 0, r["response/length_max"]  # responses reach past max_tokens - overlong_buffer_len
+
+
+# ---------------------------------------------------------------------------------------------------
+# generate_and_score and prepare_batch on fakes (pure logic: no Ray, no engine, no reward processes)
+
+
+class _FakeTokenizer:
+    """Each prompt is its example's index as one token; the chat template is the message itself."""
+
+    chat_template = "{{ messages }}"
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return messages[0]["content"]
+
+    def __call__(self, texts, add_special_tokens):
+        return {"input_ids": [[int(t)] for t in texts]}
+
+
+class _FakeRollout:
+    """`n` completions per prompt, of the lengths `length(prompt index, sample)` gives."""
+
+    def __init__(self, n: int, length=lambda i, j: 4):
+        self.n, self.length, self.prompts = n, length, []
+
+    def generate(self, prompts):
+        from rl_tpu.types import Completion
+
+        self.prompts.append([p[0] for p in prompts])
+        return [
+            [
+                Completion(
+                    prompt_index=k,
+                    sample_index=j,
+                    prompt_ids=list(p),
+                    response_ids=[7] * self.length(p[0], j),
+                    logprobs=[],
+                    finish_reason="length",
+                    text=f"{p[0]}:{j}",
+                    policy_version=0,
+                )
+                for j in range(self.n)
+            ]
+            for k, p in enumerate(prompts)
+        ]
+
+
+class _FakePool:
+    def __init__(self, score):
+        self.score_of = score  # (example index, sample index) -> reward
+
+    def score(self, inputs):
+        from rl_tpu.rewards.pool import RewardResult
+
+        scores = [self.score_of(x.extra_info["index"], int(x.sample_id.rsplit("#", 1)[1])) for x in inputs]
+        return RewardResult(scores=scores, function_scores={}, extra={}, failed=[False] * len(scores))
+
+
+def _examples(count: int):
+    from rl_tpu.data import Example
+
+    return [
+        Example(
+            data_source="fake",
+            messages=[{"role": "user", "content": str(i)}],
+            ground_truth="",
+            extra_info={"index": i},
+            uid=f"fake-{i}",
+        )
+        for i in range(count)
+    ]
+
+
+def _dapo_step(tmp_path, score, *overrides):
+    from rl_tpu.data import PromptLoader
+    from rl_tpu.loop import generate_and_score
+
+    cfg = _run_cfg(
+        tmp_path,
+        "unit",
+        "--algorithm.dynamic_sampling=true",
+        "--data.batch_size=4",
+        "--rollout.n=4",
+        *overrides,
+    )
+    rollout = _FakeRollout(cfg.rollout.n)
+    loader = PromptLoader(_examples(40), cfg.data.batch_size, shuffle=False)
+    data, _ = generate_and_score(cfg, rollout, _FakePool(score), loader, _FakeTokenizer())
+    return data, rollout.prompts
+
+
+def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(tmp_path):
+    # every third prompt's group is uniform (0.0 or 1.0: not only all-zero groups are dropped)
+    def score(i: int, j: int) -> float:
+        return float(i % 2) if i % 3 == 0 else float((i + j) % 4 == 0)
+
+    data, drawn = _dapo_step(tmp_path, score)
+    # draw 1: prompts 0-3, 0 and 3 uniform; draw 2: prompts 4-7, 6 uniform: 5 kept, cut to the batch's 4
+    assert drawn == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [ex.uid for ex in data.examples] == ["fake-1", "fake-2", "fake-4", "fake-5"]
+    assert [[c.text for c in g] for g in data.groups] == [
+        [f"{i}:{j}" for j in range(4)] for i in (1, 2, 4, 5)
+    ]
+    assert data.scores == [score(i, j) for i in (1, 2, 4, 5) for j in range(4)]
+    assert data.metrics["dynamic_sampling/kept_groups"] == 4.0
+    assert data.metrics["dynamic_sampling/drawn_groups"] == 8.0
+
+
+def test_dynamic_sampling_stops_refilling_after_max_refill_rounds(tmp_path):
+    # only prompt 5 varies: one round and one refill (max_refill_rounds=1) find it, and the step keeps it alone
+    data, drawn = _dapo_step(
+        tmp_path, lambda i, j: float(j == 0) if i == 5 else 0.5, "--algorithm.max_refill_rounds=1"
+    )
+    assert drawn == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [ex.uid for ex in data.examples] == ["fake-5"] and data.scores == [1.0, 0.0, 0.0, 0.0]
+    assert data.metrics["dynamic_sampling/kept_groups"] == 1.0
+    assert data.metrics["dynamic_sampling/drawn_groups"] == 8.0
+
+
+def test_overlong_penalty_is_added_to_the_scores_before_the_advantages(tmp_path):
+    """prepare_batch on an on-policy config (no trainer pass before the update): each sequence's score gets
+    min(0, -(len - (max_tokens - buffer)) / buffer * factor), on its last token, and the mean is logged."""
+    from rl_tpu.loop import Scored, prepare_batch
+
+    cfg = _run_cfg(
+        tmp_path,
+        "unit",
+        "--rollout.max_tokens=16",
+        "--rollout.n=4",
+        "--algorithm.overlong_buffer_len=8",
+        "--algorithm.overlong_penalty_factor=0.5",
+    )
+    lengths = {(0, 0): 4, (0, 1): 8, (0, 2): 9, (0, 3): 16, (1, 0): 12, (1, 1): 10, (1, 2): 15, (1, 3): 1}
+    examples = _examples(2)
+    groups = _FakeRollout(4, lambda i, j: lengths[i, j]).generate([[0], [1]])
+    scores = [1.0, 0.0, 1.0, 0.0, 0.25, 0.5, 0.75, 1.0]
+    rb, metrics = prepare_batch(cfg, Scored(examples, groups, scores, {}), None, _FakeTokenizer())
+    # over 16 - 8 = 8 tokens: -(len - 8) / 8 * 0.5; at or under 8 tokens: none
+    penalties = [0.0, 0.0, -0.0625, -0.5, -0.25, -0.125, -0.4375, 0.0]
+    want = [s + p for s, p in zip(scores, penalties)]
+    assert rb.scores.tolist() == want  # exact in fp32: every value is a multiple of 1/16
+    last = [lengths[i, j] - 1 for i in range(2) for j in range(4)]
+    assert rb.token_level_scores[torch.arange(8), torch.tensor(last)].tolist() == want
+    assert rb.token_level_scores.sum().item() == sum(want)  # nothing anywhere else
+    assert metrics["reward/overlong_penalty"] == sum(penalties) / 8
+    # GRPO's advantages come from the penalised scores: a group's equal raw scores now differ
+    assert rb.batch.advantages[0, 0].item() != rb.batch.advantages[2, 0].item()

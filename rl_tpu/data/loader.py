@@ -48,10 +48,6 @@ class PromptLoader(Iterator[list[Example]]):
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
-    @property
-    def steps_per_epoch(self) -> float:
-        return len(self.examples) / self.batch_size
-
     def __iter__(self) -> PromptLoader:
         return self
 

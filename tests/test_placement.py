@@ -440,3 +440,7 @@ def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(abs(row["mismatch/kl"]) <= 1e-5 for row in rows), [row["mismatch/kl"] for row in rows]
+    # per token too (a signed mean can cancel): fp32, as tests/test_loop.py FP32_PARITY
+    gaps = [row["mismatch/max_abs_logprob_diff"] for row in rows]
+    assert all(0.0 <= g <= 1e-5 for g in gaps), gaps
+    assert all(row.get("sync/verified_params", 0.0) > 0 for row in rows), rows  # sync.verify ran every step

@@ -144,6 +144,44 @@ def test_chunked_log_probs_values_and_grads_match_full_softmax():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+def test_model_converters_are_declared_from_config_and_applied_in_order():
+    """The policy gets CPU kernels (when they apply) then the log-prob head, whose chunk shape the kernel
+    table resolves with the linears; the critic only the kernels; `apply` returns what it applied."""
+    from rl_tpu.trainer import converters as cv
+    from rl_tpu.trainer import cpu_matmul
+
+    table = cv.MatmulTable("aten")
+    cpu, head = cv.model_converters(table, True, 200, hidden=64, vocab=500)
+    assert (cpu.name, cpu.extra_shapes, head.name, head.shape) == (
+        "cpu_matmul",
+        ((64, 200),),
+        "logprob_head",
+        (64, 200),
+    )
+    assert [(c.name, c.shape) for c in cv.model_converters(table, False, 1000, 64, 500)] == [
+        ("logprob_head", (64, 500))
+    ]
+    assert [(c.name, c.extra_shapes) for c in cv.model_converters(table, True)] == [("cpu_matmul", ())]
+    assert cv.model_converters(table, False) == []
+
+    torch.manual_seed(0)
+    net = torch.nn.Module()
+    net.proj, net.lm_head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16, bias=False)
+    table = cv.MatmulTable("onednn")
+    assert cv.apply(net, cv.model_converters(table, True, 4, hidden=8, vocab=16), "net") == [
+        "cpu_matmul",
+        "logprob_head",
+    ]
+    kernel = "onednn" if cpu_matmul.available() else "aten"
+    assert table.table == {s: dict.fromkeys(cpu_matmul.OPS, kernel) for s in ("8,4", "8,8", "8,16")}
+    assert table.summary() == kernel and net.lm_head.rl_index is None
+    h, targets = torch.randn(2, 3, 8), torch.randint(0, 16, (2, 3))
+    net.lm_head.rl_index = (torch.arange(6).reshape(2, 3), targets)
+    lp, _ = net.lm_head(h)
+    want = (h @ net.lm_head.weight.T).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+
+
 def test_lr_schedule_warmup_constant_and_cosine():
     from rl_tpu.trainer.ops import lr_factor
 
@@ -277,7 +315,7 @@ def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
     try:
         b = _batch()  # L = 10 -> bucket 32; 5 rows -> micro-batches of 2, 2, 1 (+1 pad row)
-        idx = w._micro_batches(_with_pad(b), torch.arange(5), 2)
+        idx = w.fwd.micro_batches(_with_pad(b), torch.arange(5), w.tc)
         assert [len(i) for i in idx] == [2, 2, 2] and idx[-1][-1] == 5
         res = w.compute_log_probs(b)
         lp = torch.zeros(5, b.response_len)
@@ -287,12 +325,12 @@ def test_seq_len_buckets_pad_without_changing_log_probs(tiny_qwen3):
         ref, _ = _hf_log_probs(_hf_model(tiny_qwen3), b)
         assert _masked_max_diff(lp, ref, b.response_mask) <= TOL
         # the response length is bucketed too (T 6 -> 8): one program per (L, T) bucket on XLA/TPU
-        assert w._padded(b).response_mask.shape == (6, 8) and w._padded(b).input_ids.shape == (6, 32)
+        assert w.fwd.padded(b).response_mask.shape == (6, 8) and w.fwd.padded(b).input_ids.shape == (6, 32)
         # and the gradient is that of the unpadded batch (padding is masked out of every loss term)
         algo = cfg.algorithm
         g_static, m_static = w.policy_grads(b, algo)
-        w.buckets = []
-        assert w._padded(b).response_mask.shape == (6, 6)
+        w.fwd.buckets = []
+        assert w.fwd.padded(b).response_mask.shape == (6, 6)
         g_plain, m_plain = w.policy_grads(b, algo)
         # not bit-exact: longer padded matmuls sum in another order (measured 4.2e-7 on fp32 weights ~0.02)
         assert max((g_static[k] - g_plain[k]).abs().max().item() for k in g_plain) <= 1e-6
@@ -329,7 +367,7 @@ def test_shared_prompt_rows_give_the_log_probs_and_gradient_of_one_row_per_seque
     w = TrainerWorker(cfg, tiny_qwen3, 0, 1, "127.0.0.1", _free_port())
     try:
         b = _group_batch()
-        assert w.tc.share_prompts and w.can_share_prompts
+        assert w.tc.share_prompts and w.fwd.can_share_prompts
         # micro-batches: rows 0-7 (prompts of 6 and 9 tokens, responses of 3 5 1 4 and 2 5 4 1) and rows 8-11
         # (3 tokens; 5 3 2 4) pack to each prompt once plus every response but its last token
         packed = [
@@ -454,9 +492,9 @@ def test_pack_shared_prompts_layout():
 
 
 def _with_pad(b):
-    from rl_tpu.trainer.worker import _with_pad_row
+    from rl_tpu.trainer.forward import with_pad_row
 
-    return _with_pad_row(b)
+    return with_pad_row(b)
 
 
 # ---------------------------------------------------------------------------------------------- Ray groups
@@ -571,7 +609,7 @@ def test_reference_and_critic_values(group2, cfg, tiny_qwen3):
     b = _batch()
     ref = group2.compute_ref_log_probs(b)
     assert _masked_max_diff(ref, group2.compute_log_probs(b), b.response_mask) == 0.0
-    # critic = decoder body + Linear(hidden, 1) seeded from trainer.seed (worker._build_critic)
+    # critic = decoder body + Linear(hidden, 1) seeded from trainer.seed (build.ModelBuilder.critic)
     hf = _hf_model(tiny_qwen3)
     w = (
         torch.randn(1, hf.config.hidden_size, generator=torch.Generator().manual_seed(cfg.trainer.seed + 1))
@@ -907,7 +945,7 @@ def test_restart_from_takes_new_optimizer_settings_and_refuses_process_fields(gr
     the new lr, a new group would agree) and refuses, before touching the ranks, fields fixed at start."""
     import dataclasses
 
-    from rl_tpu.trainer.worker import restart_conflicts
+    from rl_tpu.trainer.checkpoint import restart_conflicts
 
     b = _batch(seed=4)
     tc = dataclasses.replace(cfg.trainer, lr=7e-3, warmup_steps=0, lr_schedule="constant", micro_batch_size=3)

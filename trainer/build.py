@@ -1,0 +1,109 @@
+"""The models of one trainer rank: policy, frozen reference and critic, each a TorchTitan decoder built
+from the HF folder's spec, parallelised (parallel.py), loaded with the HF weights, then converted by the
+declared model converters (converters.py).
+
+Invariants:
+- Every parameter is a DTensor FSDP2 shard after the build (plain tensors on a device without FSDP2).
+- The policy and the reference are the same build (same converters: CPU kernels where they apply, then
+  the log-prob head); the reference is frozen (`requires_grad_(False)`, eval mode).
+- The critic is the same decoder whose `lm_head` is a `Linear(hidden, 1)` (with bias), seeded from
+  `trainer.seed + 1`, so every rank starts with the same value head: the value of response token j is
+  read at the state that predicts it, like the log-prob. It has no log-prob head.
+- Every rank builds the same models in the same order (converting them may be collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rl_tpu.config import Config, resolved_dtype
+from rl_tpu.devices import Device
+from rl_tpu.trainer import converters, cpu_matmul, parallel
+
+
+class ModelBuilder:
+    """Builds this rank's models; holds what their build resolved (FSDP step mode, CPU kernel table)."""
+
+    def __init__(self, cfg: Config, spec, device: Device, rank: int, world_size: int, num_params: int):
+        tc = cfg.trainer
+        self.spec, self.device = spec, device
+        self.param_dtype = resolved_dtype(tc.param_dtype, cfg)
+        self.reduce_dtype = tc.reduce_dtype
+        self.logprob_chunk = tc.logprob_chunk_size
+        self.seed = tc.seed
+        self.pdims = parallel.make_parallel_dims(device, world_size)
+        self.replicated_step = parallel.replicated_step(tc.fsdp_step, num_params)
+        # float32 CPU linears: kernels per (shape, matmul) from trainer/cpu_matmul.py
+        self.cpu_kernels = (
+            tc.cpu_matmul != "aten"
+            and device.local_device().type == "cpu"
+            and cpu_matmul.available()
+            and self.param_dtype == "float32"
+        )
+        self.matmuls = converters.MatmulTable(tc.cpu_matmul, rank, world_size)
+
+    def _build(self, spec, state_dict: dict[str, torch.Tensor], convs, what: str) -> torch.nn.Module:
+        m = parallel.build_parallel_model(
+            spec,
+            self.pdims,
+            self.device,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            reshard_after_forward="never" if self.replicated_step else "default",
+        )
+        parallel.load_full_state_dict(m, state_dict)
+        converters.apply(m, convs, what)
+        return m
+
+    def policy(self, titan_sd: dict[str, torch.Tensor], frozen: bool = False) -> torch.nn.Module:
+        """The policy (or, `frozen`, the reference) with the TorchTitan weights `titan_sd`."""
+        hf = self.spec.hf_config  # TorchTitan 0.2.0's configs (titan_compat) name these differently
+        convs = converters.model_converters(
+            self.matmuls,
+            self.cpu_kernels,
+            self.logprob_chunk,
+            hidden=int(hf["hidden_size"]),
+            vocab=int(hf["vocab_size"]),
+        )
+        m = self._build(self.spec, titan_sd, convs, "reference" if frozen else "policy")
+        if frozen:
+            m.requires_grad_(False)
+            m.eval()
+        return m
+
+    def critic(self, titan_sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The decoder body of `titan_sd` under a fresh value head."""
+        from torchtitan.models.common import Linear
+
+        dim = self.spec.config.dim
+        head = Linear.Config(
+            in_features=dim,
+            out_features=1,
+            bias=True,
+            param_init={"weight": torch.nn.init.zeros_, "bias": torch.nn.init.zeros_},
+        )
+        cspec = dataclasses.replace(
+            self.spec, config=dataclasses.replace(self.spec.config, lm_head=head, enable_weight_tying=False)
+        )
+        g = torch.Generator().manual_seed(self.seed + 1)  # same value head on every rank
+        sd = {k: v for k, v in titan_sd.items() if not k.startswith("lm_head.")}
+        sd["lm_head.weight"] = torch.randn(1, dim, generator=g) * 0.02
+        sd["lm_head.bias"] = torch.zeros(1)
+        return self._build(cspec, sd, converters.model_converters(self.matmuls, self.cpu_kernels), "critic")
+
+    def summary(self) -> dict:
+        """What the build resolved, for `TrainerWorker.ready`."""
+        return {
+            # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
+            "fsdp_step": "unsharded"
+            if self.pdims is None
+            else "replicated"
+            if self.replicated_step
+            else "sharded",
+            # what `trainer.cpu_matmul` resolved to: a kernel, or how many matmuls each runs; its table
+            "matmul": self.matmuls.summary(),
+            "matmul_table": self.matmuls.table,
+            "matmul_cached": self.matmuls.cached,
+        }

@@ -1,0 +1,148 @@
+"""Checkpoints, restarts and HF export of one trainer rank.
+
+Invariants:
+- A checkpoint folder holds `dcp/` (torch.distributed.checkpoint: every trained model and its optimizer
+  state, keys `{name}_model` / `{name}_optim`, resharded on load to this run's world size) and one
+  `extra_rank{r}.pt` per rank (policy step, LR schedules, torch and Python RNG states); a rank without
+  its own file (a checkpoint of fewer ranks) reads rank 0's.
+- Lazy devices (XLA): DCP reads and writes host copies (`set_state_dict` copies them back), and a
+  trainer without FSDP2 (one rank) runs DCP without its coordination collectives, which the `xla`
+  backend rejects on CPU tensors.
+- A restart (`TrainerWorker.restart_from`) may change only the RESTARTABLE fields of the trainer
+  config; the others shape the processes, the model build or the sharding and are fixed at start.
+- Saving, loading and exporting are collective (every rank calls them); saving and exporting end on a
+  barrier, so the folder is complete when any rank returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rl_tpu.config import TrainerConfig
+from rl_tpu.devices import Device
+from rl_tpu.trainer import model as tmodel
+from rl_tpu.trainer import parallel
+from rl_tpu.trainer.optim import Trained
+
+# what `restart_from` may change: the optimizer, its schedule and the step's batching and row layout; the
+# rest shapes the processes, the model build or the sharding and is fixed at start
+RESTARTABLE = frozenset(
+    {
+        "total_steps",
+        "lr",
+        "weight_decay",
+        "betas",
+        "warmup_steps",
+        "lr_schedule",
+        "min_lr_ratio",
+        "grad_clip",
+        "ppo_epochs",
+        "ppo_mini_batches",
+        "micro_batch_size",
+        "share_prompts",
+        "skip_zero_advantage",
+        "balance_tokens",
+        "test_freq",
+        "seed",
+    }
+)
+
+
+def restart_conflicts(old: TrainerConfig, new: TrainerConfig) -> list[str]:
+    """The fields of `new` outside RESTARTABLE that differ from `old` (a restart cannot apply them)."""
+    return [
+        f.name
+        for f in dataclasses.fields(old)
+        if f.name not in RESTARTABLE and getattr(old, f.name) != getattr(new, f.name)
+    ]
+
+
+def check_restartable(old: TrainerConfig, new: TrainerConfig, who: str) -> None:
+    """ValueError naming the fields a restart from `old` to `new` cannot apply (`restart_conflicts`)."""
+    fixed = restart_conflicts(old, new)
+    if fixed:
+        raise ValueError(
+            f"{who}: {', '.join('trainer.' + f for f in fixed)} differ from the trainer's; they are "
+            "fixed when its processes start (start a new TrainerGroup)"
+        )
+
+
+class Checkpointer:
+    """Saves and loads the trained models (`{"policy": Trained, "critic": Trained}`) of this rank."""
+
+    def __init__(self, device: Device, rank: int, world_size: int):
+        self.device, self.rank, self.world_size = device, rank, world_size
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _dcp_state(self, parts: dict[str, Trained]) -> tuple[dict, dict]:
+        """The DCP state of every trained model, and DCP's extra arguments."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.utils._pytree import tree_map_only
+
+        state = {}
+        for name, (m, opt, _) in parts.items():
+            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt)
+        if self.device.lazy_tensors:
+            state = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
+        return state, ({} if self.device.fsdp2 else {"no_dist": True})
+
+    def save(self, path: str, parts: dict[str, Trained], step: int) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        state, kw = self._dcp_state(parts)
+        dcp.save(state, checkpoint_id=str(path / "dcp"), **kw)
+        extra = {"step": step, "scheduler": parts["policy"].scheduler.state_dict()}
+        extra["critic_scheduler"] = parts["critic"].scheduler.state_dict() if "critic" in parts else None
+        extra.update(torch_rng=torch.get_rng_state(), py_rng=random.getstate(), world_size=self.world_size)
+        torch.save(extra, path / f"extra_rank{self.rank}.pt")
+        self.barrier()
+        return str(path)
+
+    def load(self, path: str, parts: dict[str, Trained]) -> int:
+        """Load the models, optimizers, schedules and RNG states saved under `path`; returns the policy step."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = Path(path)
+        if not (path / "dcp").is_dir():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} has no dcp/ folder (not a trainer checkpoint)")
+        state, kw = self._dcp_state(parts)
+        dcp.load(state, checkpoint_id=str(path / "dcp"), **kw)
+        for name, (m, opt, _) in parts.items():
+            set_state_dict(
+                m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"]
+            )
+        self.device.step_end()
+        own = path / f"extra_rank{self.rank}.pt"
+        extra = torch.load(own if own.is_file() else path / "extra_rank0.pt", weights_only=False)
+        parts["policy"].scheduler.load_state_dict(extra["scheduler"])
+        if "critic" in parts and extra["critic_scheduler"] is not None:
+            parts["critic"].scheduler.load_state_dict(extra["critic_scheduler"])
+        torch.set_rng_state(extra["torch_rng"])
+        random.setstate(extra["py_rng"])
+        return extra["step"]
+
+    def export_hf(self, spec, model: torch.nn.Module, out_dir: str, src: str) -> str:
+        """The model's full weights as an HF folder `out_dir` (written by rank 0), with `src`'s side files."""
+        full = parallel.full_state_dict(model)
+        if self.rank == 0:
+            tmodel.save_hf(spec, full, out_dir, src)
+        self.barrier()
+        return str(out_dir)
+
+
+def load_same_architecture(spec, model_path: str, current_path: str) -> dict[str, torch.Tensor]:
+    """The TorchTitan weights of the HF folder `model_path`, which must hold the architecture of `spec`."""
+    new = tmodel.build_model_spec(model_path)
+    if new.config != spec.config:
+        raise ValueError(f"restart_from: {model_path!r} is not the same architecture as {current_path!r}")
+    return tmodel.hf_to_titan(new, tmodel.load_hf_state_dict(model_path))

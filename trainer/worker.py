@@ -37,13 +37,14 @@ from rl_tpu.trainer.forward import Forward
 from rl_tpu.trainer.optim import Trained, build_optimizer
 from rl_tpu.trainer.update import Updater
 from rl_tpu.types import TrainBatch
+from rl_tpu.weight_sync.sender import SyncSender
 from rl_tpu.weight_sync.specs import ParamSpec
 
 # imported from here by trainer/group.py and rl_tpu/loop.py
 __all__ = ["RESTARTABLE", "TrainerWorker", "check_restartable", "restart_conflicts"]
 
 
-class TrainerWorker:
+class TrainerWorker(SyncSender):
     def __init__(
         self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int
     ):
@@ -79,7 +80,7 @@ class TrainerWorker:
         self._host: dict[str, torch.Tensor] | None = None  # host copy of the weights (lazy devices' sync)
         self.device.step_end()  # loaded weights and optimizer state become device data before step 1
         if self.device.lazy_tensors:
-            self._host_shards()  # XLA compiles a transfer program per parameter shape: now, not after step 1
+            self.ws_shards()  # XLA compiles a transfer program per parameter shape: now, not after step 1
 
     def _trained(self) -> dict[str, Trained]:
         """The models that train, with their optimizers and schedules, by checkpoint name."""
@@ -202,7 +203,8 @@ class TrainerWorker:
 
         return NameMaps.from_adapter(self.param_specs(), functools.partial(tmodel.titan_to_hf, self.spec))
 
-    def policy_step(self) -> int:
+    def ping(self) -> int:
+        """Liveness check (`TrainerGroup.check_alive`); returns the optimizer steps taken."""
         return self.step
 
     def close(self) -> None:
@@ -210,41 +212,14 @@ class TrainerWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ weight sync (sender side)
-    # This rank packs its buckets of the plan from its local DTensor shards (no copies before packing);
-    # see rl_tpu.weight_sync.sync.Sender. Receivers call ws_pack directly, the driver only sets up.
+    def ws_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's local shards for `SyncSender.ws_pack` (views of the live parameters). Lazy devices
+        pack from one host copy per policy version (slicing device tensors per bucket piece would trace
+        and compile), dropped whenever the weights change."""
+        from rl_tpu.weight_sync.sender import fsdp_local_shards
 
-    def _ws(self):
-        if getattr(self, "_sender", None) is None:
-            from rl_tpu.weight_sync.sync import Sender, fsdp_local_shards
-
-            self._sender = Sender(
-                self._host_shards if self.device.lazy_tensors else lambda: fsdp_local_shards(self.model)
-            )
-        return self._sender
-
-    def _host_shards(self) -> dict[str, torch.Tensor]:
-        """Lazy devices: slicing device tensors per bucket piece would trace and compile, so the sender
-        packs from one host copy per policy version (dropped whenever the weights change)."""
+        if not self.device.lazy_tensors:
+            return fsdp_local_shards(self.model)
         if self._host is None:
-            from rl_tpu.weight_sync.sync import fsdp_local_shards
-
             self._host = {n: t.cpu() for n, t in fsdp_local_shards(self.model).items()}
         return self._host
-
-    def ws_setup(self, names: list[str], buckets: dict) -> int:
-        return self._ws().ws_setup(names, buckets)
-
-    def ws_regions(self, regions: dict, dst: dict) -> int:
-        return self._ws().ws_regions(regions, dst)
-
-    def ws_pack(self, bucket: int, transport: str, version: int, slot=None):
-        return self._ws().ws_pack(bucket, transport, version, slot)
-
-    def ws_node(self) -> str:
-        return self._ws().ws_node()
-
-    def ws_join(self, host: str, port: int, world: int, rank: int, senders: int) -> int:
-        return self._ws().ws_join(host, port, world, rank, senders)
-
-    def ws_close(self) -> None:
-        self._ws().ws_close()

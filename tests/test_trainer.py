@@ -718,7 +718,10 @@ def test_train_step_two_ranks_equals_one_rank(group1, group2, cfg):
     m2 = group2.train_step(b, cfg.algorithm)
     m1 = group1.train_step(b, cfg.algorithm)
     w2, w1 = group2.hf_state_dict(), group1.hf_state_dict()
-    assert max((w2[k] - w1[k]).abs().max().item() for k in w2) <= TOL
+    # Adam divides by sqrt(v) + 1e-8: a gradient near that scale (a sum that nearly cancels) turns the
+    # ranks' different summation order into up to ~1e-5 of weight here (1.25e-5 measured on an AMD EPYC
+    # with AVX-512), against a step of lr = 1e-3 per update; a sharding error moves weights by ~lr.
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w2) <= 0.05 * cfg.trainer.lr
     assert max((w2[k] - before[k]).abs().max().item() for k in w2) > 1e-4  # the step moved the weights
     assert m2["actor/step"] == 2.0  # ppo_mini_batches = 2 optimizer steps
     for k in ("actor/grad_norm", "actor/lr", "loss/total", "critic/value", "critic/grad_norm"):

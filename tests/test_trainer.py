@@ -125,6 +125,19 @@ def group1(ray_session, cfg, tiny_qwen3):
 # ---------------------------------------------------------------------------------------------- pure logic
 
 
+def test_step_metrics_reduce_maxima_as_max():
+    """Across a train step's optimizer steps and in the cross-rank vector, `MAX_METRICS` keys are maxima
+    while loss shares add up and other metrics are token-weighted means."""
+    from rl_tpu.trainer.metrics import mean_dicts, read_metrics
+
+    gap = "mismatch/max_abs_logprob_diff"
+    assert mean_dicts([{gap: 0.1, "actor/x": 1.0}, {gap: 0.3, "actor/x": 3.0}]) == {gap: 0.3, "actor/x": 2.0}
+    sums = {"loss/policy": torch.tensor(0.0)}
+    keys = ["loss/policy", "actor/x", gap]  # metric_vector's order: sums, weighted, maxima; weight last
+    vec = torch.tensor([1.5, 6.0, 0.25, 4.0], dtype=torch.float64)
+    assert read_metrics(sums, keys, vec) == {"loss/policy": 1.5, "actor/x": 1.5, gap: 0.25}
+
+
 def test_chunked_log_probs_values_and_grads_match_full_softmax():
     from rl_tpu.trainer.ops import chunked_log_probs
 
@@ -664,9 +677,12 @@ def test_on_policy_shortcut_equals_recompute_path(group2, cfg):
         rollout_log_probs=(torch.randn(b.response_mask.shape, generator=g) * 0.1 - 2) * b.response_mask
     )
     fast, m_fast = group2.policy_grads(b, cfg.algorithm, with_metrics=True)
-    slow, m_slow = group2.policy_grads(
-        b.replace(old_log_probs=group2.compute_log_probs(b)), cfg.algorithm, with_metrics=True
-    )
+    old = group2.compute_log_probs(b)
+    slow, m_slow = group2.policy_grads(b.replace(old_log_probs=old), cfg.algorithm, with_metrics=True)
+    # the per-token gap is a max over every response token of both ranks' micro-batches, not a mean
+    gap = ((old - b.rollout_log_probs).abs() * b.response_mask).max().item()
+    assert m_slow["mismatch/max_abs_logprob_diff"] == pytest.approx(gap, rel=1e-12)
+    assert m_slow["mismatch/max_abs_logprob_diff"] > abs(m_slow["mismatch/kl"])
     assert sorted(fast) == sorted(slow)
     assert max((fast[k] - slow[k]).abs().max().item() for k in fast) <= 1e-6
     assert max(v.abs().max().item() for v in fast.values()) > 1e-4  # a real gradient, not zeros

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from rl_tpu.algorithms.losses import MAX_METRICS
 from rl_tpu.config import AlgorithmConfig, TrainerConfig
 from rl_tpu.devices import Device
 from rl_tpu.trainer import metrics, parallel
@@ -88,10 +89,10 @@ class Updater:
         optimizer.zero_grad(set_to_none=True)
         rows, skip = torch.arange(batch.num_seqs), self.skips_zero_advantage(algo, tc)
         run = self.rows_to_run(batch, rows, skip)
-        sums, weighted, weight = self.accumulate(
+        sums, weighted, weight, maxima = self.accumulate(
             batch, rows, model, self.policy_loss(algo, tc, model, ref), tc, run
         )
-        out_metrics = metrics.reduce(sums, weighted, weight, self.fwd.local)
+        out_metrics = metrics.reduce(sums, weighted, weight, self.fwd.local, maxima)
         if skip:
             out_metrics["actor/skipped_frac"] = 1 - len(run) / max(len(rows), 1)
         out = {}
@@ -177,7 +178,7 @@ class Updater:
 
     def accumulate(
         self, batch, rows, model, loss_fn: LossFn, tc: TrainerConfig, run: torch.Tensor | None = None
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
         """Forward/backward of this rank's micro-batches of mini-batch `rows` (gradients add up); only
         the rows in `run` (default: all) are run, but all of `rows` normalise the loss.
 
@@ -188,6 +189,7 @@ class Updater:
         g_tok, g_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())  # host tensors: no device sync
         sums: dict[str, torch.Tensor] = {}
         weighted: dict[str, torch.Tensor] = {}
+        maxima: dict[str, torch.Tensor] = {}
         weight = 0.0
         micro = self.fwd.micro_batches(padded, rows if run is None else run, tc)
         defer = self.replicated_step and isinstance(model, FSDPModule) and len(micro) > 1
@@ -206,13 +208,15 @@ class Updater:
                     v = torch.as_tensor(v, device=self.fwd.local).to(torch.float64)
                     if k.startswith("loss/"):
                         sums[k] = sums[k] + v if k in sums else v
+                    elif k in MAX_METRICS:
+                        maxima[k] = torch.maximum(maxima[k], v) if k in maxima else v
                     else:
                         weighted[k] = weighted[k] + w * v if k in weighted else w * v
         finally:
             if defer:  # a failed micro-batch must not leave the next call without gradient sync
                 model.set_requires_gradient_sync(True)
                 model.set_reshard_after_backward(True)
-        return sums, weighted, weight
+        return sums, weighted, weight, maxima
 
     def update(
         self,
@@ -229,7 +233,7 @@ class Updater:
 
         model, optimizer, scheduler = part
         run = self.rows_to_run(batch, rows, skip_zero_advantage)
-        sums, weighted, weight = self.accumulate(batch, rows, model, loss_fn, tc, run)
+        sums, weighted, weight, maxima = self.accumulate(batch, rows, model, loss_fn, tc, run)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
         foreach = None if self.device.lazy_tensors else True  # torch has no foreach kernels for xla tensors
@@ -238,7 +242,7 @@ class Updater:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        keys, vec = metrics.metric_vector(sums, weighted, weight, self.fwd.local)
+        keys, vec = metrics.metric_vector(sums, weighted, weight, self.fwd.local, maxima)
         self.device.step_end()  # lazy devices: the update, the metrics and the grad norm are one program
         self.on_step(prefix)
         out = metrics.read_metrics(sums, keys, vec)

@@ -926,8 +926,10 @@ def test_old_log_probs_only_for_the_rows_the_update_runs(group2, cfg, tiny_qwen3
     finally:
         group2.restart_from(tiny_qwen3, cfg.trainer)
     (_, m_all, w_all), (_, m_rows, w_rows) = got["all"], got["rows"]
-    # two AdamW steps: old log-probs ~5e-7 apart (another packing) move the weights within TOL
-    assert max((w_all[k] - w_rows[k]).abs().max().item() for k in w_all) <= TOL
+    # two AdamW steps: old log-probs ~5e-7 apart (another packing) move the weights a little; Adam divides
+    # by sqrt(v) + 1e-8, so a near-cancelling gradient can turn that into ~1e-5 (1.24e-5 measured on an
+    # AMD EPYC with AVX-512), against a step of lr = 1e-3; wrong rows would move weights by ~lr
+    assert max((w_all[k] - w_rows[k]).abs().max().item() for k in w_all) <= 0.05 * cfg.trainer.lr
     for k in ("loss/policy", "mismatch/kl", "actor/ppo_kl", "actor/clipfrac", "actor/skipped_frac"):
         assert m_rows[k] == pytest.approx(m_all[k], abs=1e-6), k
     assert m_all["actor/skipped_frac"] == pytest.approx(6 / 12)

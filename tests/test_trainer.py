@@ -770,7 +770,9 @@ def test_replicated_step_equals_sharded_step(ray_session, group2, cfg, tiny_qwen
         group2.train_step(b, cfg.algorithm)
         sharded.train_step(b, cfg.algorithm)
         w_rep, w_sh = group2.hf_state_dict(), sharded.hf_state_dict()
-        assert max((w_rep[k] - w_sh[k]).abs().max().item() for k in w_rep) <= TOL
+        # the gradients agree within 1e-6 (above); after Adam's division by sqrt(v) + 1e-8 a near-cancelling
+        # gradient can differ by ~1e-5 of weight (as in test_train_step_two_ranks_equals_one_rank)
+        assert max((w_rep[k] - w_sh[k]).abs().max().item() for k in w_rep) <= 0.05 * cfg.trainer.lr
         assert max((w_rep[k] - start[k]).abs().max().item() for k in w_rep) > 1e-4
     finally:
         sharded.shutdown()

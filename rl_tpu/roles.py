@@ -47,7 +47,7 @@ def start_shared_roles(cfg: Config, model_path: str) -> Roles:
 def check_roles(cfg: Config, roles: Roles, plan) -> None:
     """ValueError naming what `cfg` asks of the placement, the engines or the trainer's processes that
     `roles` (started for another config) cannot give."""
-    from rl_tpu.trainer.worker import restart_conflicts
+    from rl_tpu.trainer.checkpoint import restart_conflicts
 
     if roles.groups.plan != plan:
         raise ValueError(

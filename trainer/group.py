@@ -205,7 +205,7 @@ class TrainerGroup:
         set up from `trainer_cfg` when given (its optimizer, schedule and batching; the fields that shape
         the processes must equal the group's: ValueError naming them otherwise, checked here first)."""
         if trainer_cfg is not None:
-            from rl_tpu.trainer.worker import check_restartable
+            from rl_tpu.trainer.checkpoint import check_restartable
 
             check_restartable(self.cfg.trainer, trainer_cfg, "TrainerGroup.restart_from")
         self._call("restart_from", str(model_path), trainer_cfg)

@@ -195,7 +195,7 @@ class RlTpuEngine(BaseEngine):
         head = w.model.lm_head
         head.rl_index, head.rl_temperature = (hidx, targets), _temperature(mb)
         try:
-            lp, ent = w.model(ids)  # [b, L] each (the chunked log-prob head, trainer/worker.py)
+            lp, ent = w.model(ids)  # [b, L] each (the chunked log-prob head, trainer/converters.py)
         finally:
             head.rl_index, head.rl_temperature = None, 1.0
 
@@ -233,7 +233,7 @@ class RlTpuEngine(BaseEngine):
         grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=True)
         if torch.isfinite(grad_norm):
             w.optimizer.step()
-            w.step += 1
+            w._stepped("actor")  # the step count, and a lazy device's host copy of the weights is stale
         w.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
@@ -281,7 +281,7 @@ class RlTpuEngine(BaseEngine):
     ) -> None:
         if hdfs_path:
             raise NotImplementedError("rl_tpu engine: hdfs checkpoint paths are not implemented")
-        self.worker.save_checkpoint(local_path)  # DCP: model + optimizer + scheduler (trainer/worker.py)
+        self.worker.save_checkpoint(local_path)  # DCP: model + optimizer + scheduler (trainer/checkpoint.py)
 
     def load_checkpoint(
         self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs

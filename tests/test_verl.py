@@ -74,6 +74,49 @@ print(json.dumps({
     assert got["detach_handlers_hooked"]
 
 
+def test_cpu_platform_claims_no_accelerator_host(monkeypatch):
+    """verl's CPU platform (ours) steps aside on a TPU VM too, found without a TPU library: by the VM's
+    environment or its chip devices; a plain CPU host is claimed."""
+    from rl_tpu.integrations.verl import platform
+
+    for var in ("TPU_ACCELERATOR_TYPE", "TPU_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
+    assert not platform._accelerator_present() and platform.PlatformCPU().is_platform_available()
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    assert platform._accelerator_present() and not platform.PlatformCPU().is_platform_available()
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: ["/dev/vfio/0"] if "vfio" in pattern else [])
+    assert platform._accelerator_present()
+
+
+def test_verl_bug_workarounds_apply_on_every_device(monkeypatch):
+    """The fix for verl's own `logger.info(..., flush=True)` applies on an accelerator host too; the
+    CPU-only workarounds do not."""
+    import verl.utils.device
+
+    from rl_tpu.integrations.verl import patches
+
+    called = []
+    monkeypatch.setattr(patches, "_APPLIED", [])
+    for name in (
+        "_gloo_process_group",
+        "_vllm_cpu_version",
+        "_vllm_pause_generation",
+        "_separate_async_log_flush",
+    ):
+        monkeypatch.setattr(patches, name, lambda name=name: called.append(name))
+    monkeypatch.setattr(verl.utils.device, "get_device_name", lambda: "cuda")
+    patches.apply()
+    assert called == ["_separate_async_log_flush"]
+    called.clear()
+    monkeypatch.setattr(verl.utils.device, "get_device_name", lambda: "cpu")
+    patches.apply()
+    assert sorted(called) == sorted(
+        ["_separate_async_log_flush", "_gloo_process_group", "_vllm_cpu_version", "_vllm_pause_generation"]
+    )
+
+
 def test_pause_generation_keyword_maps_to_vllm_mode():
     from rl_tpu.integrations.verl.patches import pause_mode_kwargs
 

@@ -20,7 +20,7 @@ from rl_tpu.integrations.verl import checkpoint  # noqa: F401
 from rl_tpu.integrations.verl import patches
 # isort: on
 
-patches.apply()  # CPU-only workarounds (patches.py names each verl line); nothing on an accelerator host
+patches.apply()  # verl workarounds (patches.py names each verl line); the CPU ones only on a CPU host
 
 ENGINE_BACKEND = engine.BACKEND
 CHECKPOINT_BACKEND = checkpoint.BACKEND
@@ -38,5 +38,5 @@ def loaded() -> dict[str, bool]:
         "engine": all(engines.get(d) is engine.RlTpuEngine for d in engine.DEVICES),
         "checkpoint": CheckpointEngineRegistry._registry.get(CHECKPOINT_BACKEND)
         is checkpoint.RlTpuCheckpointEngine,
-        "cpu_patches": bool(patches._APPLIED) or platform._accelerator_present(),
+        "cpu_patches": "gloo_process_group" in patches._APPLIED or platform._accelerator_present(),
     }

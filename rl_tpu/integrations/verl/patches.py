@@ -1,7 +1,8 @@
-"""Workarounds for verl 0.9.1 on a CPU-only host, applied by the plugin when verl's platform is our `cpu`.
+"""Workarounds for verl 0.9.1, applied by the plugin: those for verl's own bugs on every device, those
+for a CPU-only host only when verl's platform is our `cpu`.
 
-Each one wraps a verl function (never a copy of its file) and names the verl line it works around.
-They are no-ops on CUDA/NPU hosts, where verl's own code runs unchanged.
+Each one wraps a verl function (never a copy of its file) and names the verl line it works around. On
+accelerator hosts verl's own code runs unchanged apart from the device-independent fixes.
 """
 
 from __future__ import annotations
@@ -166,12 +167,14 @@ def _separate_async_log_flush() -> None:
 
 
 def apply() -> list[str]:
-    """Apply the CPU workarounds once, if verl runs on our `cpu` platform; returns their names."""
+    """Apply the workarounds once; returns their names. verl's own bugs are worked around on every
+    device (`separate_async_log_flush`); the CPU ones only where verl runs on our `cpu` platform."""
     from verl.utils.device import get_device_name
 
-    if not _APPLIED and get_device_name() == "cpu":
-        _gloo_process_group()
-        _vllm_cpu_version()
-        _vllm_pause_generation()
+    if not _APPLIED:
         _separate_async_log_flush()
+        if get_device_name() == "cpu":
+            _gloo_process_group()
+            _vllm_cpu_version()
+            _vllm_pause_generation()
     return list(_APPLIED)

@@ -11,6 +11,8 @@ accelerator platform claims the host; `VERL_PLATFORM=cpu` forces it.
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 import types
 from typing import Any
 
@@ -49,8 +51,23 @@ def _cpu_device_module() -> types.ModuleType:
     return m
 
 
+def _tpu_host() -> bool:
+    """A Cloud TPU VM: its chips appear as /dev/accel* (v2-v4) or VFIO groups (v5e and later), and
+    the VM's metadata sets `TPU_ACCELERATOR_TYPE` / `TPU_NAME` for the processes of the runtime. Checked
+    without importing a TPU library, which may be absent or claim the chips."""
+    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_NAME"):
+        return True
+    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def _accelerator_present() -> bool:
-    return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
+    """Whether this host has an accelerator verl or rl-tpu runs on (CUDA/ROCm, Ascend, XPU, TPU): the
+    CPU platform must not claim it, or verl would train there on the CPU without a word."""
+    if torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available()):
+        return True
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return True
+    return _tpu_host()
 
 
 @PlatformRegistry.register(platform="cpu")

@@ -131,11 +131,12 @@ def generate_and_score(
         if len(kept.groups) >= cfg.data.batch_size or rounds > cfg.algorithm.max_refill_rounds:
             break
     n = cfg.data.batch_size
+    n_kept = min(len(kept.groups), n)  # logged as kept: 0 when the fallback below trains on uniform groups
     if not kept.groups:  # every group was uniform: nothing to learn from, train on the last draw as is
         kept = Scored(examples, groups, scores, kept.metrics)
     per = len(kept.groups[0])
     kept = Scored(kept.examples[:n], kept.groups[:n], kept.scores[: n * per], kept.metrics)
-    kept.metrics["dynamic_sampling/kept_groups"] = float(len(kept.groups))
+    kept.metrics["dynamic_sampling/kept_groups"] = float(n_kept)
     kept.metrics["dynamic_sampling/drawn_groups"] = float(drawn_groups)
     return kept, timings
 

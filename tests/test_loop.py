@@ -570,6 +570,15 @@ def test_dynamic_sampling_stops_refilling_after_max_refill_rounds(tmp_path):
     assert data.metrics["dynamic_sampling/drawn_groups"] == 8.0
 
 
+def test_dynamic_sampling_with_every_group_uniform_trains_on_the_last_draw_and_says_so(tmp_path):
+    # nothing varies: after the refills the step trains on the last draw as is, logged as 0 groups kept
+    data, drawn = _dapo_step(tmp_path, lambda i, j: 1.0, "--algorithm.max_refill_rounds=1")
+    assert drawn == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [ex.uid for ex in data.examples] == ["fake-4", "fake-5", "fake-6", "fake-7"]
+    assert data.metrics["dynamic_sampling/kept_groups"] == 0.0
+    assert data.metrics["dynamic_sampling/drawn_groups"] == 8.0
+
+
 def test_overlong_penalty_is_added_to_the_scores_before_the_advantages(tmp_path):
     """prepare_batch on an on-policy config (no trainer pass before the update): each sequence's score gets
     min(0, -(len - (max_tokens - buffer)) / buffer * factor), on its last token, and the mean is logged."""

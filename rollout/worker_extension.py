@@ -133,6 +133,12 @@ class WorkerExtension:
     def rl_ws_verify(self, hf_weights) -> dict:
         return self._rl_ws().verify(hf_weights)
 
+    def rl_ws_install(self, direct: bool | None) -> dict:
+        return self._rl_ws().install_info(direct)
+
+    def rl_ws_verified(self) -> dict:
+        return dict(self._rl_ws().verified)
+
     def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> int:
         return self._rl_ws().join(host, port, world, ranks, senders)
 

@@ -118,3 +118,25 @@ def reference_layout(worker, hf_weights) -> dict[str, torch.Tensor]:
 
     vllm_compat.run_loaders(worker, iter(hf_weights), capture)
     return out
+
+
+def reference_layouts(worker, hf_weights) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Verify mode's references from full HF tensors, both on copies (the engine's weights are left as
+    they are): (loaded, kernel) where `loaded` is what vLLM's loaders put in each engine parameter of this
+    rank (as `reference_layout`) and `kernel` what vLLM's per-layer processing then makes of it, by
+    engine tensor name: the tensors the engine serves after an install of the same weights."""
+    model = vllm_compat.model(worker)
+    names = {id(m): n for n, m in model.named_modules()}
+    loaded: dict[str, torch.Tensor] = {}
+    kernel: dict[str, torch.Tensor] = {}
+
+    def into(out):
+        def capture(layer, tensors):
+            prefix = names.get(id(layer), "")
+            for pname, t in tensors.items():
+                out[f"{prefix}.{pname}" if prefix else pname] = t.detach().clone()
+
+        return capture
+
+    vllm_compat.run_loaders(worker, iter(hf_weights), into(loaded), processed=into(kernel))
+    return loaded, kernel

@@ -11,7 +11,7 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   happened in the plan), and when its last element arrives vLLM's own per-layer processing runs (the
   repack) and copies the result into the original kernel tensors. `finish` puts back layers that
   received nothing. What the engine ends up with is exactly what vLLM's full-tensor reload would have
-  produced from the same values; verify mode checks that on the loaded layout.
+  produced from the same values; verify mode checks that (see Verify below).
   With a receiver region (`make_region()`, asked for by the driver when the engine has shm routes): the
   rank keeps one /dev/shm file holding every plan parameter's loaded-layout tensor at a fixed offset,
   zero-filled once (padding reads 0). Senders write their pieces straight into it (route `shm_region`:
@@ -19,8 +19,26 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   layer is materialised with views into the region (`vllm_compat.materialize_into`) before vLLM's
   processing; no allocation and no copy per sync on this side. Costs the loaded layout's bytes for the
   engine's lifetime, hence the driver's cap (`sync.receiver_buffer_mb`).
-- CUDA / TPU, unquantized (`direct`): the loaded layout is the kernel layout, so pieces are copied into
-  the live `param.data` with no processing step and no extra memory. Written, untested on hardware here.
+- `direct`: where vLLM's per-layer processing is the identity on every plan layer of this rank (the
+  loaded layout IS the kernel layout), pieces are copied into the live `param.data` with no processing
+  step and no extra memory. Which path a rank takes is decided at `setup` from the engine itself, never
+  from the device name (`probe_install`): each plan layer's kernel tensors must have its loaded-layout
+  tensors' names, shapes, dtypes and strides, and its quant method's `process_weights_after_loading`
+  must be the base no-op or, run on probe copies holding distinct values, leave exactly those values
+  in place. vLLM-CPU (oneDNN repacking: the kernel weight is an empty tensor) and vLLM-TorchTPU
+  (`[in, out]` transposes, padding) fail that and take the layerwise path (tests/test_transposed_layout.py
+  proves the TorchTPU case on CPU with such a linear method); an unquantized CUDA engine, whose
+  processing leaves weights as loaded, should pass it (untested on hardware here). The decision and
+  each processed layer's reason are logged and reported to the driver (`install_info`,
+  `WeightSync.routes()` field `install`). The driver may force either path (`direct`).
+
+Verify (`verify`) compares the tensors the engine serves (`named_parameters()` / buffers after the
+install, kernel layout) with a reference that runs vLLM's loaders AND its per-layer processing on the
+trainer's tensors, on copies (`vllm_compat.capture_mode(processed=...)`), so a wrong install path or a
+wrong layout shows. Where processing leaves no tensor to compare (vLLM-CPU's oneDNN / sgl packing: the
+weight becomes an empty tensor and the packed copy lives in a closure), that parameter is compared in
+the loaded layout instead: the tensors the install assembled (kept when its layer completed) against
+vLLM's loaders' output. `verified` says which comparison each parameter had.
 
 Invariants: pieces of a bucket are applied in plan order; a layer is processed exactly once, when its
 last element arrives; `finish` raises (naming each parameter) if any element is missing.
@@ -28,6 +46,7 @@ last element arrives; `finish` raises (naming each parameter) if any element is 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,10 +56,12 @@ import numpy as np
 import torch
 
 from . import vllm_compat
-from .engine_layout import derive_layout, reference_layout
+from .engine_layout import derive_layout, reference_layout, reference_layouts
 from .rows import rows_cols
 from .transports import Region, get_transport, join_group, leave_group
 from .wire import unpack
+
+log = logging.getLogger("rl_tpu")
 
 PIECE_FIELDS = 5  # dst, dst_row, dst_col, nrows, ncols
 REGION_ALIGN = 4096  # byte alignment of each parameter in a receiver region (page: SIMD loads, huge pages)
@@ -93,6 +114,11 @@ class EngineSide:
         self.region_params: dict[
             str, tuple[int, tuple[int, ...], torch.dtype]
         ] = {}  # name -> offset, shape, dtype
+        # install path probed at setup: "direct" only where vLLM's processing is the identity on every
+        # plan layer; `processed` names each layer it is not for, with the reason
+        self.install = "layerwise"
+        self.processed: dict[str, str] = {}
+        self.verified: dict[str, str] = {}  # last verify: param -> "kernel" or "loaded" comparison
 
     def derive(self, hf_specs: list) -> dict:
         return derive_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
@@ -116,14 +142,60 @@ class EngineSide:
             layer = model.get_submodule(module_name)
             self.layers[name] = (layer, pname)
             self.params_of.setdefault(id(layer), []).append(name)
+        self.probe_install()
         return len(self.buckets)
 
+    def probe_install(self) -> str:
+        """Decide this rank's install path from the engine itself: "direct" iff vLLM's per-layer
+        processing is the identity on every plan layer (`vllm_compat.probe_processing`), else
+        "layerwise". The engine's weights are left as they are."""
+        model = vllm_compat.model(self.worker)
+        names = {id(m): n for n, m in model.named_modules()}
+        seen, processed = set(), {}
+        with vllm_compat.current_config(self.worker), torch.no_grad():
+            for name in self.names:
+                layer = self.layers[name][0]
+                if id(layer) in seen:
+                    continue
+                seen.add(id(layer))
+                why = vllm_compat.probe_processing(layer, _fill_probe)
+                if why is not None:
+                    processed[names.get(id(layer), name)] = why
+        self.processed = processed
+        self.install = "layerwise" if processed else "direct"
+        if processed:
+            first = next(iter(processed.items()))
+            log.info(
+                "weight sync rank %d: layerwise install, vLLM's processing changes %d of %d layers "
+                "(e.g. %s: %s)",
+                vllm_compat.tp_rank(),
+                len(processed),
+                len(seen),
+                *first,
+            )
+        else:
+            log.info(
+                "weight sync rank %d: direct install, vLLM's processing is the identity on all %d layers",
+                vllm_compat.tp_rank(),
+                len(seen),
+            )
+        return self.install
+
+    def install_info(self, direct: bool | None = None) -> dict:
+        """What this rank's installs do (plain values): `install` ("direct" or "layerwise", what `begin`
+        uses given the driver's `direct`), `probed` (the engine's own answer), `forced` (the driver chose),
+        `layers` (plan layers) and `processed` (layer -> why its kernel layout is not its loaded one)."""
+        return {
+            "rank": vllm_compat.tp_rank(),
+            "install": "direct" if self._direct(direct) else "layerwise",
+            "probed": self.install,
+            "forced": direct is not None,
+            "layers": len(self.params_of),
+            "processed": dict(self.processed),
+        }
+
     def _direct(self, direct: bool | None) -> bool:
-        return (
-            next(vllm_compat.model(self.worker).parameters()).device.type != "cpu"
-            if direct is None
-            else direct
-        )
+        return self.install == "direct" if direct is None else bool(direct)
 
     def make_region(self, max_bytes: int, direct: bool | None) -> dict:
         """Create this rank's receiver region: one /dev/shm file with every plan parameter's loaded-layout
@@ -280,21 +352,28 @@ class EngineSide:
         self.kept = reference_layout(self.worker, hf_weights)
 
     def verify(self, hf_weights: Any) -> dict[str, float]:
-        """Max |diff| per engine parameter between what the last sync installed (loaded layout) and what
-        vLLM's own loaders make of `hf_weights` (pairs, or a safetensors path across a process boundary).
-        The reference is computed aside: the engine keeps serving the synced weights."""
+        """Max |diff| per engine tensor between what the engine serves now (kernel layout, after the last
+        install) and what vLLM's own loaders and per-layer processing make of `hf_weights` (pairs, or a
+        safetensors path across a process boundary); inf where shapes or dtypes differ. A parameter
+        whose processed form holds no elements (vLLM-CPU packs linears outside tensors) is compared in
+        the loaded layout instead: the install's kept tensors against the loaders' output (`verified`
+        says which). The reference is computed on copies: the engine keeps serving the synced weights."""
         if isinstance(hf_weights, str):
             from safetensors.torch import load_file
 
             hf_weights = sorted(load_file(hf_weights).items())
-        ref = reference_layout(self.worker, hf_weights)
-        out = {}
-        for name, r in ref.items():
-            mine = self.kept.get(name)
-            if mine is None or mine.shape != r.shape:
-                out[name] = float("inf")
+        loaded, kernel = reference_layouts(self.worker, hf_weights)
+        model = vllm_compat.model(self.worker)
+        served = dict(model.named_parameters(remove_duplicate=False))
+        served.update(model.named_buffers(remove_duplicate=False))
+        out, self.verified = {}, {}
+        for name, r in kernel.items():
+            if r.numel() == 0 and name in loaded and loaded[name].numel() > 0:
+                mine, r, how = self.kept.get(name), loaded[name], "loaded"
             else:
-                out[name] = (mine.double() - r.double()).abs().max().item() if r.numel() else 0.0
+                mine, how = served.get(name), "kernel"
+            self.verified[name] = how
+            out[name] = _max_diff(mine, r)
         return out
 
     def join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> int:
@@ -304,3 +383,18 @@ class EngineSide:
 
     def leave(self) -> None:
         leave_group()
+
+
+def _max_diff(mine: torch.Tensor | None, ref: torch.Tensor) -> float:
+    if mine is None or tuple(mine.shape) != tuple(ref.shape) or mine.dtype != ref.dtype:
+        return float("inf")
+    return (mine.detach().double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+
+
+def _fill_probe(t: torch.Tensor) -> None:
+    """Distinct values per position (1..251 repeating, exact in every float dtype down to bf16), so a
+    transpose or a permutation of a probe shows."""
+    vals = torch.arange(t.numel(), dtype=torch.float64).remainder_(251).add_(1)
+    if t.dtype == torch.bool:
+        vals = vals.remainder(2)
+    t.copy_(vals.view(t.shape).to(t.dtype) if t.dim() else vals[0].to(t.dtype))

@@ -56,6 +56,9 @@ class EngineRanks:
     def verify(self, hf_weights: Any) -> list[dict]:
         return self._all("rl_ws_verify", hf_weights)
 
+    def install(self, direct: bool | None) -> list[dict]:
+        return self._all("rl_ws_install", direct)
+
     def join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list[int]:
         return self._all("rl_ws_join", host, port, world, ranks, senders)
 
@@ -189,6 +192,11 @@ class SyncReceiver:
             finally:
                 os.unlink(path)
         return ranks.verify(hf_weights)
+
+    def ws_install(self, direct: bool | None = None) -> list[dict]:
+        """Per rank, the install path its engine's own processing calls for (decided at setup, see
+        `engine_side.EngineSide.probe_install`) and the one used given the driver's `direct`."""
+        return self._ws_ranks().install(direct)
 
     def ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list:
         return self._ws_ranks().join(host, port, world, ranks, senders)

@@ -32,8 +32,13 @@ every sender the region table and, per bucket, where its pieces go; `ws_pack` th
 straight into the engine's parameters (casting to the engine dtype). Above the cap, or with
 `receiver_buffers=False`, shm routes carry bucket files.
 
-Verify (`sync.verify`): the engines keep the loaded-layout tensors each install produced, and compare
-them bit for bit with what vLLM's own loaders make of the trainer's full HF tensors.
+Install path, per engine rank: "direct" (pieces straight into the kernel tensors) only where the engine's
+own per-layer processing is the identity, probed at setup; else "layerwise" (pieces into the loaded
+layout, then vLLM's processing). `routes()` says which, per route.
+
+Verify (`sync.verify`): the engines compare the tensors they serve bit for bit with what vLLM's own
+loaders and per-layer processing make of the trainer's full HF tensors (in the loaded layout where the
+processed kernel is no tensor: vLLM-CPU's packed linears).
 
 Nothing is half-installed on bad input: name and shape checks run at plan time, before any bytes move.
 """
@@ -163,6 +168,8 @@ class WeightSync:
         # shm routes into a CPU engine rank write straight into its receiver region, up to this size
         self.region_bytes = int(receiver_buffer_mb * 2**20) if receiver_buffers else 0
         self.regions: list[dict] = []  # per engine: {str(tp): each rank's answer (region table or why not)}
+        # per engine: {str(tp): the rank's install path, "direct" or "layerwise", and why (install_info)}
+        self.installs: list[dict] = []
         self.engine_model_dir, self.direct = engine_model_dir, direct
         if transport not in ("auto", "reload"):
             get_transport(transport)  # fail early on an unknown or unimplemented transport
@@ -261,11 +268,32 @@ class WeightSync:
             tables, rounds = receiver_tables(plan, e, self.route_transport[e])
             setups.append(call(rcv.ws_setup, tables, rounds, self.senders, self.region_bytes, self.direct))
         self.regions = [r or {} for r in get(setups)]
+        self.installs = [
+            self._installs(e, answer)
+            for e, answer in enumerate(get([call(r.ws_install, self.direct) for r in self.receivers]))
+        ]
         self._give_regions(range(len(self.receivers)))
         if self.transport == "collective":
             self._form_group()
         self.plan_seconds = time.perf_counter() - t0
         return plan
+
+    def _installs(self, engine: int, per_rank: list[dict]) -> dict:
+        """{str(tp): install info} of one engine's ranks, logged: the path each rank's installs take,
+        decided from the engine's own processing (`EngineSide.probe_install`) unless `direct` forces it."""
+        out = {}
+        for info in per_rank:
+            out[str(info["rank"])] = info
+            log.info(
+                "weight sync: engine %d rank %d installs %s (%s; %d of %d layers processed by vLLM)",
+                engine,
+                info["rank"],
+                info["install"],
+                "forced by the driver" if info["forced"] else "the engine's own processing",
+                len(info["processed"]),
+                info["layers"],
+            )
+        return out
 
     def _give_regions(self, engines) -> None:
         """Hand every sender the region tables of `engines`' ranks it writes into and, per bucket, where
@@ -399,10 +427,13 @@ class WeightSync:
         self.regions[engine] = (
             get(call(receiver.ws_setup, tables, rounds, self.senders, self.region_bytes, self.direct)) or {}
         )
+        self.installs[engine] = self._installs(engine, get(call(receiver.ws_install, self.direct)))
         self._give_regions([engine])
 
     def routes(self) -> list[dict]:
-        """One entry per (sender rank, receiver) pair the plan moves bytes over, with its transport."""
+        """One entry per (sender rank, receiver) pair the plan moves bytes over, with its transport and
+        the receiving rank's install path (`install`: "direct" into the kernel tensors, or "layerwise"
+        through vLLM's per-layer processing)."""
         if self.plan is None:
             return []
         pairs = sorted({(int(r), int(s)) for r, s, _ in self.plan.buckets.tolist()})
@@ -416,6 +447,7 @@ class WeightSync:
                     "receiver": [e, tp],
                     "transport": tr,
                     "receiver_region": route(tr, "path" in self.regions[e].get(str(tp), {})) == "shm_region",
+                    "install": self.installs[e].get(str(tp), {}).get("install", "unknown"),
                 }
             )
         return out

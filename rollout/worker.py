@@ -32,6 +32,7 @@ import ray
 import torch
 
 from rl_tpu.config import Config, engine_config
+from rl_tpu.devices import bind
 from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (
     build_engine,
@@ -109,6 +110,8 @@ class RolloutWorker(SyncReceiver):
             # loaded at exec: a driver that started vLLM's CPU platform puts libgomp in LD_PRELOAD, and
             # actors it starts afterwards then run the machine's core count (rl_tpu.placement)
             apply_threads(omp_threads(os.environ.get("OMP_NUM_THREADS")))
+        # the device Ray assigned this actor, visible to vLLM as device 0 (rl_tpu.devices.bind)
+        self.binding = bind(self.device, set_local_rank=False, engine=True)
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False
@@ -158,13 +161,15 @@ class RolloutWorker(SyncReceiver):
 
     # -- public -------------------------------------------------------------------------------------
     def threads(self) -> dict:
-        """This actor's node and threads (the in-process engine's, for a TP=1 engine)."""
+        """This actor's node and threads (the in-process engine's, for a TP=1 engine), and its device
+        binding (`rl_tpu.devices.Binding.record()`: the device and the accelerator ids Ray gave it)."""
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+            **self.binding.record(),
         }
 
     def ping(self) -> dict:

@@ -1,7 +1,8 @@
 """Process group, DeviceMesh and FSDP2 for one trainer rank, through TorchTitan's parallelize functions.
 
 Invariants:
-- One rank per Ray actor; the backend comes from the devices table (`gloo` on CPU, `nccl`, `tpu_dist`,
+- One rank per Ray actor, bound to the device Ray assigned it (`init_process_group`, before the process
+  group exists); the backend comes from the devices table (`gloo` on CPU, `nccl`, `tpu_dist`,
   `xla`), never from `if device == ...` here.
 - After `build_parallel_model` every parameter is a DTensor on the `fsdp` mesh dimension
   (FSDP2 `Shard(0)`), also with one rank, so `param_specs()` looks the same at any world size.
@@ -35,21 +36,30 @@ from rl_tpu.devices import Device
 def init_process_group(
     device: Device, rank: int, world_size: int, master_addr: str, master_port: int
 ) -> None:
-    """Join the trainer group (blocks until all `world_size` ranks have joined)."""
+    """Bind this rank to its device, then join the trainer group (blocks until all `world_size` ranks
+    have joined).
+
+    The device index comes from the accelerator ids Ray assigned this actor (`rl_tpu.devices.bind`:
+    CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS as Ray set them, or Ray's id itself in verl's
+    RAY_EXPERIMENTAL_NOSET_* mode), and LOCAL_RANK is set to it, so torch's DeviceMesh, TorchTitan and
+    torch-tpu pick the same device as `device.local_device()`. Where the group already exists (verl's
+    worker made it and set LOCAL_RANK), the environment is left as it is and the binding only read."""
+    if dist.is_initialized():
+        device.bind(set_local_rank=False)
+        return
+    device.bind()
     os.environ.update(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK="0",
     )
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=device.dist_backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=10),
-        )
+    dist.init_process_group(
+        backend=device.dist_backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
 
 
 def make_parallel_dims(device: Device, world_size: int, tp: int = 1):

@@ -105,6 +105,7 @@ class TrainerWorker(SyncSender):
             "arch": self.spec.arch,
             "params": sum(p.numel() for p in self.model.parameters()),
             **self.builder.summary(),  # fsdp_step, matmul, matmul_table, matmul_cached
+            **self.device.bind(set_local_rank=False).record(),  # the device Ray assigned this rank
         }
 
     # ------------------------------------------------------------------ public (collective) methods

@@ -2,11 +2,18 @@
 
 A row says which torch.distributed backend a rank group uses, which torch device string tensors live
 on, which package provides the vLLM engine, which Ray resource counts one device (placement bundles),
-and how to seed and synchronise. `xla` runs on the PJRT CPU device here, so it asks Ray for CPUs only.
+and how to seed and synchronise. `tpu` and `xla` reserve chips through Ray's `TPU` resource; `xla` pointed
+at the host CPU (`PJRT_DEVICE=CPU`, its default, how it runs here) reserves CPUs only (`Device.ray_resource`).
 Rows for accelerators exist even where their packages are absent here; `require()` names the missing package when one is
 used. Importing this module imports nothing device-specific; `Device.init()` does, in the process that
 uses the device (a trainer rank): it imports the runtime, which registers the distributed backend
 (`xla` by torch_xla.distributed.xla_backend, `tpu_dist` by torch_tpu), and checks that the backend exists.
+
+Device binding: every trainer rank and engine takes its local device index from the accelerator ids Ray
+assigned its actor (`bind`; the rule is the pure `local_device_index`, docs/devices.md "Device binding"):
+the position of Ray's id in the visible-devices variable where one is set (Ray sets it: index 0), Ray's
+id itself where none is (verl's `RAY_EXPERIMENTAL_NOSET_*` mode, or a TPU allocation of the whole host),
+`LOCAL_RANK` where Ray assigned none. `local_device()` then returns that device.
 
 Tested on this project's CPU machines: `cpu` (gloo) and `xla` on PJRT_DEVICE=CPU (tests/test_devices.py,
 in .venv-xla). `cuda` and `tpu` are written from their packages' documented behaviour and are untested on
@@ -20,8 +27,9 @@ import importlib.util
 import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,14 +43,32 @@ class Device:
     engine_module: str  # the module to import for it
     runtime_module: str | None  # extra module that must import for the device to exist (None: torch alone)
     static_shapes: bool  # pad sequences to length buckets so the compiler does not retrace per batch
-    ray_resource: str | None = None  # Ray's resource name for one device ("GPU", "TPU"); None: CPUs only
+    # Ray's resource name for one device ("GPU", "TPU"); None: CPUs only. Read it as `ray_resource`, which
+    # also applies `host_env`.
+    accelerator: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # environment defaults set in every actor of this device
+    # (variable, value): with this value (after the row's `env` defaults) the device runs on the host's
+    # CPUs and reserves no accelerator (xla: PJRT_DEVICE=CPU)
+    host_env: tuple[str, str] | None = None
     # FSDP2 over a DeviceMesh; False: one trainer rank with plain (unsharded) parameters (xla: torch_xla 2.9's
     # DeviceMesh has no process groups, so `fully_shard` fails; docs/devices.md)
     fsdp2: bool = True
     # tensors are lazy (traced, compiled, run at `step_end`): the trainer ends each step's graph explicitly
     # and the weight sync reads parameters through one host copy per policy version
     lazy_tensors: bool = False
+
+    @property
+    def ray_resource(self) -> str | None:
+        """The Ray resource one device of this row reserves in this process's environment (None: CPUs)."""
+        return self.reserved_resource(os.environ)
+
+    def reserved_resource(self, env: Mapping[str, str]) -> str | None:
+        """The Ray resource one device reserves given the environment `env` (pure)."""
+        if self.host_env is not None:
+            key, host = self.host_env
+            if env.get(key, dict(self.env).get(key, "")).upper() == host.upper():
+                return None
+        return self.accelerator
 
     def require(self) -> None:
         """Raise a clear error when the packages this device needs are not installed."""
@@ -109,14 +135,24 @@ class Device:
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
-    def local_device(self, local_rank: int = 0) -> torch.device:
-        if self.name == "cuda":
-            return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    def bind(self, *, set_local_rank: bool = True) -> Binding:
+        """Bind this process to the device Ray assigned its actor (`bind`)."""
+        return bind(self, set_local_rank=set_local_rank)
+
+    def local_device(self, local_rank: int | None = None) -> torch.device:
+        """This process's device: index `local_rank` where given, else the one `bind()` chose (unbound:
+        the rule without Ray's ids, i.e. `LOCAL_RANK`)."""
+        index = local_rank
+        if index is None:
+            b = _BOUND.get(self.name) or local_device_index(self, {}, os.environ)
+            index = b.index
         if self.name == "xla":
             import torch_xla.core.xla_model as xm
 
-            return xm.xla_device()
-        return torch.device(self.torch_device)
+            return xm.xla_device() if not index else xm.xla_device(n=index)
+        if self.name == "cpu" or index is None:
+            return torch.device(self.torch_device)
+        return torch.device(self.torch_device, index)
 
 
 def _check_same_minor(dist_a: str, dist_b: str) -> None:
@@ -206,7 +242,7 @@ DEVICES: dict[str, Device] = {
         engine_module="vllm",
         runtime_module=None,
         static_shapes=False,
-        ray_resource="GPU",
+        accelerator="GPU",
     ),
     "tpu": Device(
         name="tpu",
@@ -216,7 +252,7 @@ DEVICES: dict[str, Device] = {
         engine_module="vllm",
         runtime_module="torch_tpu",
         static_shapes=True,
-        ray_resource="TPU",
+        accelerator="TPU",
     ),
     "xla": Device(
         name="xla",
@@ -226,7 +262,9 @@ DEVICES: dict[str, Device] = {
         engine_module="vllm",
         runtime_module="torch_xla",
         static_shapes=True,
+        accelerator="TPU",  # chips, when PJRT_DEVICE=TPU
         env=(("PJRT_DEVICE", "CPU"),),
+        host_env=("PJRT_DEVICE", "CPU"),
         fsdp2=False,
         lazy_tensors=True,
     ),
@@ -238,3 +276,168 @@ def get_device(name: str) -> Device:
         return DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r}; choose one of {sorted(DEVICES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# device binding: which local device a process uses, from the accelerator ids Ray assigned its actor
+
+# the variable Ray sets to an actor's assigned devices, and the switch (1/true) that tells Ray to leave it
+# unset, so the process sees every device of the node (verl's "NOSET" mode; Ray 2.60's names)
+VISIBLE_DEVICES_ENV = {"GPU": "CUDA_VISIBLE_DEVICES", "TPU": "TPU_VISIBLE_CHIPS"}
+NOSET_ENV = {
+    "GPU": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+    "TPU": "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS",
+}
+TPU_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"  # Ray ids count logical devices, several per chip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    """Where a process's device came from. `index`: the local device index torch uses (None: the host,
+    no accelerator). `source`: "visible" (the position of Ray's id in the visible-devices variable),
+    "ray_id" (Ray's id itself: no such variable), "local_rank" (Ray assigned none: LOCAL_RANK, else 0),
+    "host" (a row without an accelerator here)."""
+
+    device: str  # device row
+    resource: str | None  # the Ray resource it reserves ("GPU", "TPU"), None: CPUs only
+    ray_ids: tuple[str, ...]  # the ids Ray assigned this actor for `resource`, in numeric order
+    index: int | None
+    source: str
+    visible: str | None  # the visible-devices variable as the rule read it (None: unset)
+    noset: bool  # Ray was told not to set it (RAY_EXPERIMENTAL_NOSET_*)
+
+    def record(self) -> dict[str, Any]:
+        """The fields placement.json records for the actor."""
+        return {
+            "device": self.device if self.index is None else f"{self.device}:{self.index}",
+            "device_index": self.index,
+            "ray_accelerator_ids": list(self.ray_ids),
+            "visible_devices": self.visible,
+            "binding": self.source,
+        }
+
+
+def _id_key(i: str) -> tuple[int, int, str]:
+    return (0, int(i), "") if i.isdigit() else (1, 0, i)
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true")  # Ray's env_bool
+
+
+def local_device_index(
+    device: Device, accelerator_ids: Mapping[str, Sequence[str]], env: Mapping[str, str]
+) -> Binding:
+    """The local device index of a process of `device` whose actor Ray assigned `accelerator_ids`
+    (`ray.get_runtime_context().get_accelerator_ids()`, e.g. {"GPU": ["2"], "TPU": []}) in environment
+    `env`. Pure. The rule, for the row's Ray resource R and Ray's lowest id for R:
+    - R's visible-devices variable set (Ray sets it unless told not to; or the user did): the id's position
+      in it (Ray set it: 0; a TPU id under RAY_TPU_RESOURCE_PER_CHIP=k is device id % k of chip id // k);
+      ValueError if it does not list the id;
+    - unset (RAY_EXPERIMENTAL_NOSET_* as verl runs, or a TPU allocation of the whole host, for which Ray
+      removes TPU_VISIBLE_CHIPS): Ray's id itself;
+    - Ray assigned no R (no Ray, or an actor without the resource): LOCAL_RANK, else 0;
+    - a row that reserves no accelerator here (cpu, xla on PJRT CPU): None (the host)."""
+    res = device.reserved_resource(env)
+    if res is None:
+        return Binding(
+            device=device.name,
+            resource=None,
+            ray_ids=(),
+            index=None,
+            source="host",
+            visible=None,
+            noset=False,
+        )
+    ids = tuple(sorted((str(i) for i in accelerator_ids.get(res, ())), key=_id_key))
+    var = VISIBLE_DEVICES_ENV.get(res)
+    visible = env.get(var) if var else None
+    noset = _flag(env.get(NOSET_ENV.get(res, "")))
+
+    def out(index: int, source: str) -> Binding:
+        return Binding(
+            device=device.name,
+            resource=res,
+            ray_ids=ids,
+            index=index,
+            source=source,
+            visible=visible,
+            noset=noset,
+        )
+
+    if not ids:
+        rank = (env.get("LOCAL_RANK") or "").strip()
+        return out(int(rank) if rank.isdigit() else 0, "local_rank")
+    first = ids[0]
+    if visible is not None:
+        listed = [v.strip() for v in visible.split(",") if v.strip()]
+        per_chip = int(env.get(TPU_PER_CHIP_ENV) or 1) if res == "TPU" else 1
+        if per_chip > 1 and first.isdigit():
+            chip, sub = divmod(int(first), per_chip)
+            if str(chip) in listed:
+                return out(listed.index(str(chip)) * per_chip + sub, "visible")
+        elif first in listed:
+            return out(listed.index(first), "visible")
+        raise ValueError(
+            f"device {device.name!r}: Ray assigned this actor {res} {first}, but {var}={visible!r} does not "
+            "list it (a visible-devices variable set by hand hides Ray's device)"
+        )
+    if not first.isdigit():
+        raise ValueError(
+            f"device {device.name!r}: Ray assigned {res} {first!r} and {var} is unset, so the device has no "
+            "index in this process"
+        )
+    return out(int(first), "ray_id")
+
+
+def ray_accelerator_ids() -> dict[str, list[str]]:
+    """The accelerator ids Ray assigned the calling actor or task ({} outside a Ray worker)."""
+    if "ray" not in sys.modules:
+        return {}
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    try:
+        return dict(ray.get_runtime_context().get_accelerator_ids())
+    except Exception:  # noqa: BLE001 - not a connected worker: no assignment
+        return {}
+
+
+_BOUND: dict[str, Binding] = {}  # device row -> this process's binding (set by `bind`)
+
+
+def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -> Binding:
+    """Bind this process to the device Ray assigned its actor: compute `local_device_index` from Ray's ids
+    and the environment, set LOCAL_RANK to the index (`set_local_rank`; torch's DeviceMesh, TorchTitan and
+    torch-tpu read it; left alone for the host), make it torch's current device where the runtime has one
+    (CUDA), and remember it for `local_device()`.
+
+    `engine`: a vLLM engine numbers its TP ranks from device 0 of what it sees, so where Ray's id is used
+    as is (no visible-devices variable: NOSET mode), the variable is set to Ray's ids first (what Ray would
+    have set), and the engine's processes see exactly its devices; the binding is then index 0."""
+    env = os.environ
+    b = local_device_index(device, ray_accelerator_ids(), env)
+    if engine and b.source == "ray_id" and b.resource in VISIBLE_DEVICES_ENV:
+        env.update(_visible_env(b.resource, b.ray_ids, env))
+        b = local_device_index(device, ray_accelerator_ids(), env)
+    if set_local_rank and b.index is not None:
+        env["LOCAL_RANK"] = str(b.index)
+    if b.index is not None and device.name == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(b.index)
+    _BOUND[device.name] = b
+    return b
+
+
+def _visible_env(resource: str, ids: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The visible-devices variables Ray 2.60 sets for an actor holding `ids` (GPU: CUDA_VISIBLE_DEVICES;
+    TPU: TPU_VISIBLE_CHIPS by physical chip, plus the host bounds of a 1- or 2-chip slice)."""
+    if resource != "TPU":
+        return {VISIBLE_DEVICES_ENV[resource]: ",".join(ids)}
+    per_chip = int(env.get(TPU_PER_CHIP_ENV) or 1)
+    chips = sorted({int(i) // per_chip for i in ids})
+    out = {"TPU_VISIBLE_CHIPS": ",".join(str(c) for c in chips)}
+    if len(chips) in (1, 2):
+        out["TPU_CHIPS_PER_HOST_BOUNDS"] = "1,1,1" if len(chips) == 1 else "1,2,1"
+        out["TPU_HOST_BOUNDS"] = "1,1,1"
+    return out

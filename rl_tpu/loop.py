@@ -387,10 +387,10 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
 
         def engine_restarted(engine: int) -> None:
             sync.engine_restarted(engine)
-            write_placement_json(run_dir, active.groups, rollout, sync.routes())  # the new engine's process
+            write_placement_json(run_dir, active.groups, rollout, sync.routes(), trainer)  # the new engine
 
         rollout.on_restart = engine_restarted
-        write_placement_json(run_dir, active.groups, rollout, sync.routes())
+        write_placement_json(run_dir, active.groups, rollout, sync.routes(), trainer)
         if resume is not None:
             state = load_state(resume)
             trainer.load_checkpoint(str(resume / "trainer"), policy_version=state["version"])

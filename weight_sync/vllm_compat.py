@@ -214,6 +214,7 @@ def probe_processing(layer: Any, fill) -> str | None:
     if processing_is_noop(layer):
         return None
     params, buffers = dict(layer._parameters), dict(layer._buffers)
+    non_persistent = set(layer._non_persistent_buffers_set)
     probes = {}
     try:
         with _kept_state(layer), torch.no_grad():
@@ -252,6 +253,8 @@ def probe_processing(layer: Any, fill) -> str | None:
         layer._parameters.update(params)
         layer._buffers.clear()
         layer._buffers.update(buffers)
+        layer._non_persistent_buffers_set.clear()
+        layer._non_persistent_buffers_set.update(non_persistent)
     return None
 
 

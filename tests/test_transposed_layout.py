@@ -28,8 +28,6 @@ import torch
 from rl_tpu.config import load_config
 from rl_tpu.types import TrainBatch
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's worker runs here, with the registration
-
 TOL = 1e-5
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
 
@@ -88,6 +86,9 @@ def trained(ray_session, tiny_qwen3):
 def _engine(model_path: str, pad: int | None):
     import transposed_quant  # tests/: registers its quantization config in this process (imports vLLM)
     from vllm import LLM
+
+    # the engine's worker must run here, where the registration is (tests/conftest.py's CPU env says so too)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     return LLM(
         model=model_path,

@@ -18,6 +18,7 @@ demo: setup
 test:
 	@bash scripts/setup.sh --extra verl
 	@bash scripts/setup.sh --role-env xla
+	@bash scripts/setup.sh --role-env tpu  # .venv-tpu (Python 3.12, locks/tpu.txt): ~3 min and ~7 GB of uv cache the first time
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
 	.venv/bin/pytest $(PYTEST_ARGS)

@@ -6,7 +6,12 @@
 # updates .venv-xla from locks/xla.txt (a compiled, hashed requirements file: uv.lock holds one torch per
 # extra but one set of base pins, and the xla role needs torch 2.9 with an older TorchTitan than the
 # base pin), then installs this project into it without dependencies. `--relock-role-env xla` recompiles
-# locks/xla.txt from locks/xla.in.
+# locks/xla.txt from locks/xla.in. `--role-env tpu` makes .venv-tpu (torch-tpu + vLLM-TorchTPU) the same way.
+#
+# A role env's Python minor and wheel platform come from header lines of its locks/NAME.in, read by both
+# --relock-role-env and --role-env (defaults: the controller's 3.11, x86_64-manylinux_2_28):
+#   # python: 3.12
+#   # platform: x86_64-manylinux_2_31
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,12 +20,31 @@ cd "$(dirname "$0")/.."
 inputs_hash() { cat "$@" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 up_to_date() { [ -x "$1/bin/python" ] && [ "$(cat "$2" 2>/dev/null)" = "$3" ]; }
 
+# `# KEY: value` from the header of a role env's locks/NAME.in, or a default
+role_header() { sed -n "s/^# $2: *\([^ ]*\).*/\1/p" "locks/$1.in" 2>/dev/null | head -1 | grep . || echo "$3"; }
+# An interpreter of Python minor $1 for `uv venv`: uv's own search first; where that fails (a pyenv shim
+# for a version pyenv does not activate makes it error out), pyenv's installs, then pythonX.Y on PATH.
+find_python() {
+    local p
+    p=$(uv python find --quiet "$1" 2>/dev/null) && { echo "$p"; return; }
+    for p in "$(pyenv root 2>/dev/null)"/versions/"$1".*/bin/python "$(command -v "python$1")"; do
+        [ -x "$p" ] && "$p" -c '' 2>/dev/null && { echo "$p"; return; }
+    done
+    echo "setup: no Python $1 found (uv python find $1, pyenv, python$1 on PATH); install one" >&2
+    return 1
+}
+
 if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     role="${2:?usage: scripts/setup.sh --role-env NAME (a locks/NAME.txt)}"
+    # default: the controller's platform, x86_64 Linux, Python 3.11 (the local torch 2.13.0+cpu wheel is cp311)
+    role_python=$(role_header "$role" python 3.11)
+    role_platform=$(role_header "$role" platform x86_64-manylinux_2_28)
     if [ "$1" = "--relock-role-env" ]; then
-        # the controller's platform: x86_64 Linux, Python 3.11 (the local torch 2.13.0+cpu wheel is cp311)
-        uv pip compile --quiet "locks/$role.in" --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-            --generate-hashes -o "locks/$role.txt"
+        # --python: an interpreter of that minor to build any sdist with (uv would try to download one)
+        py=$(find_python "$role_python")
+        uv pip compile --quiet "locks/$role.in" --python "$py" \
+            --python-version "$role_python" --python-platform "$role_platform" \
+            --generate-hashes --custom-compile-command "scripts/setup.sh --relock-role-env $role" -o "locks/$role.txt"
         echo "setup: wrote locks/$role.txt"
         exit 0
     fi
@@ -33,8 +57,17 @@ if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
         echo "setup: .venv-$role up to date"
         exit 0
     fi
-    # one Ray cluster = one Python minor in every environment: the role env uses the controller's 3.11
-    [ -x ".venv-$role/bin/python" ] || uv venv --quiet --python 3.11 ".venv-$role"
+    # one Ray cluster = one Python minor in every environment: a role env uses the controller's 3.11 unless
+    # its lock says otherwise (tpu: 3.12, the one Python vllm-torchtpu ships for; there every role runs it)
+    if [ -x ".venv-$role/bin/python" ] && ! ".venv-$role/bin/python" -c \
+        "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$role_python')"; then
+        echo "setup: .venv-$role is not Python $role_python (locks/$role.in): recreating it"
+        rm -rf ".venv-$role"
+    fi
+    if [ ! -x ".venv-$role/bin/python" ]; then
+        py=$(find_python "$role_python")
+        uv venv --quiet --python "$py" ".venv-$role"
+    fi
     # sync, not install: the env holds exactly the lock's set (with hashes checked), nothing left over
     uv pip sync --quiet --compile-bytecode --python ".venv-$role/bin/python" --require-hashes "locks/$role.txt"
     # the actors started in this env import rl_tpu; its dependencies are the lock's, not pyproject's

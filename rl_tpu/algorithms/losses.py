@@ -68,7 +68,8 @@ def masked_max_abs(x: Tensor, mask: Tensor) -> Tensor:
     x = x.detach()
     if x.numel() == 0:  # an empty micro-batch (a static shape: no device sync)
         return x.new_zeros(())
-    return torch.where(mask != 0, x.abs(), torch.zeros_like(x)).amax()
+    # .max(), not .amax(): torch_xla 2.9 lowers amax() without dims as no reduction at all
+    return torch.where(mask != 0, x.abs(), torch.zeros_like(x)).max()
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:

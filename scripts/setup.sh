@@ -105,7 +105,9 @@ fi
 # vLLM; without .pyc files in site-packages each one compiles their sources again, and with
 # PYTHONDONTWRITEBYTECODE set (as on our CI boxes) it never stops doing so. Compiled, `import vllm` takes
 # 12 s instead of 24 s and `import torch` 2 s instead of 4 (bench/RESULTS.md, session 26).
-sync_args=(--inexact --compile-bytecode --extra cpu --extra test --find-links "$wheel_dir")
+# --python 3.11: the project admits 3.12 (the TPU role env), but the CPU stack's torch wheel is cp311 only,
+# so the main environment is 3.11 whatever Python uv would find first.
+sync_args=(--inexact --compile-bytecode --python 3.11 --extra cpu --extra test --find-links "$wheel_dir")
 if [ "$wheel_dir" = "$LOCKED_WHEEL_DIR" ]; then
     sync_args+=(--locked)   # reproduce uv.lock exactly
 else

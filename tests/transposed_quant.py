@@ -55,11 +55,16 @@ class TransposedLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # as vllm-torchtpu's dense linears: transpose once, mark the layer, and skip a marked layer
+        # (vllm_torchtpu/layers/adapter/quantization/unquantized.py), so a reload must clear the mark
+        if getattr(layer, "_tpu_weight_flipped", False):
+            return
         w = layer.weight.data
         out, inp = w.shape
         kernel = w.new_zeros(inp, -(-out // self.pad) * self.pad)
         kernel[:, :out] = w.t()
         layer.weight = torch.nn.Parameter(kernel, requires_grad=False)  # a new parameter, as TorchTPU's
+        layer._tpu_weight_flipped = True
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

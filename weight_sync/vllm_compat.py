@@ -123,9 +123,43 @@ def materialize_into(layer: Any, tensors: dict[str, Any]) -> None:
     materialize(layer)
 
 
+# Flags a quant method sets on a layer so that it never processes it twice. vLLM's layerwise reload puts
+# the loaded layout back and clears only its own flag, so a layer still carrying another one keeps the
+# restored loaded layout unprocessed: vllm-torchtpu's dense linears (`_tpu_weight_flipped`,
+# vllm_torchtpu/layers/adapter/linear_common.py) would keep [out, in] where the kernel reads [in, out].
+PROCESSED_MARKS = ("_already_called_process_weights_after_loading", "_tpu_weight_flipped")
+
+
+def clear_processed_marks(layer: Any) -> None:
+    """Forget that `layer` was processed: its loaded layout is back and must be processed again."""
+    for mark in PROCESSED_MARKS:
+        layer.__dict__.pop(mark, None)
+
+
 def process_layer(layer: Any) -> None:
     """vLLM's per-layer post-load processing (quant method / CPU repack) and copy into kernel tensors."""
+    clear_processed_marks(layer)
     _get(_LAYERWISE, "_layerwise_process")(layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
+
+
+class reprocessing:  # noqa: N801 - used as a context manager
+    """While active, every layer vLLM's layerwise reload processes (a full-tensor reload: `load_weights`
+    and `finalize_layerwise_reload`) has its processed marks cleared first (`PROCESSED_MARKS`)."""
+
+    def __enter__(self):
+        lw = importlib.import_module(_LAYERWISE)
+        self._orig = orig = lw._layerwise_process
+
+        def process(layer, info):
+            clear_processed_marks(layer)
+            return orig(layer, info)
+
+        lw._layerwise_process = process
+        return self
+
+    def __exit__(self, *exc):
+        importlib.import_module(_LAYERWISE)._layerwise_process = self._orig
+        return False
 
 
 def layer_tensors(layer: Any) -> dict[str, Any]:
@@ -161,7 +195,7 @@ def _process_copy(layer) -> bool:
     qm = getattr(layer, "quant_method", None)
     if not isinstance(qm, _get(_QBASE, "QuantizeMethodBase")):
         return False
-    layer.__dict__.pop("_already_called_process_weights_after_loading", None)
+    clear_processed_marks(layer)
     qm.process_weights_after_loading(layer)
     return True
 

@@ -11,7 +11,7 @@ setup:
 demo: setup
 	.venv/bin/rl-tpu demo
 
-# Every test, the real-stack ones included: about 28 minutes on 2 cores without AVX-512, .venv-xla included (2026-12-04, bytecode compiled at setup). The `verl` extra is
+# Every test, the real-stack ones included (README: about 22-28 minutes on 2 cores). The `verl` extra is
 # installed for tests/test_verl.py (rl-tpu as a verl plugin, docs/verl.md).
 # .venv-xla (torch 2.9 + torch_xla, locks/xla.txt) hosts the xla trainer tests; it takes about 8 GB of disk
 # plus uv's download cache. It is always made: without it the xla tests skip, which fails the run under CI=true.

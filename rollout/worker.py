@@ -45,7 +45,7 @@ from rl_tpu.rollout.engine import (
 from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
-from rl_tpu.weight_sync.receiver import EngineRanks, SyncReceiver
+from rl_tpu.weight_sync.receiver import SyncReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +138,18 @@ class RolloutWorker(SyncReceiver):
         self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
 
     def _stop_engine(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            from rl_tpu.weight_sync import vllm_compat
+        if getattr(self, "llm", None) is None:
+            return
+        from rl_tpu.weight_sync import vllm_compat
 
-            try:  # free the receiver regions now (else at process exit)
-                if self._ws_recv.set_up:
-                    EngineRanks(llm).close()
-            except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
-                logger.warning("weight sync: closing the engine's receiver regions failed: %s", e)
+        try:  # free the receiver regions now (else at process exit)
+            self.ws_close()
+        except Exception as e:  # noqa: BLE001 - a broken engine is being stopped anyway
+            logger.warning("weight sync: closing the engine's receiver regions failed: %s", e)
             self.ws_reset()
-            vllm_compat.shutdown_engine(llm)
-            del llm
+        llm, self.llm = self.llm, None
+        vllm_compat.shutdown_engine(llm)
+        del llm
 
     # -- what the weight sync's receiver side (SyncReceiver) needs -----------------------------------
     def ws_engine(self):

@@ -82,6 +82,26 @@ def tiny_qwen3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray with 4 CPUs for a module of actor tests (modules that need another set-up define
+    their own `ray_session`)."""
+    import ray
+
+    from rl_tpu.cluster import init_ray
+
+    started = init_ray(
+        attempts=3,
+        retry_if="timed out during startup",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def loop_ray():
     """A local Ray for a module of `rl_tpu.loop.train` runs (the loop joins a running Ray instead of
     starting its own): 8 CPUs advertised, as the loop itself does on a small box."""

@@ -60,24 +60,6 @@ def _to_hf(model_path: str):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rl_tpu.cluster import init_ray
-
-    started = init_ray(
-        attempts=3,
-        retry_if="timed out during startup",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def trained(ray_session, tiny_qwen3):
     """A 2-rank FSDP2 trainer that has taken one optimizer step (weights differ from the checkpoint)."""
     from rl_tpu.trainer import TrainerGroup

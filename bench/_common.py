@@ -231,3 +231,69 @@ def check_workload_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
     for name in ("prompts", "n", "max_tokens", "steps", "threads", "world_size", "micro_batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-process figures (bench/soak.py): open fds, the command line, /dev/shm, a fitted slope
+
+
+def process_fds(pid: int) -> int:
+    """Open file descriptors of `pid` (entries of /proc/PID/fd); -1 if it is gone or unreadable."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def process_cmdline(pid: int) -> str:
+    """`pid`'s command line, arguments joined by spaces (Ray rewrites an actor's to `ray::Class.method`,
+    padded with spaces); "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def process_comm(pid: int) -> str:
+    """`pid`'s short name (/proc/PID/comm, 15 characters at most); "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def parent_pid(pid: int) -> int:
+    """`pid`'s parent, -1 if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def shm_used_bytes(path: str = "/dev/shm") -> int:
+    """Bytes in use on the /dev/shm filesystem (all files, also unlinked ones still mapped, such as Ray's
+    object store); 0 where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, its standard error) of the least-squares line through the points; (NaN, NaN) with fewer
+    than 2 distinct xs, standard error NaN with exactly 2 points."""
+    n = len(xs)
+    if n != len(ys):
+        raise ValueError(f"{n} xs but {len(ys)} ys")
+    if n < 2:
+        return math.nan, math.nan
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return math.nan, math.nan
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if n == 2:
+        return slope, math.nan
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return slope, math.sqrt(resid / (n - 2) / sxx)

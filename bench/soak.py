@@ -14,22 +14,54 @@ each must equal data.batch_size x rollout.n); the median seconds of a faulted st
 the process tree's summed RSS and PSS after step 5 and at the end (growth shows a leak: engines restarted,
 buffers not freed); peak RSS/PSS (sampled every `--memory-interval` s, 5 by default: sampling taxes the
 step times, see bench/_common.py); and /dev/shm files of ours left after the run. Last line: one JSON object.
+
+Per process (leaks): every `--sample-every` steps (5) each process of the run's tree is read: the driver
+(`rl-tpu train`) and everything under it (Ray's gcs_server, raylet, dashboard head and agent, runtime-env
+agent, log and autoscaler monitors, every Ray worker: the trainer ranks and engines, named from
+RUN_DIR/placement.json's pids where it has them, else from the `ray::Class` process title; the reward
+pool's spawn children). Each sample: RSS and PSS (/proc/PID/smaps_rollup), open fds (/proc/PID/fd), and
+the bytes in use on /dev/shm (machine-wide: Ray's object store lives there too). No sample at the last
+step (the run is shutting down then). Reported per process: the least-squares slope of RSS and of PSS in
+MB (2^20 bytes) per 100 steps over its samples after a warm-up (`--warmup-steps`, 10: steps <= 10, or for
+a process started later, e.g. a restarted engine, its first 10 steps), with its standard error; fds at the
+first and last sample after the warm-up; and for the tree: fd growth (sum over processes) and /dev/shm
+growth between those two samples. The JSON line carries the largest RSS and PSS slopes with their
+processes (`rss_slope_mb_per_100_steps`, `rss_slope_role`, `pss_...`), `fd_growth`, `shm_growth_mb` and
+`per_process`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GIB, json_line, load_average, median, process_tree, run_measured, tree_memory  # noqa: E402
+from _common import (  # noqa: E402
+    GIB,
+    json_line,
+    least_squares_slope,
+    load_average,
+    median,
+    parent_pid,
+    process_cmdline,
+    process_comm,
+    process_fds,
+    process_memory,
+    process_tree,
+    run_measured,
+    shm_used_bytes,
+)
+
+MB = 2**20
 
 
 def _rows(path: Path) -> list[dict]:
@@ -39,11 +71,32 @@ def _rows(path: Path) -> list[dict]:
         return []
 
 
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):  # gone
-        return -1
+class _StepTail:
+    """The steps logged to metrics.jsonl so far, read incrementally (the file grows ~1 KB a step: reading
+    it whole every 50 ms would cost a core's worth of parsing by step 1000)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new_steps(self) -> list[int]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:  # not written yet
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):  # not a step row
+                continue
+        return out
+
+
+_ppid = parent_pid
 
 
 def _reward_workers(driver: int) -> list[int]:
@@ -64,26 +117,251 @@ def _shm_files() -> set[str]:
     return {p.name for p in d.glob("rl_tpu*")} if d.is_dir() else set()
 
 
+# ---------------------------------------------------------------------------------------------------
+# naming the processes of a run
+
+# Ray titles a worker process `ray::<actor class>[.<method running>]`
+_RAY_CLASSES = {
+    "TrainerWorker": "trainer",
+    "RolloutWorker": "engine",
+    "DashboardAgent": "dashboard agent",
+    "RuntimeEnvAgent": "runtime env agent",
+    "IDLE": "idle Ray worker",
+}
+# (text in the command line, kind), first match wins
+_CMDLINE_KINDS = (
+    ("rl_tpu.cli", "driver"),
+    ("dashboard/dashboard.py", "dashboard head"),
+    ("log_monitor.py", "log monitor"),
+    ("autoscaler/_private/monitor.py", "autoscaler monitor"),
+    ("multiprocessing.resource_tracker", "resource tracker"),
+    ("spawn_main", "spawn child"),
+    ("workers/default_worker.py", "Ray worker (starting)"),
+)
+
+
+def process_kind(cmdline: str, comm: str = "") -> str:
+    """What a process is, from its command line (`comm` where the command line says nothing): "trainer",
+    "engine", "gcs_server", "raylet", "dashboard agent", "driver", "spawn child", ...; an actor class we do
+    not know gives "Ray worker <Class>"."""
+    c = cmdline.strip()
+    if c.startswith("ray::"):
+        title = c[len("ray::") :].split()
+        cls = title[0].split(".")[0] if title else ""
+        return _RAY_CLASSES.get(cls, f"Ray worker {cls}".rstrip())
+    argv = c.split()
+    exe = os.path.basename(argv[0]) if argv else ""
+    if exe in ("gcs_server", "raylet"):
+        return exe
+    for needle, kind in _CMDLINE_KINDS:
+        if needle in c:
+            return kind
+    return exe or comm or "?"
+
+
+def placement_pids(run_dir: Path) -> dict[int, str]:
+    """pid -> "trainer rank k" / "engine k" for the actors RUN_DIR/placement.json gives a pid (the loop
+    rewrites it after an engine restart); {} before it exists."""
+    try:
+        actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    label = {"trainer": "trainer rank {}", "rollout": "engine {}"}
+    return {
+        int(a["pid"]): label.get(a["role"], a["role"] + " {}").format(a["index"])
+        for a in actors
+        if a.get("pid") is not None
+    }
+
+
+def name_processes(
+    procs: list[tuple[int, int, str, str]], driver: int, known: dict[int, str]
+) -> dict[int, str]:
+    """A role name for each process: `procs` holds (pid, parent pid, command line, comm), `known` the
+    names placement.json gives (pid -> "engine 0"). Trainer ranks and engines placement.json does not
+    name are numbered by pid ("trainer #0 by pid"); the driver's spawn children are its reward workers;
+    another process under a trainer or engine is "<parent's name> child <comm>". Names left the same for
+    two processes get " (pid N)" appended."""
+    kind = {pid: process_kind(cmd, comm) for pid, _, cmd, comm in procs}
+    parent = {pid: ppid for pid, ppid, _, _ in procs}
+    comm = {pid: c for pid, _, _, c in procs}
+    names: dict[int, str] = {}
+    counters: dict[str, int] = {}
+
+    def numbered(k: str, fmt: str) -> str:
+        counters[k] = counters.get(k, 0) + 1
+        return fmt.format(counters[k] - 1)
+
+    for pid in sorted(kind):
+        k = kind[pid]
+        if pid == driver:
+            names[pid] = "driver"
+        elif pid in known:
+            names[pid] = known[pid]
+        elif k in ("trainer", "engine"):
+            names[pid] = numbered(k, k + " #{} by pid")
+        elif k == "spawn child" and parent[pid] == driver:
+            names[pid] = numbered("reward worker", "reward worker {}")
+    for pid in sorted(kind):
+        if pid in names:
+            continue
+        up = names.get(parent[pid], "")
+        if up.startswith(("trainer", "engine")):
+            names[pid] = f"{up} child {comm[pid] or kind[pid]}"
+        else:
+            names[pid] = kind[pid]
+    seen: dict[str, int] = {}
+    for n in names.values():
+        seen[n] = seen.get(n, 0) + 1
+    return {pid: (f"{n} (pid {pid})" if seen[n] > 1 else n) for pid, n in names.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-process samples and their slopes
+
+
+@dataclass
+class Sample:
+    step: int
+    shm: int  # bytes used on /dev/shm
+    procs: dict[int, tuple[str, int, int, int]]  # pid -> (name, RSS, PSS, fds)
+
+
+def sample_tree(driver: int, step: int, run_dir: Path) -> Sample:
+    pids = process_tree(driver)
+    procs = [(pid, parent_pid(pid), process_cmdline(pid), process_comm(pid)) for pid in pids]
+    names = name_processes([p for p in procs if p[1] >= 0], driver, placement_pids(run_dir))
+    out: dict[int, tuple[str, int, int, int]] = {}
+    for pid, name in names.items():
+        rss, pss = process_memory(pid)
+        fds = process_fds(pid)
+        if rss or pss:  # gone meanwhile, or a kernel-side zombie
+            out[pid] = (name, rss, pss, fds)
+    return Sample(step, shm_used_bytes(), out)
+
+
+@dataclass
+class Series:
+    """One process over the run: (step, RSS, PSS, fds) at each sample that saw it."""
+
+    pid: int
+    name: str
+    points: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+def fit_series(series: Series, warmup: int, first_step: int) -> dict:
+    """Slopes (MB per 100 steps) of one process's RSS and PSS over its samples after the warm-up: steps <=
+    `warmup` for a process there from the run's first sample (`first_step`), its first `warmup` steps for
+    one started later."""
+    born = series.points[0][0]
+    skip_to = warmup if born <= first_step else born + warmup
+    pts = [p for p in series.points if p[0] > skip_to]
+    xs = [p[0] for p in pts]
+    rss, rss_se = least_squares_slope(xs, [p[1] for p in pts]) if len(pts) >= 3 else (math.nan, math.nan)
+    pss, pss_se = least_squares_slope(xs, [p[2] for p in pts]) if len(pts) >= 3 else (math.nan, math.nan)
+    per100 = 100 / MB
+    return {
+        "role": series.name,
+        "pid": series.pid,
+        "samples": len(pts),
+        "steps": [xs[0], xs[-1]] if xs else None,
+        "rss_mb": [pts[0][1] / MB, pts[-1][1] / MB] if pts else None,
+        "pss_mb": [pts[0][2] / MB, pts[-1][2] / MB] if pts else None,
+        "rss_slope": rss * per100,
+        "rss_slope_se": rss_se * per100,
+        "pss_slope": pss * per100,
+        "pss_slope_se": pss_se * per100,
+        "fds": [pts[0][3], pts[-1][3]] if pts else None,
+    }
+
+
+def summarize(samples: list[Sample], warmup: int) -> dict:
+    """Per-process slopes and the tree's fd and /dev/shm growth from the samples (see the module doc)."""
+    series: dict[int, Series] = {}
+    for s in samples:
+        for pid, (name, rss, pss, fds) in s.procs.items():
+            ser = series.setdefault(pid, Series(pid, name))
+            ser.name = name  # the latest: placement.json may name it only after its first sample
+            ser.points.append((s.step, rss, pss, fds))
+    first_step = samples[0].step if samples else 0
+    per = [fit_series(ser, warmup, first_step) for ser in series.values()]
+    per.sort(key=lambda r: -r["pss_slope"] if math.isfinite(r["pss_slope"]) else math.inf)
+    after = [s for s in samples if s.step > warmup]
+
+    def largest(key: str) -> tuple[float, str | None]:
+        fitted = [r for r in per if math.isfinite(r[key])]
+        if not fitted:
+            return math.nan, None
+        top = max(fitted, key=lambda r: r[key])
+        return top[key], top["role"]
+
+    rss, rss_role = largest("rss_slope")
+    pss, pss_role = largest("pss_slope")
+    return {
+        "warmup_steps": warmup,
+        "sampled_steps": [after[0].step, after[-1].step] if after else None,
+        "rss_slope_mb_per_100_steps": rss,
+        "rss_slope_role": rss_role,
+        "pss_slope_mb_per_100_steps": pss,
+        "pss_slope_role": pss_role,
+        "fd_start": sum(p[3] for p in after[0].procs.values()) if after else None,
+        "fd_end": sum(p[3] for p in after[-1].procs.values()) if after else None,
+        "fd_growth": sum(p[3] for p in after[-1].procs.values()) - sum(p[3] for p in after[0].procs.values())
+        if after
+        else None,
+        "shm_mb_start": after[0].shm / MB if after else None,
+        "shm_mb_end": after[-1].shm / MB if after else None,
+        "shm_growth_mb": (after[-1].shm - after[0].shm) / MB if after else None,
+        "per_process": per,
+    }
+
+
+def _pm(x: float, se: float) -> str:
+    if not math.isfinite(x):
+        return "-"
+    return f"{x:+7.2f}" + (f" ±{se:.2f}" if math.isfinite(se) else "")
+
+
+def format_table(summary: dict) -> str:
+    lines = [
+        f"{'process':<34} {'pid':>7} {'n':>3}  {'RSS MB first->last':>19} {'RSS MB/100 steps':>17}  "
+        f"{'PSS MB first->last':>19} {'PSS MB/100 steps':>17}  {'fds':>9}"
+    ]
+    for r in summary["per_process"]:
+        rss = f"{r['rss_mb'][0]:8.1f}->{r['rss_mb'][1]:8.1f}" if r["rss_mb"] else "-"
+        pss = f"{r['pss_mb'][0]:8.1f}->{r['pss_mb'][1]:8.1f}" if r["pss_mb"] else "-"
+        fds = f"{r['fds'][0]}->{r['fds'][1]}" if r["fds"] else "-"
+        lines.append(
+            f"{r['role'][:34]:<34} {r['pid']:>7} {r['samples']:>3}  {rss:>19} "
+            f"{_pm(r['rss_slope'], r['rss_slope_se']):>17}  {pss:>19} "
+            f"{_pm(r['pss_slope'], r['pss_slope_se']):>17}  {fds:>9}"
+        )
+    return "\n".join(lines)
+
+
 class Injector(threading.Thread):
-    """Watches metrics.jsonl; after each logged step injects the faults due and samples tree memory."""
+    """Watches metrics.jsonl; after each logged step injects the faults due and, every `sample_every`
+    steps, samples every process of the tree."""
 
     def __init__(self, a: argparse.Namespace, run_dir: Path):
         super().__init__(daemon=True)
         self.a, self.run_dir = a, run_dir
         self.driver: int | None = None
         self.faults: list[dict] = []
-        self.memory: dict[int, tuple[int, int]] = {}  # step -> (RSS, PSS) of the tree
+        self.samples: list[Sample] = []
         self.done = threading.Event()
 
+    def _due(self, step: int) -> bool:
+        every = self.a.sample_every
+        return bool(every) and step < self.a.steps and (step % every == 0 or step == min(5, self.a.steps - 1))
+
     def run(self) -> None:
-        seen, kills = 0, 0
+        kills = 0
+        tail = _StepTail(self.run_dir / "metrics.jsonl")
         while not self.done.is_set():
-            steps = [r["step"] for r in _rows(self.run_dir / "metrics.jsonl")]
-            for step in (s for s in steps if s > seen):
-                seen = step
-                if self.driver is not None:
-                    rss, pss, _ = tree_memory(self.driver)
-                    self.memory[step] = (rss, pss)
+            for step in tail.new_steps():
+                if self.driver is not None and self._due(step):
+                    self.samples.append(sample_tree(self.driver, step, self.run_dir))
                 if step >= self.a.steps:
                     continue
                 if self.a.engine_kill_every and step % self.a.engine_kill_every == 0:
@@ -110,6 +388,12 @@ class Injector(threading.Thread):
             self.faults.append(what | {"pid": pid, "missed": True})
 
 
+def _tree_sums(s: Sample | None) -> tuple[int, int]:
+    if s is None:
+        return 0, 0
+    return sum(p[1] for p in s.procs.values()), sum(p[2] for p in s.procs.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
@@ -128,6 +412,25 @@ def main() -> None:
         default=5.0,
         help="seconds between peak-memory samples of the process tree (0: none); each sample reads "
         "every Ray process's smaps, ~0.1 core at 1 s, which the step times would carry",
+    )
+    p.add_argument(
+        "--sample-every",
+        type=int,
+        default=5,
+        help="steps between per-process samples (RSS, PSS, fds, /dev/shm; 0: none); also step 5",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=10,
+        help="samples at steps <= this (a later-started process: its first this many steps) are left out "
+        "of the slopes",
+    )
+    p.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        help="extra `rl-tpu train` argument, e.g. --train-arg=--rollout.max_tokens=16 (repeatable)",
     )
     a = p.parse_args()
 
@@ -150,6 +453,7 @@ def main() -> None:
         f"--rollout.max_tokens={a.max_tokens}",
         "--checkpoint.every=0",
         f"--sync.verify={str(a.verify).lower()}",
+        *a.train_arg,
     ]
     shm_before = _shm_files()
     load_before = load_average()
@@ -179,9 +483,12 @@ def main() -> None:
     t_engine = [x["time/step"] for x in rows if x["step"] in by_kind["engine"]]
     t_reward = [x["time/step"] for x in rows if x["step"] in by_kind["reward worker"]]
     t_clean = [x["time/step"] for x in rows if x["step"] not in faulted and x["step"] > 1]
-    mem = inj.memory
-    early = mem.get(min(5, a.steps)) or (next(iter(mem.values())) if mem else (0, 0))
-    last = mem[max(mem)] if mem else (0, 0)
+    samples = inj.samples
+    early = _tree_sums(
+        next((s for s in samples if s.step >= min(5, a.steps - 1)), samples[0] if samples else None)
+    )
+    last = _tree_sums(samples[-1] if samples else None)
+    leak = summarize(samples, a.warmup_steps)
     out = {
         "steps": len(rows),
         "steps_requested": a.steps,
@@ -204,6 +511,8 @@ def main() -> None:
         "wall_s": r.seconds,
         "load_before": load_before,
         "load_after": load_average(),
+        "sample_every": a.sample_every,
+        **leak,
     }
     print(
         f"soak: {out['steps']}/{a.steps} steps, return code {r.returncode}, {len(inj.faults)} faults injected "
@@ -221,7 +530,7 @@ def main() -> None:
     )
     print(
         f"process tree RSS {out['tree_rss_gib_step5']:.2f} GiB after step 5, "
-        f"{out['tree_rss_gib_end']:.2f} GiB at the end "
+        f"{out['tree_rss_gib_end']:.2f} GiB at the last sample "
         f"(PSS {out['tree_pss_gib_step5']:.2f} -> {out['tree_pss_gib_end']:.2f}); peak RSS "
         + (
             f"{out['peak_rss_gib']:.2f} GiB (sampled every {a.memory_interval:g} s)"
@@ -229,6 +538,21 @@ def main() -> None:
             else "not sampled"
         )
     )
+    if leak["sampled_steps"]:
+        print(
+            f"\nper process, sampled every {a.sample_every} steps, slopes fitted by least squares over steps "
+            f"{leak['sampled_steps'][0]}-{leak['sampled_steps'][1]} (warm-up: steps <= {a.warmup_steps} "
+            f"left out); MB = 2^20 bytes, ± one standard error:"
+        )
+        print(format_table(leak))
+        print(
+            f"largest slopes: RSS {leak['rss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['rss_slope_role']}), "
+            f"PSS {leak['pss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['pss_slope_role']}); "
+            f"fds {leak['fd_start']} -> {leak['fd_end']} (growth {leak['fd_growth']}); /dev/shm in use "
+            f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB (growth {leak['shm_growth_mb']:+.1f})\n"
+        )
+    else:
+        print("per process: no samples after the warm-up (run more steps, or lower --warmup-steps)")
     print(f"/dev/shm files of ours left after the run: {len(out['shm_files_left'])}; log: {r.log_path}")
     if r.returncode != 0:
         print("\n".join(r.tail[-15:]))

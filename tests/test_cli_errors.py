@@ -49,6 +49,11 @@ def files(tmp_path_factory, tiny_qwen3) -> Path:
     pq.write_table(table.slice(0, 0), d / "empty.parquet")
     (d / "empty.jsonl").write_text("")
     (d / "binary.jsonl").write_bytes((d / "bad.parquet").read_bytes())  # a parquet file named .jsonl
+    (d / "notes").mkdir()  # a directory, but not of shards; it used to read "unknown extension ''"
+    (d / "notes" / "readme.txt").write_text("not data")
+    (d / "mixed").mkdir()  # a directory of shards of two kinds
+    shutil.copy(d / "good.jsonl", d / "mixed")
+    pq.write_table(table.slice(2, 3), d / "mixed" / "more.parquet")
 
     (d / "syntax_error.py").write_text("def compute_score(a b):\n    return 1.0\n")
     (d / "no_function.py").write_text("def other(**kw):\n    return 1.0\n")
@@ -98,6 +103,8 @@ DATA_CASES = {  # file -> words the line must hold
     "empty.parquet": ["empty.parquet", "no rows"],
     "nonexistent.jsonl": ["nonexistent.jsonl", "not found"],
     "binary.jsonl": ["binary.jsonl", "not UTF-8"],
+    "notes": ["notes is a directory", "no *.parquet or *.jsonl files"],
+    "mixed": ["mixed is a directory mixing 1 *.parquet and 1 *.jsonl files"],
 }
 
 

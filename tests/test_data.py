@@ -260,3 +260,37 @@ def test_build_datasets_from_config(tmp_path):
     train, test = build_datasets(cfg.data)
     assert [_fields(e) for e in train] == [_fields(e) for e in make_synthetic("countdown", 16, 4)[0][:5]]
     assert test == []
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet])
+def test_a_directory_of_shards_loads_in_name_order(writer, tmp_path):
+    # verl users keep large sets as folders of shards; the shards are read in name order, whatever order
+    # they were written in, and a shard may be empty
+    train, _ = make_synthetic("arithmetic", 9, 1, seed=2)
+    ext = ".parquet" if writer is write_parquet else ".jsonl"
+    folder = tmp_path / "train"
+    writer(train[5:], folder / f"part-00001{ext}")
+    writer(train[:5], folder / f"part-00000{ext}")
+    (folder / "README.md").write_text("not data")  # other files are ignored
+    if writer is write_jsonl:
+        (folder / "part-00002.jsonl").write_text("")
+    back = load_examples(folder)
+    assert [_fields(e) for e in back] == [_fields(e) for e in train]
+    assert back[0].uid.startswith("part-00000") and back[5].uid.startswith("part-00001")
+    cfg = load_config(None, [f"--data.train_files={folder}"])
+    assert [_fields(e) for e in build_datasets(cfg.data)[0]] == [_fields(e) for e in train]
+
+
+def test_a_directory_without_shards_or_with_two_kinds_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"empty is a directory with no \*.parquet or \*.jsonl files"):
+        (tmp_path / "empty").mkdir()
+        load_examples(tmp_path / "empty")
+    mixed = tmp_path / "mixed"
+    write_jsonl(make_synthetic("arithmetic", 2, 1)[0], mixed / "a.jsonl")
+    write_parquet(make_synthetic("arithmetic", 2, 1)[0], mixed / "b.parquet")
+    with pytest.raises(DataError, match=r"mixed is a directory mixing 1 \*.parquet and 1 \*.jsonl files"):
+        load_examples(mixed)
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"blank is a directory whose 1 data file\(s\) have no rows"):
+        load_examples(tmp_path / "blank")

@@ -3,6 +3,10 @@
 Invariants:
 - The extension decides the format: `.parquet`, or `.jsonl` / `.json` (JSON Lines either way); any other
   extension, a missing file, an undecodable file or a file with no rows raises `DataError` naming the file.
+- A directory is a folder of shards (how verl and Spark write large sets): every `*.parquet`, or every
+  `*.jsonl`, file directly in it, read in name order (hidden files and anything else are ignored). A
+  folder with neither, or with both kinds, raises `DataError` naming it; a shard may be empty, the folder
+  may not.
 - Row numbers in errors: parquet "row N" counts from 0 (as pandas and verl print them); JSONL "line N"
   counts from 1 (as editors show them). Blank JSONL lines are skipped.
 - `write_parquet` then `load_examples` gives back equal examples (uid aside) when the rows of one file
@@ -24,24 +28,63 @@ JSONL = (".jsonl", ".json")
 
 
 def load_examples(paths: str | Path | Iterable[str | Path]) -> list[Example]:
-    """All examples of `paths` (one path or several), in file order then row order."""
+    """All examples of `paths` (one path or several: files or directories of shards), in file order then
+    row order."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     examples: list[Example] = []
     for p in paths:
         path = Path(p)
-        if path.suffix not in PARQUET + JSONL:
-            raise DataError(
-                f"{path}: unknown data file extension {path.suffix!r}; "
-                f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines)"
-            )
-        if not path.is_file():
-            raise DataError(f"{path}: data file not found")
-        rows = _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
-        if not rows:  # named here: an empty data set found later cannot say which file was empty
-            raise DataError(f"{path}: data file has no rows")
+        if path.is_dir():
+            shards = shard_files(path)
+            rows = [ex for shard in shards for ex in _read(shard)]
+            if not rows:
+                raise DataError(f"{path} is a directory whose {len(shards)} data file(s) have no rows")
+        else:
+            if path.suffix not in PARQUET + JSONL:
+                raise DataError(
+                    f"{path}: unknown data file extension {path.suffix!r}; "
+                    f"use one of {', '.join(PARQUET + JSONL)} (verl parquet or JSON Lines), "
+                    "or a directory of .parquet or .jsonl shards"
+                )
+            if not path.is_file():
+                raise DataError(f"{path}: data file not found")
+            rows = _read(path)
+            if not rows:  # named here: an empty data set found later cannot say which file was empty
+                raise DataError(f"{path}: data file has no rows")
         examples += rows
     return examples
+
+
+SHARD_KINDS = (".parquet", ".jsonl")  # what a directory of shards may hold (one kind per directory)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The shards of a data directory: its `*.parquet` or its `*.jsonl` files, in name order."""
+    found = {
+        kind: sorted(
+            (p for p in folder.iterdir() if p.suffix == kind and p.is_file() and not p.name.startswith(".")),
+            key=lambda p: p.name,
+        )
+        for kind in SHARD_KINDS
+    }
+    kinds = [kind for kind in SHARD_KINDS if found[kind]]
+    if not kinds:
+        raise DataError(
+            f"{folder} is a directory with no *.parquet or *.jsonl files (a data directory holds the "
+            "shards of one data set: all parquet or all JSON Lines)"
+        )
+    if len(kinds) > 1:
+        counts = " and ".join(f"{len(found[k])} *{k}" for k in kinds)
+        raise DataError(
+            f"{folder} is a directory mixing {counts} files; keep one kind of shard per directory "
+            "(or list the files in data.train_files / data.test_files)"
+        )
+    return found[kinds[0]]
+
+
+def _read(path: Path) -> list[Example]:
+    return _read_parquet(path) if path.suffix in PARQUET else _read_jsonl(path)
 
 
 def _read_parquet(path: Path) -> list[Example]:

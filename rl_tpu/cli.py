@@ -56,10 +56,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(args, extra)
     args.verbose = cfg.logging.verbose or args.verbose
     model_path = cfg.model.path
-    if model_path:
-        check_model_folder(
-            model_path, trainer=False
-        )  # vLLM serves more architectures than the trainer builds
+    if model_path:  # vLLM serves more architectures than the trainer builds: vLLM's are checked
+        check_model_folder(model_path, trainer=False, engine=True)
     else:
         model_path = str(
             make_tiny_model(

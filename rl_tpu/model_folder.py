@@ -8,7 +8,9 @@ constructor, where Ray turns it into a traceback that has lost the exception's t
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +24,13 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def check_model_folder(path: str | Path, *, trainer: bool, key: str = "model.path") -> dict[str, Any]:
+def check_model_folder(
+    path: str | Path, *, trainer: bool, engine: bool = False, key: str = "model.path"
+) -> dict[str, Any]:
     """config.json of the folder, after checking it is a model folder this run can use: config.json
-    (valid JSON), a tokenizer, and with `trainer` an architecture the trainer builds and safetensors
-    weights (what it loads)."""
+    (valid JSON), a tokenizer, with `trainer` an architecture the trainer builds and safetensors weights
+    (what it loads), with `engine` an architecture this environment's vLLM serves (`rl-tpu generate`,
+    whose engine runs in this process; a run's engines may run in another environment)."""
     folder, where = Path(path), f"{key} = {str(path)!r}"
     if not folder.is_dir():
         raise ModelError(f"{where}: no such folder")
@@ -49,7 +54,45 @@ def check_model_folder(path: str | Path, *, trainer: bool, key: str = "model.pat
             f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "tokenizer files of the model it was made from"
         )
+    if engine:
+        check_engine_architecture(hf, config_file)
     return hf
+
+
+def check_engine_architecture(hf: dict[str, Any], where: str | Path) -> None:
+    """Raise `ModelError` naming `where` (the config.json) if none of its `architectures` is served by
+    vLLM in this environment, natively or through its Transformers backend (a class transformers has):
+    vLLM itself would stop with a validation error listing its ~400 architectures. Without vLLM here, or
+    without `architectures`, there is nothing to check against and vLLM decides."""
+    names = hf.get("architectures")
+    if not isinstance(names, list) or not names or importlib.util.find_spec("vllm") is None:
+        return
+    served = _vllm_architectures()
+    if any(n in served for n in names):
+        return
+    import transformers
+
+    if any(isinstance(n, str) and hasattr(transformers, n) for n in names):
+        return  # vLLM's Transformers backend may serve it; vLLM decides
+    import vllm
+
+    raise ModelError(
+        f"{where}: architectures {names} (model_type {hf.get('model_type')!r}) is not served by vLLM "
+        f"{vllm.__version__} here, natively or through its Transformers backend"
+    )
+
+
+def _vllm_architectures() -> set[str]:
+    # vLLM logs notes while it imports ("Triton is installed, but doesn't include CPU backend") before it
+    # sets up its logging, so they would reach stderr through logging's last resort, beside the one line
+    # a user error gets: a handler on the `vllm` logger takes them while the registry imports
+    quiet, vllm_log = logging.NullHandler(), logging.getLogger("vllm")
+    vllm_log.addHandler(quiet)
+    try:
+        from vllm import ModelRegistry
+    finally:
+        vllm_log.removeHandler(quiet)
+    return set(ModelRegistry.get_supported_archs())
 
 
 def load_tokenizer(path: str | Path, *, chat_template: bool = False, key: str = "model.path") -> Any:

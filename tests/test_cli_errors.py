@@ -67,6 +67,10 @@ def files(tmp_path_factory, tiny_qwen3) -> Path:
     (d / "no_tokenizer").mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(Path(tiny_qwen3) / name, d / "no_tokenizer")
+    unserved = d / "unserved_arch"  # tokenizer and weights, but an architecture vLLM does not serve
+    shutil.copytree(tiny_qwen3, unserved)
+    hf = json.loads((unserved / "config.json").read_text())
+    (unserved / "config.json").write_text(json.dumps(hf | {"architectures": ["NoSuchForCausalLM"]}))
     (d / "bad_json").mkdir()
     (d / "bad_json" / "config.json").write_text('{"model_type": "qwen3",')
     return d
@@ -202,6 +206,28 @@ def test_xla_trainer_without_rollout_device_names_the_fix(command, files, tiny_q
     import ray
 
     assert not ray.is_initialized()
+
+
+def test_generate_names_an_architecture_vllm_does_not_serve(files, tiny_qwen3):
+    """Before, vLLM's pydantic validation error and its traceback. A process of its own: importing vLLM
+    (which the check does) logs notes to stderr in a fresh process, and the line must stand alone."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl_tpu.cli",
+            "generate",
+            *_common(files, tiny_qwen3),
+            f"--model.path={files / 'unserved_arch'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=files,
+    )
+    _assert_one_line(
+        r.returncode, r.stderr, "unserved_arch/config.json", "['NoSuchForCausalLM']", "not served by vLLM"
+    )
 
 
 def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):

@@ -139,8 +139,17 @@ class WorkerExtension:
     def rl_ws_verified(self) -> dict:
         return dict(self._rl_ws().verified)
 
-    def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> int:
-        return self._rl_ws().join(host, port, world, ranks, senders)
+    def rl_ws_device(self) -> str:
+        return self._rl_ws().device()
+
+    def rl_ws_cuda_uuids(self) -> list[str]:
+        return self._rl_ws().cuda_uuids()
+
+    def rl_ws_post(self, posts: dict) -> int:
+        return self._rl_ws().post(posts)
+
+    def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> int:
+        return self._rl_ws().join(host, port, world, ranks, senders, backend)
 
     def rl_ws_leave(self) -> None:
         self._rl_ws().leave()

@@ -348,9 +348,10 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
     g = RolloutGroup(_cfg(f"--rollout.dtype={dtype}"), padded_qwen3, num_workers=1, num_cpus_per_worker=0)
     try:
         ws = WeightSync(
-            specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.25, engine_model_dir=padded_qwen3
+            specs, to_hf, senders, g.workers, transport="shm", bucket_mb=0.125, engine_model_dir=padded_qwen3
         )
         plan = ws.build()
+        assert plan.wire_dtypes == [dtype]  # a bf16 engine's buckets carry bf16 (cast on the sender)
         region = ws.regions[0]["0"]
         assert "path" in region and {d for _, _, d in region["params"]} == {dtype}
         assert all(r["receiver_region"] and r["transport"] == "shm" for r in ws.routes())
@@ -434,7 +435,7 @@ def _check_synthetic_layouts(ws, model_path: str) -> None:
             assert tuple(lay.shapes[n]) == tuple(synth[key].shapes[n]), (key, n)
 
 
-def test_fsdp2_to_two_engines_bit_exact_in_parallel(trained, ray_session, tiny_qwen3):
+def test_fsdp2_to_two_engines_over_collective_bit_exact_in_parallel(trained, ray_session, tiny_qwen3):
     from rl_tpu.rollout import RolloutGroup
 
     g = RolloutGroup(_cfg(), tiny_qwen3, num_workers=2, num_cpus_per_worker=0)  # rollout1 holds a CPU

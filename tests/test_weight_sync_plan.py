@@ -499,3 +499,21 @@ def test_checkpoint_shapes_reads_headers_of_a_file_or_a_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .safetensors"):
         checkpoint_shapes(tmp_path / "empty")
+
+
+def test_auto_route_takes_cuda_ipc_only_where_every_engine_rank_maps_the_senders_gpu():
+    from rl_tpu.weight_sync.sync import auto_route
+
+    assert auto_route(True, "GPU-a", [["GPU-a", "GPU-b"], ["GPU-a"]]) == "cuda_ipc"
+    assert auto_route(True, "GPU-a", [["GPU-a"], ["GPU-b"]]) == "shm"  # one TP rank cannot map it
+    assert auto_route(True, None, [["GPU-a"]]) == "shm"  # a CPU trainer rank
+    assert auto_route(True, "GPU-a", []) == "shm"  # a CPU engine
+    assert auto_route(False, "GPU-a", [["GPU-a"]]) == "ray"  # another node: no IPC, no shared memory
+
+
+def test_cuda_ipc_handle_of_an_invisible_gpu_is_refused_naming_it():
+    from rl_tpu.weight_sync.transports import get_transport
+
+    handle = {"uuid": "GPU-not-here", "nbytes": 8, "offset": 0, "storage": [b"", 8, 0], "ref": [b"", 0]}
+    with pytest.raises(RuntimeError, match="GPU-not-here is not visible"):
+        get_transport("cuda_ipc").open({**handle, "event": [b"", False]})

@@ -58,8 +58,8 @@ import torch
 from . import vllm_compat
 from .engine_layout import derive_layout, reference_layout, reference_layouts
 from .rows import rows_cols
-from .transports import Region, get_transport, join_group, leave_group
-from .wire import unpack
+from .transports import Collective, Region, get_transport, join_group, leave_group, visible_cuda_uuids
+from .wire import bucket_nbytes, unpack
 
 log = logging.getLogger("rl_tpu")
 
@@ -67,11 +67,19 @@ PIECE_FIELDS = 5  # dst, dst_row, dst_col, nrows, ncols
 REGION_ALIGN = 4096  # byte alignment of each parameter in a receiver region (page: SIMD loads, huge pages)
 
 
-def apply_bucket(buf, pieces: np.ndarray, names: list[str], dst_of, done=None) -> int:
+def apply_bucket(
+    buf, pieces: np.ndarray, names: list[str], dst_of, done=None, bucket: int | None = None
+) -> int:
     """Copy a packed bucket's pieces (`[k, 5]`: dst, dst_row, dst_col, nrows, ncols) into `dst_of(name)`
     (the parameter's 2-D view); `done(name, elements)` after each piece. Pure torch; returns the bytes
-    read. The bucket's views are dropped before returning, so a mapped buffer can be closed."""
-    views, _ = unpack(buf)
+    read. With `bucket`, the header must name that bucket (a transport that delivered another one fails
+    here, before any byte is copied). The bucket's views are dropped before returning, so a mapped
+    buffer can be closed."""
+    views, meta = unpack(buf)
+    if bucket is not None and meta.get("bucket") != str(bucket):
+        raise RuntimeError(
+            f"weight sync: expected bucket {bucket}, the transport delivered {meta.get('bucket')}"
+        )
     data = views.pop("data")
     off = 0
     with torch.no_grad():
@@ -105,6 +113,7 @@ class EngineSide:
         self.names: list[str] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.numel: dict[str, int] = {}
+        self.wire_dtype = torch.float32
         self.buckets: dict[int, np.ndarray] = {}
         self.layers: dict[str, tuple[Any, str]] = {}  # param -> (module, attribute)
         self.params_of: dict[int, list[str]] = {}  # id(module) -> its params in the plan
@@ -131,6 +140,7 @@ class EngineSide:
         self.names = list(t["names"])
         self.shapes = {n: tuple(s) for n, s in t["shapes"].items()}
         self.numel = {n: int(v) for n, v in t["numel"].items()}
+        self.wire_dtype = getattr(torch, t.get("dtype", "float32"))  # what this rank's buckets carry
         self.buckets = {
             int(b): np.frombuffer(p, dtype=np.int64).reshape(-1, PIECE_FIELDS)
             for b, p in t["buckets"].items()
@@ -296,8 +306,9 @@ class EngineSide:
             if s.layer_left[id(layer)] == 0:
                 self._complete(s, layer)
 
-        n_bytes = 0
+        n_bytes, on_device = 0, False
         for bid, handle, transport in handles.get(str(vllm_compat.tp_rank()), []):
+            on_device |= transport == "cuda_ipc"
             if transport == "shm_region":  # the sender wrote the pieces in place: count them
                 if not s.region:
                     raise RuntimeError(
@@ -308,7 +319,11 @@ class EngineSide:
                     done(self.names[pid], nr * nc)
                 continue
             buf = handle if isinstance(handle, (bytes, bytearray)) else get_transport(transport).open(handle)
-            n_bytes += apply_bucket(buf, self.buckets[int(bid)], self.names, lambda n: self._dst(s, n), done)
+            n_bytes += apply_bucket(
+                buf, self.buckets[int(bid)], self.names, lambda n: self._dst(s, n), done, bucket=int(bid)
+            )
+        if on_device:  # the copies out of the senders' GPU buckets are done before they reuse them
+            torch.cuda.current_stream().synchronize()
         s.received_bytes += n_bytes
         return n_bytes
 
@@ -376,10 +391,34 @@ class EngineSide:
             out[name] = _max_diff(mine, r)
         return out
 
-    def join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> int:
+    def device(self) -> str:
+        return str(next(vllm_compat.model(self.worker).parameters()).device)
+
+    def cuda_uuids(self) -> list[str]:
+        """The GPUs this rank can map a CUDA IPC handle of ([] off CUDA): the `cuda_ipc` route's test."""
+        return visible_cuda_uuids() if self.device().startswith("cuda") else []
+
+    def join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> int:
         """Collective transport: join the sync group as `ranks[str(tp_rank)]`."""
-        device = next(vllm_compat.model(self.worker).parameters()).device
-        return join_group(host, port, world, int(ranks[str(vllm_compat.tp_rank())]), senders, str(device))
+        rank = int(ranks[str(vllm_compat.tp_rank())])
+        return join_group(host, port, world, rank, senders, backend, self.device())
+
+    def post(self, posts: dict) -> int:
+        """Collective transport: post this rank's receive of `posts[str(tp_rank)]` = [bucket, sender rank,
+        slot] (the bucket's packed size follows from its pieces, the wire dtype and the version) before
+        the sender is asked to pack it. Returns the bytes posted (0 if none is for this rank)."""
+        mine = posts.get(str(vllm_compat.tp_rank()))
+        s = self.session
+        if mine is None:
+            return 0
+        if s is None:
+            raise RuntimeError("weight sync: post outside a sync session (begin was not called)")
+        bid, src, slot = mine
+        pieces = self.buckets[int(bid)]
+        numel = int((pieces[:, 3] * pieces[:, 4]).sum())
+        nbytes = bucket_nbytes(self.wire_dtype, numel, s.version, int(bid))
+        Collective.post(int(src), int(bid), nbytes, tuple(slot))
+        return nbytes
 
     def leave(self) -> None:
         leave_group()
@@ -388,7 +427,12 @@ class EngineSide:
 def _max_diff(mine: torch.Tensor | None, ref: torch.Tensor) -> float:
     if mine is None or tuple(mine.shape) != tuple(ref.shape) or mine.dtype != ref.dtype:
         return float("inf")
-    return (mine.detach().double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    # on the host: the engine serves from its device, the reference may be built elsewhere (CPU)
+    return (
+        (mine.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
+        if ref.numel()
+        else 0.0
+    )
 
 
 def _fill_probe(t: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,10 +41,11 @@ class SyncPlan:
     dst_names: list[list[str]]  # per receiver: engine params in install order; `dst` indexes it
     dst_shapes: list[dict[str, tuple[int, ...]]]  # per receiver: loaded-layout shape
     dst_numel: list[dict[str, int]]  # per receiver: elements each engine param receives
-    src_dtype: str  # trainer parameter dtype: what the wire carries
-    dtype: str  # engine parameter dtype
+    src_dtype: str  # trainer parameter dtype
+    dtype: str  # engine parameter dtype (of the first receiver; `wire_dtypes` has each one's)
     pieces: np.ndarray  # int64 [n, len(PIECE_COLS)], sorted by bucket then install order
-    buckets: np.ndarray  # int64 [nb, 3]: receiver, sender, bytes; row i is bucket i
+    buckets: np.ndarray  # int64 [nb, 3]: receiver, sender, bytes on the wire; row i is bucket i
+    wire_dtypes: list[str] = field(default_factory=list)  # per receiver: the dtype its buckets carry
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +61,14 @@ class SyncPlan:
             int(b): self.pieces[cut[b] : cut[b + 1]][:, [SRC, SROW, SCOL, NR, NC]]
             for b in np.flatnonzero(self.buckets[:, 1] == rank)
         }
+
+    def sender_dtypes(self, rank: int) -> dict[int, str]:
+        """Bucket id -> the dtype sender `rank` packs it in (its receiver's wire dtype)."""
+        return {int(b): self.bucket_dtype(b) for b in np.flatnonzero(self.buckets[:, 1] == rank)}
+
+    def bucket_dtype(self, b: int) -> str:
+        """The dtype bucket `b`'s pieces travel in: its receiver's `wire_dtype`."""
+        return self.wire_dtypes[int(self.buckets[b, 0])] if self.wire_dtypes else self.src_dtype
 
     def for_receiver(self, i: int) -> list[tuple[int, int, np.ndarray]]:
         """(bucket id, sender, pieces (dst, dst_row, dst_col, nrows, ncols)) of receiver `i`, in install
@@ -126,7 +135,8 @@ def build_plan(
     if len(dtypes) != 1:
         raise PlanError(f"trainer parameters have mixed dtypes {sorted(dtypes)}; the wire carries one dtype")
     src_dtype = dtypes.pop()
-    elem = np.dtype({"bfloat16": "uint16"}.get(src_dtype, src_dtype)).itemsize
+    wire = [wire_dtype(src_dtype, layout.dtype) for _, layout in layouts]
+    elem = np.array([_itemsize(d) for d in wire] or [_itemsize(src_dtype)], dtype=np.int64)
 
     # HF rows (global numbering) -> TorchTitan rows (global numbering)
     hf_rows = np.cumsum([0] + [rows_cols(s)[0] for _, s in hf_order])
@@ -193,15 +203,29 @@ def build_plan(
         dtype=layouts[0][1].dtype if layouts else src_dtype,
         pieces=pieces,
         buckets=buckets,
+        wire_dtypes=wire,
     )
 
 
-def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: int) -> tuple[np.ndarray, np.ndarray]:
+def _itemsize(dtype: str) -> int:
+    return np.dtype({"bfloat16": "uint16"}.get(dtype, dtype)).itemsize
+
+
+def wire_dtype(src_dtype: str, engine_dtype: str) -> str:
+    """What a receiver's buckets carry: the engine's dtype where it is narrower than the trainer's (a bf16
+    engine fed by an fp32 trainer gets bf16, cast on the sender: half the bytes, the same values as a
+    cast on arrival), else the trainer's (widening on the wire would only add bytes)."""
+    return engine_dtype if _itemsize(engine_dtype) < _itemsize(src_dtype) else src_dtype
+
+
+def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Order pieces per (receiver, sender) stream in install order, cut each stream into buckets of about
-    `bucket_bytes` at row boundaries. Input column 0 holds the receiver; output column 0 the bucket id."""
+    `bucket_bytes` at row boundaries. Input column 0 holds the receiver; output column 0 the bucket id.
+    `elem`: bytes per element on the wire, per receiver."""
     if pieces.shape[0] == 0:
         return pieces, np.zeros((0, 3), dtype=np.int64)
     p = pieces[np.lexsort((pieces[:, DCOL], pieces[:, DROW], pieces[:, DST], pieces[:, SND], pieces[:, B]))]
+    elem = elem[p[:, B]]
     row_bytes = p[:, NC] * elem
     size = p[:, NR] * row_bytes
     stream = p[:, B] * (p[:, SND].max() + 1) + p[:, SND]
@@ -230,7 +254,7 @@ def _bucketize(pieces: np.ndarray, bucket_bytes: int, elem: int) -> tuple[np.nda
     newb = np.ones(key.shape[0], dtype=bool)
     newb[1:] = (key[1:] != key[:-1]).any(axis=1)
     bid = np.cumsum(newb) - 1
-    nbytes = np.bincount(bid, weights=out[:, NR] * out[:, NC] * elem).astype(np.int64)
+    nbytes = np.bincount(bid, weights=out[:, NR] * out[:, NC] * elem[idx]).astype(np.int64)
     buckets = np.stack([out[newb, B], out[newb, SND], nbytes], axis=1)
     out[:, B] = bid
     return out, buckets

@@ -59,8 +59,17 @@ class EngineRanks:
     def install(self, direct: bool | None) -> list[dict]:
         return self._all("rl_ws_install", direct)
 
-    def join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list[int]:
-        return self._all("rl_ws_join", host, port, world, ranks, senders)
+    def device(self) -> list[str]:
+        return self._all("rl_ws_device")
+
+    def cuda_uuids(self) -> list[list[str]]:
+        return self._all("rl_ws_cuda_uuids")
+
+    def post(self, posts: dict) -> list[int]:
+        return self._all("rl_ws_post", posts)
+
+    def join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> list[int]:
+        return self._all("rl_ws_join", host, port, world, ranks, senders, backend)
 
     def leave(self) -> list:
         return self._all("rl_ws_leave")
@@ -137,6 +146,13 @@ class SyncReceiver:
         ranks.begin(version, keep, direct)
 
         def issue(k: int, region: bool) -> dict:
+            posts = {
+                str(tp): [bid, snd, slot]
+                for tp, (bid, snd, slot, tr) in st.rounds[k].items()
+                if tr == "collective" and not region
+            }
+            if posts:  # the receives first: the senders' sends then always find one (NCCL needs it)
+                ranks.post(posts)
             return {
                 tp: (bid, tr, call(st.senders[snd].ws_pack, bid, tr, version, slot))
                 for tp, (bid, snd, slot, tr) in st.rounds[k].items()
@@ -198,8 +214,16 @@ class SyncReceiver:
         `engine_side.EngineSide.probe_install`) and the one used given the driver's `direct`."""
         return self._ws_ranks().install(direct)
 
-    def ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int) -> list:
-        return self._ws_ranks().join(host, port, world, ranks, senders)
+    def ws_device(self) -> list[str]:
+        """Each TP rank's parameter device (the collective transport's group picks its backend from it)."""
+        return self._ws_ranks().device()
+
+    def ws_cuda_uuids(self) -> list[list[str]]:
+        """Per TP rank, the GPUs it can map a CUDA IPC handle of (the `cuda_ipc` route needs the sender's)."""
+        return self._ws_ranks().cuda_uuids()
+
+    def ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> list:
+        return self._ws_ranks().join(host, port, world, ranks, senders, backend)
 
     def ws_leave(self) -> None:
         self._ws_ranks().leave()

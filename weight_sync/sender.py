@@ -20,14 +20,24 @@ import torch
 
 from .calls import node_id
 from .rows import as_2d, rows_cols
-from .transports import InProcess, Region, SharedMemory, get_transport, join_group, leave_group
-from .wire import begin_pack, packed_size
+from .transports import (
+    CudaIpc,
+    InProcess,
+    Region,
+    SharedMemory,
+    device_uuid,
+    get_transport,
+    join_group,
+    leave_group,
+)
+from .wire import begin_pack, bucket_meta, packed_size
 
 
 @dataclass
 class _SenderState:
     names: list[str] = field(default_factory=list)  # TorchTitan names by the plan's source index
     buckets: dict[int, np.ndarray] = field(default_factory=dict)  # bucket -> source pieces [k, 5]
+    dtypes: dict[int, torch.dtype] = field(default_factory=dict)  # bucket -> wire dtype (else the shards')
     regions: dict[int, dict] = field(default_factory=dict)  # plan receiver index -> its region table
     dst: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # bucket -> (receiver, pieces)
     views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (receiver, param) -> view
@@ -46,9 +56,14 @@ class SyncSender:
             st = self.__dict__["_ws_sender_state"] = _SenderState()
         return st
 
-    def ws_setup(self, names: list[str], buckets: dict[int, np.ndarray]) -> int:
+    def ws_setup(
+        self, names: list[str], buckets: dict[int, np.ndarray], dtypes: dict[int, str] | None = None
+    ) -> int:
+        """Keep this rank's buckets (`SyncPlan.for_sender`) and the dtype each travels in
+        (`SyncPlan.sender_dtypes`: the receiver's wire dtype; without it, the shards' own)."""
         st = self._ws_send
         st.names, st.buckets = list(names), buckets
+        st.dtypes = {int(b): getattr(torch, d) for b, d in (dtypes or {}).items()}
         self.ws_regions({i: None for i in st.regions}, {})
         return len(buckets)
 
@@ -79,29 +94,41 @@ class SyncSender:
         pieces = self._ws_send.buckets[bucket]
         shards = self.ws_shards()
         total = int((pieces[:, 3] * pieces[:, 4]).sum())
-        dtype = next(iter(shards.values())).dtype
-        meta = {"version": str(version), "bucket": str(bucket)}
+        dtype = self._ws_send.dtypes.get(bucket) or next(iter(shards.values())).dtype
+        meta = bucket_meta(version, bucket)
         tr = get_transport(transport)
         state, buf = tr.alloc(packed_size([("data", dtype, total)], meta), slot=slot)
         data = begin_pack(buf, "data", dtype, total, meta)
         off = 0
         with torch.no_grad():
-            for piece in self._ws_pieces(bucket, shards):
+            for piece in self._ws_pieces(bucket, shards):  # cast to the wire dtype as it is copied
                 n = piece.numel()
                 data[off : off + n].view(piece.shape).copy_(piece)
                 off += n
         del data
         if isinstance(buf, memoryview):
             buf.release()
-        return tr.publish(state, peer=slot[0] if isinstance(slot, tuple) else None)
+        return tr.publish(state, peer=slot[0] if isinstance(slot, tuple) else None, bucket=bucket)
 
     def ws_node(self) -> str:
         return node_id()
 
-    def ws_join(self, host: str, port: int, world: int, rank: int, senders: int) -> int:
+    def ws_device(self) -> str:
+        """Where this rank's shards live (the collective transport's group picks its backend from it)."""
+        return str(next(iter(self.ws_shards().values())).device)
+
+    def ws_cuda_uuid(self) -> str | None:
+        """The UUID of the GPU this rank's shards live on (None off CUDA): the `cuda_ipc` route's test."""
+        dev = next(iter(self.ws_shards().values())).device
+        return (
+            device_uuid(dev.index if dev.index is not None else torch.cuda.current_device())
+            if (dev.type == "cuda")
+            else None
+        )
+
+    def ws_join(self, host: str, port: int, world: int, rank: int, senders: int, backend: str) -> int:
         """Collective transport: join the sync group as `rank` (senders are ranks 0 .. senders - 1)."""
-        device = next(iter(self.ws_shards().values())).device
-        return join_group(host, port, world, rank, senders, str(device))
+        return join_group(host, port, world, rank, senders, backend, self.ws_device())
 
     def ws_close(self) -> None:
         """Free this process's pooled transport slots (shm files would outlive a killed actor) and unmap
@@ -109,6 +136,7 @@ class SyncSender:
         self.ws_regions({i: None for i in self._ws_send.regions}, {})
         SharedMemory._cleanup()
         InProcess._pool.clear()
+        CudaIpc.close()
         leave_group()
 
     def _ws_pieces(self, bucket: int, shards: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -63,7 +63,7 @@ from .calls import ReceiverLost, call, get, get_each, route
 from .engine_layout import EngineLayout
 from .plan import DCOL, DROW, DST, NC, NR, SyncPlan, build_plan, check_names
 from .specs import ParamSpec
-from .transports import get_transport
+from .transports import get_transport, group_backend
 
 if TYPE_CHECKING:
     from rl_tpu.config import SyncConfig
@@ -112,6 +112,7 @@ def receiver_tables(plan: SyncPlan, engine: int, transport: str | dict = "shm") 
             "names": plan.dst_names[i],
             "shapes": {n: list(s) for n, s in plan.dst_shapes[i].items()},
             "numel": plan.dst_numel[i],
+            "dtype": plan.wire_dtypes[i],
             "buckets": {str(b): np.ascontiguousarray(p).tobytes() for b, _, p in mine},
         }
         # slots alternate per receiver stream: a sender reuses (receiver, parity) two buckets later
@@ -261,7 +262,12 @@ class WeightSync:
         derived = get([call(r.ws_derive, hf_order) for r in self.receivers])
         self.layouts = layouts = engine_layouts(derived)  # what each engine's loaders do
         self.plan = plan = build_plan(self.specs, row_map, hf_order, layouts, self.bucket_bytes)
-        get([call(s.ws_setup, plan.titan_names, plan.for_sender(r)) for r, s in enumerate(self.senders)])
+        get(
+            [
+                call(s.ws_setup, plan.titan_names, plan.for_sender(r), plan.sender_dtypes(r))
+                for r, s in enumerate(self.senders)
+            ]
+        )
         self.route_transport = self._choose_routes()
         setups = []
         for e, rcv in enumerate(self.receivers):
@@ -315,13 +321,20 @@ class WeightSync:
         get([call(s.ws_regions, regions[r], dst[r]) for r, s in enumerate(self.senders)])
 
     def _choose_routes(self) -> list[dict[int, str]]:
-        """Per engine, sender rank -> transport. `auto`: shared memory between actors on the same Ray node,
-        the object store between nodes; any other name applies to every route."""
+        """Per engine, sender rank -> transport. `auto` (`auto_route`): CUDA IPC between GPUs of one node
+        the engine can map, shared memory between actors on the same Ray node, the object store between
+        nodes; any other name applies to every route."""
         if self.transport != "auto":
             return [{r: self.transport for r in range(len(self.senders))} for _ in self.receivers]
-        snd = self._sender_nodes = get([call(s.ws_node) for s in self.senders])
-        rcv = get([call(r.ws_node) for r in self.receivers])
-        return [{r: "shm" if snd[r] == node else "ray" for r in range(len(self.senders))} for node in rcv]
+        self._sender_nodes = get([call(s.ws_node) for s in self.senders])
+        self._sender_gpus = get([call(s.ws_cuda_uuid) for s in self.senders])
+        return [self._auto_routes(r) for r in self.receivers]
+
+    def _auto_routes(self, receiver) -> dict[int, str]:
+        node, gpus = get(call(receiver.ws_node)), get(call(receiver.ws_cuda_uuids))
+        return {
+            r: auto_route(n == node, self._sender_gpus[r], gpus) for r, n in enumerate(self._sender_nodes)
+        }
 
     def _form_group(self) -> None:
         """One process group over every sender and every engine worker, for the collective transport.
@@ -336,11 +349,21 @@ class WeightSync:
             )
         import ray
 
+        devices = get([call(s.ws_device) for s in self.senders])
+        devices += [d for per_rank in get([call(r.ws_device) for r in self.receivers]) for d in per_rank]
+        backend = group_backend(devices)
+        log.info(
+            "weight sync: collective group over %d members uses %s (devices %s)",
+            len(devices),
+            backend,
+            sorted(set(devices)),
+        )
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         n_snd, world = len(self.senders), len(self.senders) + len(self.plan.engine_ranks)
         futures = [
-            s.ws_join.remote(host, self._store.port, world, r, n_snd) for r, s in enumerate(self.senders)
+            s.ws_join.remote(host, self._store.port, world, r, n_snd, backend)
+            for r, s in enumerate(self.senders)
         ]
         with concurrent.futures.ThreadPoolExecutor(max(len(self.receivers), 1)) as pool:
             joins = []
@@ -348,7 +371,9 @@ class WeightSync:
                 ranks = {str(tp): n_snd + i for i, (ee, tp) in enumerate(self.plan.engine_ranks) if ee == e}
                 joins.append(
                     pool.submit(
-                        lambda r=rcv, k=ranks: get(call(r.ws_join, host, self._store.port, world, k, n_snd))
+                        lambda r=rcv, k=ranks: get(
+                            call(r.ws_join, host, self._store.port, world, k, n_snd, backend)
+                        )
                     )
                 )
             for j in joins:
@@ -419,10 +444,7 @@ class WeightSync:
                 "engine it replaces (another vLLM config?); the plan no longer fits it"
             )
         if self.transport == "auto":
-            node = get(call(receiver.ws_node))
-            self.route_transport[engine] = {
-                r: "shm" if n == node else "ray" for r, n in enumerate(self._sender_nodes)
-            }
+            self.route_transport[engine] = self._auto_routes(receiver)
         tables, rounds = receiver_tables(self.plan, engine, self.route_transport[engine])
         self.regions[engine] = (
             get(call(receiver.ws_setup, tables, rounds, self.senders, self.region_bytes, self.direct)) or {}
@@ -478,6 +500,17 @@ class WeightSync:
                 for name, d in res.items():
                     out[(e, name)] = max(out.get((e, name), 0.0), d)
         return out
+
+
+def auto_route(same_node: bool, sender_gpu: str | None, receiver_gpus: list[list[str]]) -> str:
+    """`sync.transport = auto` for one (sender, engine) route: `cuda_ipc` when both are on one node and
+    every engine rank can map the sender's GPU (`receiver_gpus`: per rank, the UUIDs it sees), else `shm`
+    on one node, else `ray`."""
+    if not same_node:
+        return "ray"
+    if sender_gpu is not None and receiver_gpus and all(sender_gpu in seen for seen in receiver_gpus):
+        return "cuda_ipc"
+    return "shm"
 
 
 def _same_layout(a: EngineLayout, b: EngineLayout) -> bool:

@@ -1,6 +1,6 @@
 """Transports move one packed bucket (a safetensors buffer, see `wire`) from a sender to a receiver.
 
-One interface, four kinds:
+One interface, five kinds:
 - `inprocess`: sender and receiver share a process; the handle is the buffer itself.
 - `shm`: same host; the sender writes the bucket into a file under /dev/shm and the receiver maps it
   read-only (zero copy), then the driver unlinks it. Works across Python environments: any reader that
@@ -10,16 +10,19 @@ One interface, four kinds:
   parameters (`Region`); senders map it writable and copy their pieces straight into place, casting to
   the engine dtype, so no bucket file exists and the engine copies nothing. The handle is
   (receiver index, bucket); the bytes are already in place when it is returned.
+- `cuda_ipc`: same node, both sides on CUDA (`auto` picks it there): the receiver maps the sender's
+  pooled GPU bucket through a CUDA IPC handle and copies on the device (`CudaIpc`).
 - `ray`: cross host; the sender `ray.put`s a numpy view of the bucket and the receiver gets a read-only,
   zero-copy view from the object store.
 - `collective`: torch.distributed point-to-point over one extra process group spanning the trainer
   ranks and every engine worker (`join_group`; the trainer's FSDP group and vLLM's TP group are left
-  alone). The sender posts an async send of the packed bucket; the receiver receives it into a reused
-  buffer. gloo on host buffers; nccl with buffers on the GPU when the members' parameters live on CUDA;
-  other accelerators (TPU/XLA) fall back to gloo on host buffers and copy into the device parameters.
+  alone). The receiver posts its receive first, then the sender packs and posts its send (see
+  `Collective` for why NCCL needs that order). nccl with buffers on the GPU when every member's
+  parameters live on CUDA (connected eagerly); otherwise gloo on host buffers for all (TPU/XLA
+  receivers copy into their device parameters).
 
 Invariant: a handle is small and picklable (a path, an ObjectRef wrapped in a list so Ray does not
-resolve it on the way, (source rank, tag, size) for collective, or the buffer for inprocess), so the
+resolve it on the way, (source rank, bucket id, size) for collective, or the buffer for inprocess), so the
 driver routes handles, never bytes.
 """
 
@@ -44,9 +47,9 @@ class Transport:
         guarantees the receiver is done with a slot before it reuses it."""
         raise NotImplementedError
 
-    def publish(self, state: Any, peer: int | None = None) -> Any:
-        """Sender: turn a filled buffer into a handle for receiver `peer` (the plan's receiver index;
-        only the collective transport needs it)."""
+    def publish(self, state: Any, peer: int | None = None, bucket: int | None = None) -> Any:
+        """Sender: turn a filled buffer into a handle for receiver `peer` (the plan's receiver index) and
+        `bucket` (the collective transport needs both)."""
         raise NotImplementedError
 
     def open(self, handle: Any):
@@ -69,7 +72,7 @@ class InProcess(Transport):
                 self._pool[slot] = buf
         return memoryview(buf)[:nbytes], memoryview(buf)[:nbytes]
 
-    def publish(self, state, peer=None):
+    def publish(self, state, peer=None, bucket=None):
         return state
 
     def open(self, handle):
@@ -113,7 +116,7 @@ class SharedMemory(Transport):
     def view(state) -> memoryview:
         return memoryview(state[1])[: state[2]]
 
-    def publish(self, state, peer=None):
+    def publish(self, state, peer=None, bucket=None):
         path, mm, nbytes, pooled = state
         if not pooled:
             try:
@@ -235,7 +238,7 @@ class RayObjectStore(Transport):
         arr = np.empty(nbytes, dtype=np.uint8)
         return arr, memoryview(arr)
 
-    def publish(self, state, peer=None):
+    def publish(self, state, peer=None, bucket=None):
         import ray
 
         return [ray.put(state)]  # wrapped: Ray resolves top-level ObjectRef arguments
@@ -250,16 +253,26 @@ class RayObjectStore(Transport):
 
 class Collective(Transport):
     """Point-to-point sends over the group made by `join_group`. Group ranks: senders first (trainer rank
-    r is r), then the plan's receivers in order (receiver i is `senders + i`). A handle is
-    (source rank, tag, nbytes); tags are unique per sender within a sync, so the pairing never depends
-    on message order. The sender's buffer stays alive until its send completes (waited on before the
-    slot is reused, or at `leave_group`); the receiver reuses one buffer for every bucket."""
+    r is r), then the plan's receivers in order (receiver i is `senders + i`).
+
+    Order, which NCCL needs (it matches sends to receives by posting order per pair and ignores tags): the
+    receiver posts its receive for a bucket (`post`, into a reused buffer of the bucket's known size)
+    before it asks the sender to pack it, and the sender's send is posted as soon as the bucket is
+    packed, so no send ever waits on a receive that is not there. On NCCL every operation runs as its own
+    coalesced group, which puts it on the group's communicator that `join_group` connected eagerly: a
+    lone p2p op would build a two-rank communicator lazily, blocking until the peer does the same, and
+    the peer is waiting for our answer. gloo runs the same order and matches by tag (the bucket id), so
+    the default CPU suite exercises it. Waits are bounded (`timeout_s` of the group) and name the peer.
+
+    A handle is (source rank, bucket id, nbytes); the receiver checks the bucket id in the header too,
+    so a broken order fails loudly instead of installing the wrong bytes. The sender's buffer stays alive
+    until its send completes (waited on before the slot is reused, or at `leave_group`)."""
 
     name = "collective"
-    _group: dict = {}  # per process: pg, rank, senders, device, store (kept alive with the group)
-    _pool: dict = {}  # slot -> uint8 tensor (sender) or "recv" -> uint8 tensor (receiver)
-    _inflight: dict = {}  # slot -> Work of the last send from that slot
-    _tag = 0
+    _group: dict = {}  # per process: pg, rank, senders, device, coalesce, timeout_s, store
+    _pool: dict = {}  # slot -> uint8 tensor (sender) or ("recv", slot) -> uint8 tensor (receiver)
+    _inflight: dict = {}  # slot -> (Work of the last send from that slot, buffer, receiver rank)
+    _posted: dict = {}  # (source rank, bucket id) -> (Work of the posted receive, buffer, slot)
 
     @classmethod
     def _g(cls) -> dict:
@@ -279,6 +292,16 @@ class Collective(Transport):
             buf = cls._pool[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=cls._g()["device"])
         return buf[:nbytes]
 
+    @classmethod
+    def _p2p(cls, op: str, buf, peer: int, tag: int):
+        g = cls._g()
+        pg = g["pg"]
+        if not g["coalesce"]:
+            return getattr(pg, op)([buf], peer, tag)
+        pg._start_coalescing(g["device"])
+        getattr(pg, op)([buf], peer, tag)
+        return pg._end_coalescing(g["device"])
+
     def alloc(self, nbytes, slot=None):
         import torch
 
@@ -287,31 +310,202 @@ class Collective(Transport):
             return (buf, ("once", id(buf))), buf
         prev = self._inflight.pop(slot, None)
         if prev is not None:
-            prev[0].wait()
+            wait_work(prev[0], self._g()["timeout_s"], f"the send to sync group rank {prev[2]}")
         buf = self._buffer(slot, nbytes)
         return (buf, slot), buf
 
-    def publish(self, state, peer=None):
-        if peer is None:
-            raise ValueError("collective transport: publish needs the receiver index (peer)")
+    def publish(self, state, peer=None, bucket=None):
+        if peer is None or bucket is None:
+            raise ValueError("collective transport: publish needs the receiver index (peer) and the bucket")
         buf, key = state
         g = self._g()
-        Collective._tag += 1
-        self._inflight[key] = (g["pg"].send([buf], g["senders"] + peer, Collective._tag), buf)
-        return (g["rank"], Collective._tag, buf.numel())
+        dst = g["senders"] + peer
+        self._inflight[key] = (self._p2p("send", buf, dst, bucket), buf, dst)
+        return (g["rank"], bucket, buf.numel())
+
+    @classmethod
+    def post(cls, src: int, bucket: int, nbytes: int, slot) -> None:
+        """Receiver: post the receive of `bucket` (`nbytes` packed) from sync group rank `src` into the
+        reused buffer of `slot`, before the sender is asked for it."""
+        if (src, bucket) in cls._posted or any(x[2] == slot for x in cls._posted.values()):
+            raise RuntimeError(
+                f"collective weight sync: bucket {bucket} from rank {src} posted twice, or into the "
+                f"buffer of slot {slot} while a receive into it is still open"
+            )
+        buf = cls._buffer(("recv", slot), nbytes)
+        cls._posted[(src, bucket)] = (cls._p2p("recv", buf, src, bucket), buf, slot)
 
     def open(self, handle):
-        src, tag, nbytes = handle
-        buf = self._buffer("recv", nbytes)
-        self._g()["pg"].recv([buf], src, tag).wait()
+        src, bucket, nbytes = handle
+        try:
+            work, buf, _ = self._posted.pop((src, bucket))
+        except KeyError:
+            raise RuntimeError(
+                f"collective weight sync: bucket {bucket} from trainer rank {src} arrived with no receive "
+                "posted for it (Collective.post must come before the sender packs)"
+            ) from None
+        if buf.numel() != nbytes:
+            raise RuntimeError(
+                f"collective weight sync: bucket {bucket} from trainer rank {src} is {nbytes} bytes, the "
+                f"receive was posted for {buf.numel()} (do sender and receiver hold the same plan?)"
+            )
+        wait_work(work, self._g()["timeout_s"], f"bucket {bucket} from trainer rank {src}")
         return buf
 
 
+class CudaIpc(Transport):
+    """Route `cuda_ipc`: sender and receiver on one node, both on CUDA. The sender packs into a pooled
+    buffer on its GPU and hands out a CUDA IPC handle of it (torch's own: `reduce_tensor` /
+    `rebuild_cuda_tensor`, with its cross-process reference counting and the producer's stream event);
+    the receiver maps that memory and copies the pieces into its parameters on the device: no host copy
+    at all. The handle is plain values (vLLM's RPC carries nothing else) and names the GPU by UUID, since
+    the two processes may number their visible devices differently. The receiver synchronises its stream
+    before acknowledging a round, so a slot is free when the sender reuses it two buckets later."""
+
+    name = "cuda_ipc"
+    _pool: dict = {}  # slot -> uint8 CUDA tensor, per process
+
+    def alloc(self, nbytes, slot=None):
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if slot is None:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+        else:
+            buf = self._pool.get(slot)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._pool[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+        return buf[:nbytes], buf[:nbytes]
+
+    def publish(self, state, peer=None, bucket=None):
+        import inspect
+
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        rebuild, args = reduce_tensor(state)
+        a = inspect.signature(rebuild_cuda_tensor).bind(*args).arguments
+        return {
+            "uuid": device_uuid(a["storage_device"]),
+            "nbytes": int(state.numel()),
+            "offset": int(a["tensor_offset"]),
+            "storage": [a["storage_handle"], int(a["storage_size_bytes"]), int(a["storage_offset_bytes"])],
+            "ref": [a["ref_counter_handle"], int(a["ref_counter_offset"])],
+            "event": [a["event_handle"], bool(a["event_sync_required"])],
+        }
+
+    def open(self, handle):
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = local_cuda_index(handle["uuid"])
+        (storage, size, offset), (ref, ref_offset), (event, sync) = (
+            handle["storage"],
+            handle["ref"],
+            handle["event"],
+        )
+        return rebuild_cuda_tensor(
+            torch.Tensor,
+            (handle["nbytes"],),
+            (1,),
+            handle["offset"],
+            type(torch.empty(0)._typed_storage()),
+            torch.uint8,
+            index,
+            storage,
+            size,
+            offset,
+            False,
+            ref,
+            ref_offset,
+            event,
+            sync,
+        )
+
+    @classmethod
+    def close(cls) -> None:
+        cls._pool.clear()
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index` (stable across processes' device numberings)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_cuda_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, by local index ([] without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def local_cuda_index(uuid: str) -> int:
+    """This process's index of the CUDA device with `uuid`; an error naming what it sees otherwise."""
+    seen = visible_cuda_uuids()
+    if uuid not in seen:
+        raise RuntimeError(
+            f"weight sync (cuda_ipc): the sender's GPU {uuid} is not visible to this process (it sees "
+            f"{seen}); the route needs both on one node with that GPU visible: use sync.transport=shm"
+        )
+    return seen.index(uuid)
+
+
+def wait_work(work, timeout_s: float, what: str) -> None:
+    """Wait for a torch.distributed Work at most `timeout_s`, raising a `TimeoutError` that says `what`
+    never completed. NCCL's `wait` only orders streams, so its completion is polled; gloo's point-to-point
+    work completes only inside `wait`, which takes the timeout itself."""
+    import datetime
+    import time
+
+    if Collective._group.get("coalesce"):  # nccl
+        deadline, delay = time.monotonic() + timeout_s, 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise _timed_out(what, timeout_s)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "imed out" in str(e) or "imeout" in str(e):
+            raise _timed_out(what, timeout_s) from e
+        raise RuntimeError(f"weight sync (collective transport): {what} failed: {e}") from e
+
+
+def _timed_out(what: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(
+        f"weight sync (collective transport): {what} did not complete within {timeout_s:.0f} s; "
+        "is that process alive?"
+    )
+
+
+def group_backend(devices: list[str]) -> str:
+    """One backend for every member of the sync group: nccl only if every member's parameters are on
+    CUDA (members of one group cannot mix backends), else gloo on host buffers (CUDA members stage
+    through host memory; TPU/XLA receivers copy into their device parameters)."""
+    import torch
+
+    return "nccl" if devices and all(torch.device(d).type == "cuda" for d in devices) else "gloo"
+
+
 def join_group(
-    host: str, port: int, world: int, rank: int, senders: int, device: str = "cpu", timeout_s: float = 300.0
+    host: str,
+    port: int,
+    world: int,
+    rank: int,
+    senders: int,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = 300.0,
 ) -> int:
     """Join the weight-sync process group as `rank` of `world` (all members must call it concurrently;
-    the TCP store at host:port is the driver's). nccl when `device` is CUDA, else gloo."""
+    the TCP store at host:port is the driver's). `backend` is the group's (`group_backend`); with nccl
+    the communicator is connected now on `device` (every member is in this call), not at the first op."""
     import datetime
 
     import torch
@@ -322,21 +516,37 @@ def join_group(
     store = dist.PrefixStore(
         "rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False, timeout=timeout)
     )
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        pg = dist.ProcessGroupNCCL(store, rank, world)
-    else:
-        dev = torch.device("cpu")  # gloo moves host buffers; TPU/XLA receivers copy into device params
+    if backend == "nccl":
+        dev = torch.device(device)
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        pg.eager_connect_single_device(dev)
+    elif backend == "gloo":
+        dev = torch.device("cpu")
         pg = dist.ProcessGroupGloo(store, rank, world, timeout)
-    Collective._group.update(pg=pg, rank=rank, senders=senders, device=dev, store=store)
+    else:
+        raise ValueError(f"weight sync group backend {backend!r}: choose nccl or gloo")
+    Collective._group.update(
+        pg=pg,
+        rank=rank,
+        senders=senders,
+        device=dev,
+        coalesce=backend == "nccl",
+        timeout_s=timeout_s,
+        store=store,
+    )
     return rank
 
 
 def leave_group() -> None:
-    """Wait for this process's sends, drop its buffers and its group membership."""
-    for work, _ in Collective._inflight.values():
-        work.wait()
+    """Wait for this process's sends, drop its buffers, posted receives and its group membership."""
+    timeout = Collective._group.get("timeout_s", 300.0)
+    for work, _, dst in Collective._inflight.values():
+        wait_work(work, timeout, f"the send to sync group rank {dst}")
     Collective._inflight.clear()
+    Collective._posted.clear()
     Collective._pool.clear()
     Collective._group.clear()
 
@@ -346,6 +556,7 @@ TRANSPORTS: dict[str, type[Transport]] = {
     "shm": SharedMemory,
     "ray": RayObjectStore,
     "collective": Collective,
+    "cuda_ipc": CudaIpc,
 }
 
 

@@ -92,6 +92,17 @@ def begin_pack(
     return body[len(header) : len(header) + n].view(dtype)
 
 
+def bucket_meta(version: int, bucket: int) -> dict[str, str]:
+    """A weight-sync bucket's metadata: what the receiver checks on arrival."""
+    return {"version": str(version), "bucket": str(bucket)}
+
+
+def bucket_nbytes(dtype: torch.dtype, numel: int, version: int, bucket: int) -> int:
+    """The packed size of a weight-sync bucket, known to the receiver before any byte arrives (the
+    collective transport posts its receive with it)."""
+    return packed_size([("data", dtype, numel)], bucket_meta(version, bucket))
+
+
 def pack(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> bytearray:
     buf = bytearray(packed_size([(n, t.dtype, t.numel()) for n, t in tensors], metadata))
     pack_into(buf, tensors, metadata)

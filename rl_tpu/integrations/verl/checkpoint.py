@@ -268,7 +268,10 @@ class RlTpuCheckpointEngine(CheckpointEngine):
         from rl_tpu.weight_sync.sync import receiver_tables
 
         pid = uuid.uuid4().hex[:12]
-        actor_setup = [{"names": plan.titan_names, "buckets": plan.for_sender(r)} for r in range(S)]
+        actor_setup = [
+            {"names": plan.titan_names, "buckets": plan.for_sender(r), "dtypes": plan.sender_dtypes(r)}
+            for r in range(S)
+        ]
         rollout_setup = []
         for m in rollouts:
             e = engines.index(m["replica"])
@@ -303,9 +306,8 @@ class RlTpuCheckpointEngine(CheckpointEngine):
                 )
             return
         if self.model_engine is not None:
-            self._worker.ws_setup(
-                setup["names"], setup["buckets"]
-            )  # TrainerWorker's SyncSender (weight_sync/sender.py)
+            # TrainerWorker's SyncSender (weight_sync/sender.py)
+            self._worker.ws_setup(setup["names"], setup["buckets"], setup["dtypes"])
             self.buckets = sorted(int(b) for b in setup["buckets"])
         else:
             if setup["tables"] is not None:

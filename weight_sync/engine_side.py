@@ -216,6 +216,8 @@ class EngineSide:
         self.close()
         if self._direct(direct):
             return {"rank": rank, "why": "direct install (parameters are not on the CPU layerwise path)"}
+        if not self.device().startswith("cpu"):  # vLLM would process host tensors, then copy to the chip
+            return {"rank": rank, "why": f"parameters on {self.device()}: a region is host memory"}
         params, off = {}, 0
         for name in self.names:
             layer, pname = self.layers[name]

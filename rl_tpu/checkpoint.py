@@ -19,6 +19,10 @@ Invariants:
   (naming the file and what is wrong) and takes the first that does; none valid: a warning and a fresh
   start. An explicit `resume = PATH` that does not match raises CheckpointError. A folder without a
   manifest (written before manifests existed) is used with a warning that it could not be checked.
+- `rl-tpu train` compares the checkpoint it will resume with the configured model before Ray starts
+  (`check_resume_model`): the parameter shapes in the checkpoint's DCP metadata, which every trainer
+  checkpoint holds (old ones too), against those the trainer builds from the model folder. A checkpoint
+  of another model size is one line naming both, not a size mismatch inside a trainer actor.
 What a resume reproduces:
 - `sync` mode: everything but wall-clock timings. The resumed run logs the same metrics and ends with
   the same weights as an uninterrupted run, bit for bit (fp32; tested), because the trainer's state, the
@@ -40,9 +44,12 @@ import shutil
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_tpu.errors import UserError
+
+if TYPE_CHECKING:
+    from rl_tpu.config import Config
 
 STATE = "state.json"
 MANIFEST = "manifest.json"
@@ -133,9 +140,10 @@ def write_manifest(folder: Path) -> Path:
     return path
 
 
-def check_checkpoint(folder: Path) -> list[str] | None:
+def check_checkpoint(folder: Path, checksums: bool = True) -> list[str] | None:
     """What is wrong with `folder` by its manifest: [] if nothing, None if it has no manifest.
-    Each problem reads `step_000004/trainer/x.distcp: 1234 bytes, manifest says 5678`."""
+    Each problem reads `step_000004/trainer/x.distcp: 1234 bytes, manifest says 5678`. Without
+    `checksums`, only what a stat shows (missing files, sizes): the cheap part."""
     if not (folder / MANIFEST).is_file():
         return None
     try:
@@ -154,7 +162,7 @@ def check_checkpoint(folder: Path) -> list[str] | None:
             problems.append(f"{folder.name}/{rel}: missing")
         elif (size := f.stat().st_size) != want["bytes"]:
             problems.append(f"{folder.name}/{rel}: {size} bytes, manifest says {want['bytes']}")
-    if problems:
+    if problems or not checksums:
         return problems
     for rel, want in files.items():
         if (got := _checksum(folder / rel)) != want["checksum"]:
@@ -195,6 +203,64 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if problems is None:
         log.warning(unchecked, path)
     return path
+
+
+def resume_candidate(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `resolve_resume` will most likely pick, found without reading every byte and
+    without a warning: for 'auto', the newest whose files have their manifest sizes (a checkpoint
+    damaged without a change of size is told apart only by `resolve_resume`'s checksums)."""
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        return path if (path / STATE).is_file() else None
+    for folder in reversed(complete_checkpoints(run_dir)):
+        if not check_checkpoint(folder, checksums=False) and (folder / STATE).is_file():
+            return folder
+    return None
+
+
+def check_resume_model(cfg: Config) -> None:
+    """Raise CheckpointError if the checkpoint `checkpoint.resume` names was written for a model of
+    other parameter shapes than the configured one (`model.path`, or the run folder's tiny model), which
+    the trainer would find only once every actor has started (a DCP size mismatch and its traceback).
+    What is compared: the shapes recorded in the checkpoint's DCP metadata, which every trainer
+    checkpoint has, with those the trainer builds from the model folder (config.json and the safetensors
+    headers). A checkpoint whose metadata cannot be read is not checked here: resuming reports it."""
+    run_dir = Path(cfg.logging.run_dir)
+    folder = resume_candidate(run_dir, cfg.checkpoint.resume)
+    if folder is None:
+        return
+    from rl_tpu.trainer.checkpoint import describe_shapes, model_shapes, saved_shapes, shape_mismatch
+
+    saved = saved_shapes(folder / "trainer")
+    if not saved:
+        return
+    from rl_tpu.model_folder import ensure_model
+
+    model_path = ensure_model(cfg, run_dir)  # the folder the run will load (the tiny model: built now)
+    try:
+        current = model_shapes(model_path)
+    except Exception as e:  # noqa: BLE001 - an early check only: the trainer's load still compares
+        if isinstance(e, UserError):
+            raise
+        log.warning(
+            "could not compare checkpoint %s with the model before starting (%s: %s); the trainer "
+            "compares them when it loads the checkpoint",
+            folder,
+            type(e).__name__,
+            e,
+        )
+        return
+    why = shape_mismatch(saved, current)
+    if why is None:
+        return
+    model = f"model.path = {cfg.model.path!r}" if cfg.model.path else f"the run's model {model_path!r}"
+    raise CheckpointError(
+        f"checkpoint {folder} was written for another model ({describe_shapes(saved)}) than {model} "
+        f"({describe_shapes(current)}): {why}; resume with the model it was trained from, or start "
+        "over in another --logging.run_dir"
+    )
 
 
 def load_state(path: Path) -> dict[str, Any]:

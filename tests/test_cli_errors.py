@@ -230,6 +230,46 @@ def test_generate_names_an_architecture_vllm_does_not_serve(files, tiny_qwen3):
     )
 
 
+def test_resume_from_a_checkpoint_of_another_model_size_is_named_before_ray(
+    files, tiny_qwen3, tmp_path, capsys
+):
+    """Before, the trainer actors started, then DCP's "Size mismatch between saved torch.Size([512, 128])
+    and current ..." and a traceback. The checkpoint here holds only what the check reads (the policy's
+    weights in DCP, written in this process); the configured model is the `mini` size."""
+    import torch.distributed.checkpoint as dcp
+
+    from rl_tpu.checkpoint import check_resume_model, save_checkpoint
+    from rl_tpu.config import load_config
+    from rl_tpu.tiny_model import make_tiny_model
+    from rl_tpu.trainer import model as tmodel
+
+    policy = tmodel.hf_to_titan(tmodel.build_model_spec(tiny_qwen3), tmodel.load_hf_state_dict(tiny_qwen3))
+    run_dir = tmp_path / "run"
+    step = save_checkpoint(
+        run_dir,
+        2,
+        {"version": 2},
+        lambda p: dcp.save({"policy_model": policy}, checkpoint_id=str(p / "dcp"), no_dist=True),
+        keep_last=1,
+    )
+    mini = make_tiny_model(tmp_path / "mini", size="mini")
+    capsys.readouterr()  # its progress bar
+    args = [f"--logging.run_dir={run_dir}", "--logging.tensorboard=false", "--reward.workers=1"]
+    rc, err = _main(capsys, "train", *args, f"--model.path={mini}", "--resume", "auto")
+    _assert_one_line(
+        rc,
+        err,
+        f"checkpoint {step} was written for another model (vocab 512, hidden 128, 2 layers)",
+        f"model.path = {str(mini)!r} (vocab 512, hidden 256, 4 layers)",
+        "tok_embeddings.weight is [512, 128] in the checkpoint, [512, 256] in the model",
+    )
+    import ray
+
+    assert not ray.is_initialized()
+    # the model it was written with passes the check
+    check_resume_model(load_config(None, [*args, f"--model.path={tiny_qwen3}", "--checkpoint.resume=auto"]))
+
+
 def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):
     rc, err = _main(
         capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose"

@@ -140,6 +140,69 @@ class Checkpointer:
         return str(out_dir)
 
 
+def saved_shapes(folder: str | Path, name: str = "policy") -> dict[str, tuple[int, ...]] | None:
+    """The parameter shapes of the trained model `name` in the trainer checkpoint `folder`, by TorchTitan
+    name, read from DCP's metadata (no tensor is read); None when there is none or it cannot be read."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(str(Path(folder) / "dcp")).read_metadata()
+    except Exception:  # noqa: BLE001 - a missing or damaged file: the manifest check and the load say what
+        return None
+    prefix = f"{name}_model."
+    return {
+        key[len(prefix) :]: tuple(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(entry, "size")
+    }
+
+
+def model_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes the trainer loads from the HF folder `model_path`, by TorchTitan name: its
+    config.json through the model's state-dict adapter, on the safetensors headers (no weight is read)."""
+    from safetensors import safe_open
+
+    spec = tmodel.build_model_spec(model_path)
+    hf = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as reader:
+            for key in reader.keys():
+                hf[key] = torch.empty(reader.get_slice(key).get_shape(), device="meta")
+    return {key: tuple(t.shape) for key, t in tmodel.hf_to_titan(spec, hf).items()}
+
+
+def _layers(shapes: dict[str, tuple[int, ...]]) -> int:
+    return len({key.split(".")[1] for key in shapes if key.startswith("layers.")})
+
+
+def describe_shapes(shapes: dict[str, tuple[int, ...]]) -> str:
+    """`vocab 512, hidden 128, 2 layers`: the sizes a model's parameter shapes show."""
+    vocab_hidden = shapes.get("tok_embeddings.weight")
+    dims = (
+        f"vocab {vocab_hidden[0]}, hidden {vocab_hidden[1]}, "
+        if vocab_hidden and len(vocab_hidden) == 2
+        else ""
+    )
+    return f"{dims}{_layers(shapes)} layers"
+
+
+def shape_mismatch(saved: dict[str, tuple[int, ...]], current: dict[str, tuple[int, ...]]) -> str | None:
+    """What keeps a checkpoint with parameter shapes `saved` from loading into a model of shapes
+    `current` (None: nothing): a parameter of another shape, another layer count, or a parameter the
+    checkpoint lacks (which DCP refuses). Parameters only the checkpoint has are ignored, as DCP does."""
+    differ = [key for key in current if key in saved and saved[key] != current[key]]
+    if differ:  # shapes as lists: [512, 128], as the user reads them
+        key = "tok_embeddings.weight" if "tok_embeddings.weight" in differ else differ[0]
+        return f"{key} is {list(saved[key])} in the checkpoint, {list(current[key])} in the model"
+    if _layers(saved) != _layers(current):
+        return f"{_layers(saved)} layers in the checkpoint, {_layers(current)} in the model"
+    missing = [key for key in current if key not in saved]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"the checkpoint has no {missing[0]}{more}"
+    return None
+
+
 def load_same_architecture(spec, model_path: str, current_path: str) -> dict[str, torch.Tensor]:
     """The TorchTitan weights of the HF folder `model_path`, which must hold the architecture of `spec`."""
     new = tmodel.build_model_spec(model_path)

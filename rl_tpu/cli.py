@@ -3,8 +3,8 @@ config errors answer in well under a second.
 
 Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo, doctor.
 A mistake in the user's input (`rl_tpu.errors.UserError`: config, data file, reward spec, model folder,
-a damaged `--resume` checkpoint) exits with status 2 and one line naming the culprit; `--verbose` adds
-the traceback. Anything else is our bug and keeps its traceback.
+a damaged `--resume` checkpoint or one of another model size) exits with status 2 and one line naming the
+culprit; `--verbose` adds the traceback. Anything else is our bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ def test_device_binding_from_rays_logical_gpus_and_tpus(tmp_path):
         assert a["resources"][resource] == 1.0 and set(a["resources"]) == {"CPU", resource}
         assert len(a["ray_accelerator_ids"]) == 1
         assert a["visible_devices"] == a["ray_accelerator_ids"][0]  # what Ray set
-        assert (a["device_index"], a["binding"]) == (0, "visible")
+        # engines on torch-tpu name their chip through TPU_LOCAL_RANK_OFFSET (torch_tpu_env), then see tpu:0
+        assert (a["device_index"], a["binding"]) == (0, "visible" if resource == "GPU" else "torch_tpu")
     assert [t["device"] for t in trainers] == ["cuda:0", "cuda:0"]
     assert [e["device"] for e in engines] == ["tpu:0", "tpu:0"]
     assert len({t["ray_accelerator_ids"][0] for t in trainers}) == 2  # distinct GPUs
@@ -331,3 +332,18 @@ def main(out: Path) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "tests"))
     main(Path(sys.argv[1]))
+
+
+def test_torch_tpu_env_names_the_physical_chip_because_torch_tpu_overwrites_rays_mask():
+    """torch_tpu copies LOCAL_RANK into TPU_VISIBLE_CHIPS (vllm_torchtpu/worker/tpu_rank_binding.py), so a
+    trainer rank on Ray's chip 2 must say LOCAL_RANK=2, not its position (0) in Ray's one-chip mask; a
+    vLLM-TorchTPU engine on chips 2-3 gets TPU_LOCAL_RANK_OFFSET=2 (its worker adds its TP rank)."""
+    from rl_tpu.devices import torch_tpu_env
+
+    assert torch_tpu_env(["2"], {"TPU_VISIBLE_CHIPS": "2"}, engine=False) == {"LOCAL_RANK": "2"}
+    assert torch_tpu_env(["3"], {"RAY_TPU_RESOURCE_PER_CHIP": "2"}, engine=False) == {"LOCAL_RANK": "1"}
+    assert torch_tpu_env(["2", "3"], {}, engine=True) == {"TPU_LOCAL_RANK_OFFSET": "2"}
+    with pytest.raises(ValueError, match="consecutive chips"):
+        torch_tpu_env(["1", "3"], {}, engine=True)
+    with pytest.raises(ValueError, match="opens one chip"):
+        torch_tpu_env(["0", "1"], {}, engine=False)

@@ -23,6 +23,7 @@ hardware (docs/devices.md).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 import random
@@ -296,7 +297,8 @@ class Binding:
     """Where a process's device came from. `index`: the local device index torch uses (None: the host,
     no accelerator). `source`: "visible" (the position of Ray's id in the visible-devices variable),
     "ray_id" (Ray's id itself: no such variable), "local_rank" (Ray assigned none: LOCAL_RANK, else 0),
-    "host" (a row without an accelerator here)."""
+    "host" (a row without an accelerator here), "torch_tpu" (the `tpu` row under Ray: `LOCAL_RANK` or
+    `TPU_LOCAL_RANK_OFFSET` names the physical chip, which torch-tpu then shows as index 0; `torch_tpu_env`)."""
 
     device: str  # device row
     resource: str | None  # the Ray resource it reserves ("GPU", "TPU"), None: CPUs only
@@ -418,6 +420,11 @@ def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -
     have set), and the engine's processes see exactly its devices; the binding is then index 0."""
     env = os.environ
     b = local_device_index(device, ray_accelerator_ids(), env)
+    if device.name == "tpu" and b.resource == "TPU" and b.ray_ids:
+        env.update(torch_tpu_env(b.ray_ids, env, engine=engine))
+        b = dataclasses.replace(b, index=0, source="torch_tpu")
+        _BOUND[device.name] = b
+        return b
     if engine and b.source == "ray_id" and b.resource in VISIBLE_DEVICES_ENV:
         env.update(_visible_env(b.resource, b.ray_ids, env))
         b = local_device_index(device, ray_accelerator_ids(), env)
@@ -427,6 +434,28 @@ def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -
         torch.cuda.set_device(b.index)
     _BOUND[device.name] = b
     return b
+
+
+def torch_tpu_env(ray_ids: Sequence[str], env: Mapping[str, str], *, engine: bool) -> dict[str, str]:
+    """What a torch-tpu process needs to open the chips Ray assigned it. torch_tpu copies `LOCAL_RANK`
+    verbatim into `TPU_VISIBLE_CHIPS`, overwriting Ray's mask (vllm_torchtpu/worker/tpu_rank_binding.py
+    3-6; Ray's ray/_private/accelerators/tpu.py 809-812 says the same), so `LOCAL_RANK` must be the
+    *physical* chip, and the process then sees that one chip as tpu:0. A trainer rank holds one chip:
+    `LOCAL_RANK` = its chip. vLLM-TorchTPU's worker sets `LOCAL_RANK` itself to `TPU_LOCAL_RANK_OFFSET` + its
+    TP rank (tpu_rank_binding.py `get_tpu_worker_binding`), so an engine gets the offset = its first chip,
+    and its chips must be consecutive. Pure."""
+    per_chip = int(env.get(TPU_PER_CHIP_ENV) or 1)
+    chips = sorted({int(i) // per_chip for i in ray_ids})
+    if engine:
+        if chips != list(range(chips[0], chips[0] + len(chips))):
+            raise ValueError(
+                f"a vLLM-TorchTPU engine binds its TP ranks to consecutive chips from TPU_LOCAL_RANK_OFFSET, "
+                f"but Ray assigned chips {chips}; give each engine a whole host or a slice of its own"
+            )
+        return {"TPU_LOCAL_RANK_OFFSET": str(chips[0])}
+    if len(chips) != 1:
+        raise ValueError(f"a torch-tpu trainer rank opens one chip; Ray assigned it chips {chips}")
+    return {"LOCAL_RANK": str(chips[0])}
 
 
 def _visible_env(resource: str, ids: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:

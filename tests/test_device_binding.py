@@ -347,3 +347,28 @@ def test_torch_tpu_env_names_the_physical_chip_because_torch_tpu_overwrites_rays
         torch_tpu_env(["1", "3"], {}, engine=True)
     with pytest.raises(ValueError, match="opens one chip"):
         torch_tpu_env(["0", "1"], {}, engine=False)
+
+
+TPU_PY = Path(__file__).resolve().parents[1] / ".venv-tpu" / "bin" / "python"
+
+
+def test_torch_tpu_launch_env_set_by_the_operator_is_given_to_every_rank_as_is():
+    from rl_tpu.devices import torch_tpu_launch_env
+
+    env = {"TORCH_TPU_SLICEBUILDER_ADDRESSES": "h0:8070,h1:8070", "TORCH_TPU_TOPOLOGY": "2,2,1"}
+    assert torch_tpu_launch_env("/nonexistent/python", 2, env) == env  # no child process is needed
+
+
+@pytest.mark.skipif(
+    not TPU_PY.exists(),
+    reason="needs the `tpu` extra environment .venv-tpu (Python 3.12, locks/tpu.txt): "
+    "bash scripts/setup.sh --role-env tpu",
+)
+def test_torch_tpu_launch_env_asks_torch_tpu_itself_and_names_the_missing_tpu():
+    """torch-tpu 0.2.0's own `set_tpu_launch_env` decides the variables (in .venv-tpu, a child process);
+    on this TPU-less host it finds no chip, which the error says in one line."""
+    from rl_tpu.devices import torch_tpu_launch_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_TPU_")}
+    with pytest.raises(RuntimeError, match=r"launch environment of 2 rank\(s\).*no TPU found on this host"):
+        torch_tpu_launch_env(str(TPU_PY), 2, env)

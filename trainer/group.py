@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,6 +80,11 @@ class TrainerGroup:
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
+        if cfg.trainer.device == "tpu":  # torch-tpu: every rank gets the same launch variables, decided here
+            from rl_tpu.devices import torch_tpu_launch_env
+
+            launch = torch_tpu_launch_env(cfg.trainer.python or sys.executable, self.world_size)
+            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(launch)
         self._own_placement: PlacementGroups | None = None
         if placement is None:
             placement = self._own_placement = PlacementGroups(

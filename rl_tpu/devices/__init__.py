@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.util
+import json
 import os
 import random
 import sys
@@ -456,6 +457,54 @@ def torch_tpu_env(ray_ids: Sequence[str], env: Mapping[str, str], *, engine: boo
     if len(chips) != 1:
         raise ValueError(f"a torch-tpu trainer rank opens one chip; Ray assigned it chips {chips}")
     return {"LOCAL_RANK": str(chips[0])}
+
+
+TORCH_TPU_LAUNCH_VARS = (
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+    "TORCH_TPU_TOPOLOGY",
+    "TORCH_TPU_XPROF_SESSION_ID",
+)
+
+# run by the trainer's interpreter: argv[1] = ranks, argv[2:] = the variables to report
+_LAUNCH_PROBE = """
+import json, os, sys
+from torch_tpu._internal.distributed import distributed
+distributed.set_tpu_launch_env(nproc_per_node=int(sys.argv[1]))
+print("RL_TPU_LAUNCH_ENV=" + json.dumps({k: os.environ[k] for k in sys.argv[2:] if k in os.environ}))
+"""
+
+
+def torch_tpu_launch_env(python: str, world: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables every torch-tpu trainer rank must share, decided once, before any rank imports
+    torch_tpu (torch_tpu/_internal/distributed/distributed.py: "TorchTPU needs three environment variables
+    to be decided in the *parent* process"): the slice-builder addresses (one per rank), the topology and
+    the profiling session. Given as they are where the driver's environment sets both of the first two
+    (a multi-host slice: the operator's values); otherwise torch_tpu's own `set_tpu_launch_env` decides
+    them, run once by the trainer's interpreter `python` in a child process (it claims no chip). A host
+    without TPU chips is a `RuntimeError` saying so."""
+    import subprocess
+
+    env = os.environ if env is None else env
+    if all(env.get(k) for k in TORCH_TPU_LAUNCH_VARS[:2]):
+        return {k: env[k] for k in TORCH_TPU_LAUNCH_VARS if env.get(k)}
+    r = subprocess.run(
+        [python, "-c", _LAUNCH_PROBE, str(world), *TORCH_TPU_LAUNCH_VARS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(env),
+    )
+    for line in r.stdout.splitlines():
+        if line.startswith("RL_TPU_LAUNCH_ENV="):
+            return json.loads(line.removeprefix("RL_TPU_LAUNCH_ENV="))
+    tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+    if "expected TPU devices, got none" in r.stderr:
+        tail = "no TPU found on this host"
+    raise RuntimeError(
+        f"trainer.device = 'tpu': torch-tpu could not decide the launch environment of {world} rank(s) with "
+        f"{python}: {tail}. On a multi-host slice set TORCH_TPU_SLICEBUILDER_ADDRESSES and "
+        "TORCH_TPU_TOPOLOGY in the driver's environment"
+    )
 
 
 def _visible_env(resource: str, ids: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:

@@ -203,9 +203,10 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class SyncConfig:
-    # plan-based transports ("auto": shared memory within a Ray node, the object store across nodes), or
+    # plan-based transports ("auto": CUDA IPC between GPUs of one node, shared memory within a Ray node,
+    # the object store across nodes), or
     # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
-    transport: Literal["auto", "inprocess", "shm", "ray", "collective", "reload"] = "auto"
+    transport: Literal["auto", "inprocess", "shm", "cuda_ipc", "ray", "collective", "reload"] = "auto"
     bucket_mb: float = F(64.0, gt=0)
     # shm into a CPU engine: each engine rank keeps one shared-memory region holding its loaded-layout
     # weights for the engine's lifetime, and trainer ranks write straight into it (no bucket files, no copy

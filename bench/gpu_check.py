@@ -6,7 +6,10 @@
     `bench/plan_scale.synthetic_layouts`, which tests/test_weight_sync.py checks against a real engine's),
     packed by our sender (`SyncSender.ws_pack`) and installed by our engine-side `apply_bucket`, two
     buckets in flight. Reports sync GB/s ÷ device-copy GB/s of the same bytes (goal ≥ 0.5) and checks
-    every engine tensor bit for bit against the layout applied directly to the trainer's tensors.
+    every engine tensor bit for bit against the layout applied directly to the trainer's tensors. Each
+    byte is copied twice on the device (packed into the bucket, installed out of it), so 0.5 is this
+    route's ceiling; above it needs the engine to copy straight out of the trainer's shards (IPC handles
+    of the parameters themselves, one copy), which is not built.
 (b) `step`: one optimizer step of the trainer's model (TorchTitan, built from the same config.json
     through `trainer.model.build_model_spec`, FSDP2 with bf16 compute on one rank) next to a plain
     transformers `Qwen3ForCausalLM` step in bf16: tokens/s and MFU (goal ≥ 45 %).

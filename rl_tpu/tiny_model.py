@@ -7,6 +7,11 @@ BPE training is deterministic, and the weights come from `torch.manual_seed(seed
 
 Sizes: `tiny` (~0.5 M parameters) for tests and the demo, `mini` (~3.4 M) and `small` (~13 M) for
 benchmarks and a slower demo.
+
+Architectures (`ARCHS`): dense `qwen3` and `llama`, and `qwen3_moe` (Qwen3MoeForCausalLM): every layer
+sparse, `MOE["num_experts"]` routed experts of width `intermediate_size // 2`, top-`MOE["top_k"]` softmax
+routing renormalised over the chosen experts (`norm_topk_prob`, as the released Qwen3-MoE models), no
+shared expert. Same tokenizer and attention dimensions as the dense model of that size.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+ARCHS = ("qwen3", "llama", "qwen3_moe")
+MOE = dict(num_experts=4, top_k=2)
 
 SIZES = {
     #            hidden layers heads kv_heads intermediate vocab
@@ -111,7 +119,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     dims = dict(SIZES[size], vocab_size=vocab_size)
     common = dict(
@@ -129,7 +137,20 @@ def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int
         return Qwen3Config(**dims, **common, attention_bias=False)
     if arch == "llama":
         return LlamaConfig(**dims, **common, attention_bias=False, mlp_bias=False)
-    raise ValueError(f"unknown arch {arch!r}; choose qwen3 or llama")
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **dims,
+            **common,
+            attention_bias=False,
+            num_experts=MOE["num_experts"],
+            num_experts_per_tok=MOE["top_k"],
+            moe_intermediate_size=dims["intermediate_size"] // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
+    raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
 def make_tiny_model(out: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:

@@ -13,6 +13,25 @@ Invariants and decisions:
   (`layers.{i}.attention.qkv_linear.wq.weight`), which is what weight sync and DCP read.
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit
   (the adapters only rename, reshape and permute).
+
+Qwen3-MoE (`model_type: "qwen3_moe"`, Qwen3MoeForCausalLM; issue #43, first increment): TorchTitan's
+Qwen3 with `moe` blocks (`make_moe_config`) where HF has sparse layers (`decoder_sparse_step`,
+`mlp_only_layers`), dense `feed_forward` elsewhere. HF -> TorchTitan: `num_experts` (written as
+`num_local_experts` by transformers 5) -> `num_experts`, `num_experts_per_tok` -> `top_k`,
+`moe_intermediate_size` -> the experts' `hidden_dim`, `norm_topk_prob` -> `route_norm`; routing is
+HF's: softmax over all experts in fp32, top-k, optional renormalisation (`score_func="softmax"`,
+`route_scale=1`), no load-balancing expert bias (`load_balance_coeff=None`: HF has none, and the
+bias would change routing), scores applied to the expert outputs. Qwen3StateDictAdapter stacks
+`mlp.experts.{j}.{gate,up,down}_proj.weight` into `moe.routed_experts.inner_experts.{w1_EFD,w3_EFD,
+w2_EDF}` (E, out, in) and `mlp.gate.weight` is `moe.router.gate.weight`. One change to TorchTitan's
+computation: its `GroupedExperts.forward` casts activations and expert weights to bf16
+(torchtitan/models/common/moe.py, the `.bfloat16()` calls in `GroupedExperts.forward`), so the experts
+here are `ParamDtypeGroupedExperts`, the same grouped matmuls in the parameters' dtype (fp32 on CPU:
+logits equal HF's to ~1e-6; under FSDP2 mixed precision the parameters arrive in bf16 and so does the
+math). Same parameter names, so the adapter and DCP see TorchTitan's layout.
+Not covered yet: RL training of an MoE model (`check_hf_config` refuses it by default: weight sync of
+the stacked expert tensors, expert parallelism, the router's load-balancing loss), TorchTitan 0.2.0
+(`titan_compat`), shared experts (Qwen2-MoE style).
 """
 
 from __future__ import annotations
@@ -44,7 +63,7 @@ _SIDE_FILES = (
 class ModelSpec:
     """What the trainer needs to build one architecture: TorchTitan config, parallelize fn, adapter."""
 
-    arch: str  # "qwen3" | "llama"
+    arch: str  # "qwen3" | "llama" | "qwen3_moe"
     config: Any  # Qwen3Model.Config | Llama3Model.Config
     parallelize_fn: Any
     adapter_cls: Any
@@ -59,7 +78,9 @@ def read_hf_config(model_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-MODEL_TYPES = ("qwen3", "llama")  # what build_model_spec builds
+MODEL_TYPES = ("qwen3", "llama")  # what the trainer trains (build_model_spec builds these)
+MOE_MODEL_TYPES = ("qwen3_moe",)  # build_model_spec builds these too; RL training is not wired yet (#43)
+_MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size")  # plus num_experts / num_local_experts
 _REQUIRED_KEYS = (
     "hidden_size",
     "num_attention_heads",
@@ -69,12 +90,19 @@ _REQUIRED_KEYS = (
 )
 
 
-def check_hf_config(hf: dict, where: str | Path) -> None:
+def check_hf_config(hf: dict, where: str | Path, *, moe: bool = False) -> None:
     """Raise `ModelError` naming `where` (the config.json) if `build_model_spec` cannot build this model.
     Pure (no TorchTitan import): the driver runs it before any trainer actor starts, since an error
-    raised inside an actor's constructor reaches the user as a Ray traceback."""
+    raised inside an actor's constructor reaches the user as a Ray traceback. MoE models
+    (`MOE_MODEL_TYPES`) pass only with `moe=True` (what `build_model_spec` asks): the driver's check
+    refuses to train them until weight sync and expert parallelism are wired (#43)."""
     model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if model_type in MOE_MODEL_TYPES and not moe:
+        raise ModelError(
+            f"{where}: model_type {model_type!r} (mixture of experts) is not trained yet: the trainer "
+            "builds it, but weight sync and expert parallelism for MoE are not wired (issue #43)"
+        )
+    if model_type not in MODEL_TYPES + (MOE_MODEL_TYPES if moe else ()):
         archs = f" (architectures {hf['architectures']})" if hf.get("architectures") else ""
         raise ModelError(
             f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
@@ -87,6 +115,36 @@ def check_hf_config(hf: dict, where: str | Path) -> None:
     if missing:
         raise ModelError(f"{where}: {', '.join(f'`{k}`' for k in missing)} missing or not an integer")
     _rope_theta(hf, where)
+    if model_type in MOE_MODEL_TYPES:
+        _moe_settings(hf, where)
+
+
+def _moe_settings(hf: dict, where: str | Path = "config.json") -> dict:
+    """Qwen3-MoE's HF keys, checked: num_experts, top_k, expert width, renormalisation, sparse layers."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [k for k in _MOE_KEYS if type(hf.get(k)) is not int]
+    if type(num_experts) is not int:
+        missing.insert(0, "num_experts")
+    if missing:
+        raise ModelError(f"{where}: {', '.join(f'`{k}`' for k in missing)} missing or not an integer")
+    top_k = hf["num_experts_per_tok"]
+    if not 1 <= top_k <= num_experts:
+        raise ModelError(f"{where}: `num_experts_per_tok` {top_k} must be in 1..num_experts ({num_experts})")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ModelError(f"{where}: shared experts (`shared_expert_intermediate_size`) are not supported")
+    step = hf.get("decoder_sparse_step", 1)
+    mlp_only = hf.get("mlp_only_layers") or []
+    if type(step) is not int or step < 1 or not all(type(i) is int for i in mlp_only):
+        raise ModelError(f"{where}: `decoder_sparse_step` / `mlp_only_layers` must be integers")
+    n_layers = hf["num_hidden_layers"]
+    sparse = [i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+    return dict(
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_dim=hf["moe_intermediate_size"],
+        route_norm=bool(hf.get("norm_topk_prob", False)),
+        sparse=sparse,  # per layer, as transformers' Qwen3MoeDecoderLayer decides
+    )
 
 
 def _rope_theta(hf: dict, where: str | Path = "config.json") -> float:
@@ -104,7 +162,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     from rl_tpu.trainer import titan_compat
 
     hf = read_hf_config(model_path)
-    check_hf_config(hf, Path(model_path) / "config.json")
+    check_hf_config(hf, Path(model_path) / "config.json", moe=True)
     model_type = hf["model_type"]
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads") or n_heads
@@ -112,12 +170,17 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     vocab, eps = hf["vocab_size"], float(hf.get("rms_norm_eps", 1e-6))
     seq = int(max_seq_len or hf.get("max_position_embeddings", 4096))
     if not titan_compat.has_common_api():
+        if model_type in MOE_MODEL_TYPES:
+            raise ModelError(
+                f"{Path(model_path) / 'config.json'}: model_type {model_type!r} needs TorchTitan's "
+                "`models.common` API (TorchTitan >= 0.3.0)"
+            )
         return titan_compat.build_model_spec(
             hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json"
         )
 
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.config_utils import make_gqa_config
 
     from rl_tpu.trainer.attention import SharedPromptSDPA
 
@@ -128,7 +191,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     def norm(n: int) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=n, eps=eps, param_init=norm_init)
 
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
         from torchtitan.models.qwen3.model import Qwen3TransformerBlock as Block
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as Adapter
@@ -161,11 +224,9 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
                 rope=rope,
                 **({"qk_norm": qk_norm} if qk_norm is not None else {}),
             ),
-            feed_forward=make_ffn_config(
-                dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=lin_init, w2w3_param_init=lin_init
-            ),
+            **_mlp(hf, i, dim, lin_init),
         )
-        for _ in range(hf["num_hidden_layers"])
+        for i in range(hf["num_hidden_layers"])
     ]
     config = model_cls.Config(
         dim=dim,
@@ -186,6 +247,88 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
         hf_config=hf,
         shares_prompts=True,
     )
+
+
+def _mlp(hf: dict, layer: int, dim: int, lin_init: dict) -> dict:
+    """The block's MLP: `feed_forward` (dense SwiGLU) or, on an MoE model's sparse layer, `moe`."""
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    if hf["model_type"] not in MOE_MODEL_TYPES or not _moe_settings(hf)["sparse"][layer]:
+        return {
+            "feed_forward": make_ffn_config(
+                dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=lin_init, w2w3_param_init=lin_init
+            )
+        }
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_router_config,
+        make_token_dispatcher_config,
+    )
+    from torchtitan.models.common.moe import RoutedExperts
+
+    m = _moe_settings(hf)
+    n, k = m["num_experts"], m["top_k"]
+    experts_init = {name: torch.nn.init.zeros_ for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    return {
+        "moe": make_moe_config(
+            num_experts=n,
+            router=make_router_config(
+                dim=dim,
+                num_experts=n,
+                gate_param_init=lin_init,
+                top_k=k,
+                score_func="softmax",
+                route_norm=m["route_norm"],
+                route_scale=1.0,
+            ),
+            routed_experts=RoutedExperts.Config(
+                inner_experts=_param_dtype_grouped_experts().Config(
+                    dim=dim, hidden_dim=m["hidden_dim"], num_experts=n, param_init=experts_init
+                ),
+                # "standard": all-to-all under expert parallelism, local reordering without it (EP = 1, here)
+                token_dispatcher=make_token_dispatcher_config(
+                    num_experts=n, top_k=k, comm_backend="standard", hidden_dim=dim
+                ),
+            ),
+            load_balance_coeff=None,
+        )
+    }
+
+
+def _param_dtype_grouped_experts() -> type:
+    """TorchTitan's `GroupedExperts` computing in its parameters' dtype instead of always bf16.
+
+    Built on first use (TorchTitan is imported lazily) and published as this module's
+    `ParamDtypeGroupedExperts`, so configs holding it pickle by name."""
+    cls = globals().get("ParamDtypeGroupedExperts")
+    if cls is not None:
+        return cls
+    from dataclasses import dataclass as _dataclass
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class ParamDtypeGroupedExperts(GroupedExperts):
+        @_dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            w1, w2, w3 = (
+                w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+            )
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            x = x_RD.to(w1.dtype)
+            h = F.silu(self._grouped_mm(A=x, B_t=w1.transpose(-2, -1), offs=offs))
+            h = h * self._grouped_mm(A=x, B_t=w3.transpose(-2, -1), offs=offs)
+            return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offs).type_as(x_RD)
+
+    ParamDtypeGroupedExperts.__module__ = __name__
+    ParamDtypeGroupedExperts.__qualname__ = "ParamDtypeGroupedExperts"
+    ParamDtypeGroupedExperts.Config.__qualname__ = "ParamDtypeGroupedExperts.Config"
+    globals()["ParamDtypeGroupedExperts"] = ParamDtypeGroupedExperts
+    return ParamDtypeGroupedExperts
 
 
 def load_hf_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,135 @@
+"""Qwen3-MoE, first increment of #43: the tiny MoE model, TorchTitan's build of it and its HF parity.
+
+vLLM serving it (greedy tokens equal to transformers') is `test_vllm_and_transformers_agree_greedy[qwen3_moe]`
+in tests/test_tiny_model.py. Not covered yet: RL training, weight sync, expert parallelism.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rl_tpu.errors import ModelError
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "m"
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_tpu.cli",
+        "make-tiny-model",
+        str(out),
+        "--arch",
+        "qwen3_moe",
+        "--seed",
+        "1",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_moe_tiny_model_config(moe_path, tmp_path):
+    from rl_tpu.tiny_model import make_tiny_model
+
+    hf = json.loads((moe_path / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["model_type"] == "qwen3_moe"
+    # transformers 5 writes num_experts under its attribute-map name
+    assert hf.get("num_experts", hf.get("num_local_experts")) == 4
+    assert (hf["num_experts_per_tok"], hf["moe_intermediate_size"], hf["norm_topk_prob"]) == (2, 192, True)
+    assert (hf["decoder_sparse_step"], hf["mlp_only_layers"]) == (1, [])
+    again = make_tiny_model(tmp_path / "again", "qwen3_moe", "tiny", seed=1)
+    assert (again / "model.safetensors").read_bytes() == (moe_path / "model.safetensors").read_bytes()
+    dense = make_tiny_model(tmp_path / "dense", "qwen3", "tiny", seed=1)
+    assert (dense / "tokenizer.json").read_bytes() == (moe_path / "tokenizer.json").read_bytes()
+
+
+def test_moe_driver_check_refuses_training_but_builder_accepts(moe_path):
+    from rl_tpu.trainer.model import check_hf_config
+
+    hf = json.loads((moe_path / "config.json").read_text())
+    with pytest.raises(ModelError, match="not trained yet.*#43"):
+        check_hf_config(hf, "config.json")
+    check_hf_config(hf, "config.json", moe=True)
+    with pytest.raises(ModelError, match="num_experts_per_tok"):
+        check_hf_config({**hf, "num_experts_per_tok": 9}, "config.json", moe=True)
+
+
+def test_moe_build_model_spec(moe_path):
+    from torchtitan.models.common.moe import MoE
+
+    from rl_tpu.trainer.model import build_model_spec
+
+    spec = build_model_spec(moe_path)
+    assert spec.arch == "qwen3_moe"
+    moe = spec.config.layers[0].moe
+    assert moe.num_experts == 4 and moe.load_balance_coeff is None
+    assert (moe.router.top_k, moe.router.score_func, moe.router.route_norm) == (2, "softmax", True)
+    assert moe.routed_experts.inner_experts.hidden_dim == 192
+    model = spec.config.build()
+    assert isinstance(model.layers["0"].moe, MoE)
+
+
+def test_moe_hf_titan_state_dict_round_trip(moe_path):
+    from rl_tpu.trainer.model import build_model_spec, hf_to_titan, load_hf_state_dict, titan_to_hf
+
+    spec = build_model_spec(moe_path)
+    hf_sd = load_hf_state_dict(moe_path)
+    titan_sd = hf_to_titan(spec, hf_sd)
+    w1 = titan_sd["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+    assert w1.shape == (4, 192, 128)
+    assert torch.equal(w1[2], hf_sd["model.layers.0.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(titan_sd["layers.1.moe.router.gate.weight"], hf_sd["model.layers.1.mlp.gate.weight"])
+    model = spec.config.build()
+    assert set(titan_sd) == set(model.state_dict())  # no expert bias buffer: HF has none
+    back = titan_to_hf(spec, titan_sd)
+    assert set(back) == set(hf_sd)
+    assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+
+
+def _titan_model(path):
+    from rl_tpu.trainer.model import build_model_spec, hf_to_titan, load_hf_state_dict
+
+    spec = build_model_spec(path)
+    model = spec.config.build()
+    model.load_state_dict(hf_to_titan(spec, load_hf_state_dict(path)), strict=True)
+    return model.eval()
+
+
+def test_moe_titan_logits_equal_hf(moe_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    titan = _titan_model(moe_path)
+    tokens = torch.randint(4, 500, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        out = titan(tokens)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert ref.abs().max() > 0.1  # the logits are not trivially small
+    # why the experts are ParamDtypeGroupedExperts: TorchTitan's own GroupedExperts computes in bf16
+    from torchtitan.models.common.moe import GroupedExperts
+
+    for block in titan.layers.values():
+        experts = block.moe.routed_experts.inner_experts
+        experts.forward = GroupedExperts.forward.__get__(experts)
+    with torch.no_grad():
+        assert (titan(tokens) - ref).abs().max() > 1e-4
+
+
+def test_moe_titan_backward_runs_in_fp32(moe_path):
+    titan = _titan_model(moe_path).train()
+    tokens = torch.randint(4, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = titan(tokens)
+    assert logits.dtype == torch.float32
+    for block in titan.layers.values():  # every expert got tokens: the parity above covers them all
+        assert (block.moe.tokens_per_expert_E > 0).all()
+    logits.float().logsumexp(-1).mean().backward()
+    grad = titan.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
+    assert titan.layers["0"].moe.router.gate.weight.grad.abs().sum() > 0

@@ -5,6 +5,7 @@ in tests/test_tiny_model.py. Not covered yet: RL training, weight sync, expert p
 """
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -72,6 +73,13 @@ def test_moe_build_model_spec(moe_path):
     assert moe.routed_experts.inner_experts.hidden_dim == 192
     model = spec.config.build()
     assert isinstance(model.layers["0"].moe, MoE)
+    # the config pickles by name (Ray ships configs), also where the lazily built class is not built yet
+    import rl_tpu.trainer.model as tm
+
+    blob = pickle.dumps(spec.config)
+    del tm.ParamDtypeGroupedExperts
+    experts = pickle.loads(blob).build().layers["1"].moe.routed_experts.inner_experts
+    assert type(experts).__name__ == "ParamDtypeGroupedExperts"
 
 
 def test_moe_hf_titan_state_dict_round_trip(moe_path):

@@ -331,6 +331,13 @@ def _param_dtype_grouped_experts() -> type:
     return ParamDtypeGroupedExperts
 
 
+def __getattr__(name: str) -> Any:
+    """`ParamDtypeGroupedExperts` on first access (a pickled config names it before anything built it)."""
+    if name == "ParamDtypeGroupedExperts":
+        return _param_dtype_grouped_experts()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_hf_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the folder's safetensors files (single file or sharded with an index)."""
     from safetensors.torch import load_file

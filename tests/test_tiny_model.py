@@ -69,7 +69,7 @@ def test_tokenizer_splits_digits_and_has_chat_template(built):
     assert tok.eos_token == "<|im_end|>"
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_vllm_and_transformers_agree_greedy(arch, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams

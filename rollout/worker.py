@@ -45,7 +45,7 @@ from rl_tpu.rollout.engine import (
 from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
-from rl_tpu.weight_sync.receiver import SyncReceiver
+from rl_tpu.weight_sync.receiver import SyncReceiver, fault_hook
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class RolloutWorker(SyncReceiver):
         if not prompt_token_ids:
             return []
         check_prompts(prompt_token_ids)
+        fault_hook("generate", self.index, self.version)  # test-only, see weight_sync.receiver
         if seeds is not None and self.traits.per_request_seed:
             params = [sampling_params(self.cfg.rollout, self.device, seed=s, **sampling) for s in seeds]
         else:

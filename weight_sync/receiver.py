@@ -14,13 +14,39 @@ with each other (the driver starts every receiver at once).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .calls import call, get, node_id, ready, route
 from .transports import get_transport
+
+# Test-only (tests/test_faults.py): RL_TPU_TEST_HOOKS, set to a folder before Ray starts, lets a test
+# stop an engine at a chosen moment. An engine reaching `point` ("sync": a weight sync has begun and its
+# buckets are requested; "generate") finds FOLDER/<point>.json ({"engine", "version", "seconds"}), and if
+# both match (its index, the version it installs or generates with) it renames the file to
+# <point>.fired, writes its pid to <point>.pid and sleeps `seconds`: once. Unset: nothing is read.
+_TEST_HOOKS = os.environ.get("RL_TPU_TEST_HOOKS", "")
+
+
+def fault_hook(point: str, engine: int, version: int) -> None:
+    if not _TEST_HOOKS:
+        return
+    path = os.path.join(_TEST_HOOKS, f"{point}.json")
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+        if (spec["engine"], spec["version"]) != (engine, version):
+            return
+        os.rename(path, os.path.join(_TEST_HOOKS, f"{point}.fired"))
+    except FileNotFoundError:
+        return
+    with open(os.path.join(_TEST_HOOKS, f"{point}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(float(spec["seconds"]))
 
 
 class EngineRanks:
@@ -163,6 +189,7 @@ class SyncReceiver:
         pending = [issue(k, True) for k in range(n)]  # region routes reuse no buffer: every round now
         for k in range(min(2, n)):  # the others keep two rounds in flight (pooled slots are reused)
             pending[k].update(issue(k, False))
+        fault_hook("sync", getattr(self, "index", 0), int(version))
         i = 0
         while i < n:
             # round i, and every later round already packed, go to the engine in one call (in order)

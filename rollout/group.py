@@ -106,6 +106,7 @@ class RolloutGroup:
         *,
         timeout_s: float = 600.0,
         ping_timeout_s: float = 30.0,
+        start_timeout_s: float = 600.0,
         num_cpus_per_worker: float = 1.0,
         placement: PlacementGroups | None = None,
     ):
@@ -116,6 +117,9 @@ class RolloutGroup:
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model folder {self.model_path!r} has no config.json")
         self.timeout_s, self.ping_timeout_s = timeout_s, ping_timeout_s
+        # an engine's start (vLLM start-up and warm-up: a minute or more on a busy CPU box) is not a call:
+        # the first ping waits this long, whatever the call timeout
+        self.start_timeout_s = max(start_timeout_s, timeout_s)
         self._calls = 0
         self.restarts, self.max_restarts = 0, cfg.rollout.max_restarts
         self.on_restart: Callable[[int], None] | None = None  # gives a restarted worker the current policy
@@ -133,7 +137,7 @@ class RolloutGroup:
             options, threads = [placement.options(s) for s in slots], [s.threads for s in slots]
         self._options, self._threads = options, threads
         self.workers = [self._spawn(i) for i in range(self.num_workers)]
-        self._get([w.ping.remote() for w in self.workers], range(self.num_workers), self.timeout_s)
+        self._get([w.ping.remote() for w in self.workers], range(self.num_workers), self.start_timeout_s)
 
     def _spawn(self, i: int):
         """Start worker i's actor in its slot (Ray restarts nothing by itself: `restart_worker` does,
@@ -212,7 +216,7 @@ class RolloutGroup:
         )
         ray.kill(self.workers[w], no_restart=True)  # a stuck actor must not finish its call later
         self.workers[w] = self._spawn(w)  # in place: the weight sync holds this list
-        self._get([self.workers[w].ping.remote()], [w], self.timeout_s)
+        self._get([self.workers[w].ping.remote()], [w], self.start_timeout_s)
         if self.on_restart is not None:
             self.on_restart(w)
         elif self._restore is not ORIGINAL:

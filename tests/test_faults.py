@@ -185,3 +185,39 @@ def test_engine_killed_during_weight_sync_is_restarted_resynced_and_verified(tmp
     # the push that lost engine 1 reports no verify (the new engine was verified alone); the next one all
     assert "sync/verified_params" not in rows[1] and rows[2]["sync/verified_params"] > 0
     assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3} == {2}
+
+
+@real_stack
+def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path, hook, caplog, monkeypatch):
+    """Engine 1 stops answering in step 2's generation (it sleeps an hour): once the call timeout passes,
+    the group kills it, starts a new engine, syncs it and sends it the lost share of the batch again."""
+    import rl_tpu.rollout
+    from rl_tpu.loop import train
+
+    class ShortTimeout(rl_tpu.rollout.RolloutGroup):  # no config key sets the call timeout (600 s)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, timeout_s=15.0, **kwargs)
+
+    monkeypatch.setattr(rl_tpu.rollout, "RolloutGroup", ShortTimeout)
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3")
+    hook("generate", engine=1, version=1, seconds=3600)
+    train(cfg)
+    hung = hook.pid("generate", timeout=0)
+    rows = _assert_whole(tmp_path / "run", 3, 16)
+    assert [r["rollout/restarts"] for r in rows] == [0, 1, 1]
+    assert _restarts(caplog) == [
+        "rollout worker 1: no answer within 15 s; restarting it (restart 1 of at most 3)"
+    ]
+    assert _engine_pid(tmp_path / "run", 1) != hung
+    assert all(r["sync/verified_params"] > 0 for r in rows)
+    # the replaced engine got version 1 before it sampled its share of step 2 again
+    assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 2} == {1}
+    for _ in range(100):  # the stuck process was killed, not left sleeping (ray.kill is asynchronous)
+        try:
+            os.kill(hung, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung engine (pid {hung}) is still running")

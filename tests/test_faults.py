@@ -221,3 +221,27 @@ def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hung engine (pid {hung}) is still running")
+
+
+@real_stack
+def test_engine_killed_during_async_generation_is_restarted_and_no_sample_lost(tmp_path, hook, caplog):
+    """Async mode: engine 1 is SIGKILLed while generating step 3's batch with version 1, which overlaps
+    step 2's update. The generation thread restarts it, and the new engine is synced under the update's
+    lock (so with version 2, the policy the update made) before it samples its share again."""
+    from rl_tpu.loop import train
+
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3", "--cluster.mode=async")
+    hook("generate", engine=1, version=1, seconds=900)
+    killed: dict = {}
+    killer = _kill_when_stopped(hook, "generate", killed)
+    train(cfg)
+    killer.join(timeout=5)
+    rows = _assert_whole(tmp_path / "run", 3, 16)
+    assert [r["rollout/restarts"] for r in rows] == [0, 1, 1]  # restarted before step 2's sync
+    (restart,) = _restarts(caplog)
+    assert restart.startswith("rollout worker 1: actor died"), restart
+    assert _engine_pid(tmp_path / "run", 1) != killed["killed"]
+    assert all(r["sync/verified_params"] > 0 for r in rows)
+    step3 = {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3}
+    assert step3 == {1, 2} and rows[2]["staleness"] == 1.0  # engine 0's share: 1; the new engine's: 2

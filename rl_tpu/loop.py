@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,6 +359,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     pool = RewardPool(cfg.reward)
 
     own = trainer = sync = rollouts = logger = bar = None  # own: the roles this run starts (and ends)
+    finished = False
     last: dict[str, float] = {}
     step = 0
     hf: str | None = None
@@ -427,17 +430,68 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
                     run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last
                 )
         hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
+        finished = True
     finally:
-        for closer in (rollouts, bar, logger, pool, sync):
-            if closer is not None:
-                closer.close()
-        if own is not None:
-            own.shutdown()
-        elif roles is not None:
+        _close_run(rollouts, bar, logger, pool, sync, own=own, failing=not finished)
+        if roles is not None:
             roles.rollout.on_restart = None  # this run's sync is closed; the caller keeps the roles
             # and an engine restarted between jobs gets this run's policy (none if the run stopped early)
             roles.rollout.keep_for_restart(hf, roles.trainer.policy_version)
     return {"run_dir": str(run_dir), "steps": step, "final": last, "model_path": model_path, "hf": hf}
+
+
+SYNC_CLOSE_S = 30.0  # how long a failing run waits for the weight sync's close before ending the roles
+
+
+def _close_run(*closers, own: Roles | None, failing: bool) -> None:
+    """Close the run's parts, then end the roles it started (`own`): each part even where another fails.
+    While the run is failing, its own error is the one the caller must see: an error here is logged
+    instead, and the weight sync's close (a call into every trainer rank) is waited for at most
+    `SYNC_CLOSE_S`: a rank whose peer died can sit in a collective until torch's 10 min timeout, and
+    its close would queue behind it. Ending the roles kills it."""
+    errors: list[BaseException] = []
+    for closer in closers:
+        if closer is None:
+            continue
+        try:
+            if failing and isinstance(closer, WeightSync):
+                if not _within(closer.close, SYNC_CLOSE_S):
+                    log.warning(
+                        "weight sync: closing the trainer ranks' side took over %.0f s (a rank is stuck); "
+                        "ending the roles instead",
+                        SYNC_CLOSE_S,
+                    )
+            else:
+                closer.close()
+        except Exception as e:  # noqa: BLE001 - the others are closed first; raised below if the run was fine
+            errors.append(e)
+            if failing:
+                log.warning("closing %s after the run failed: %s", type(closer).__name__, e)
+    if own is not None:
+        own.shutdown()
+    if errors and not failing:
+        raise errors[0]
+
+
+def _within(fn: Callable[[], Any], timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread: False if it is still running after `timeout_s` (left to finish or
+    fail on its own), else True, or its error."""
+    box: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+
+    t = threading.Thread(target=run, daemon=True, name="rl_tpu-close")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return False
+    if box:
+        raise box[0]
+    return True
 
 
 def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):

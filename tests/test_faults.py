@@ -245,3 +245,48 @@ def test_engine_killed_during_async_generation_is_restarted_and_no_sample_lost(t
     assert all(r["sync/verified_params"] > 0 for r in rows)
     step3 = {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3}
     assert step3 == {1, 2} and rows[2]["staleness"] == 1.0  # engine 0's share: 1; the new engine's: 2
+
+
+@real_stack
+def test_trainer_rank_killed_mid_step_fails_fast_then_resume_auto_finishes(tmp_path, monkeypatch, caplog):
+    """Trainer rank 1 is SIGKILLed in step 2, after its generation, as the update is handed to the ranks
+    (rank 0 then enters the update's collectives with a dead peer). The run stops with an error naming
+    the rank, promptly, and leaves nothing behind; `checkpoint.resume=auto` then continues from the
+    step-1 checkpoint to the end without training step 1 again."""
+    import ray
+
+    from rl_tpu.loop import train
+    from rl_tpu.trainer import TrainerGroup
+    from rl_tpu.trainer.group import TrainerError
+
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    opts = ["--trainer.total_steps=3", "--checkpoint.every=1", "--rollout.engines=1"]
+    killed: dict = {}
+    original = TrainerGroup.train_step
+
+    def train_step(self, batch, algo_cfg):
+        if self.policy_version == 1 and not killed:  # step 2's update
+            pid = ray.get(self.actors[1].__ray_call__.remote(lambda actor: os.getpid()))
+            os.kill(pid, signal.SIGKILL)
+            killed["pid"] = pid
+        return original(self, batch, algo_cfg)
+
+    monkeypatch.setattr(TrainerGroup, "train_step", train_step)
+    t = time.monotonic()
+    with pytest.raises(TrainerError, match=r"trainer rank 1 died in train_step\(\)"):
+        train(_cfg(tmp_path, *opts))
+    failed_after = time.monotonic() - t
+    monkeypatch.setattr(TrainerGroup, "train_step", original)
+    run_dir = tmp_path / "run"
+    first = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1] and "pid" in killed
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
+
+    out = train(_cfg(tmp_path, *opts, "--checkpoint.resume=auto"))
+    assert out["steps"] == 3
+    rows = _assert_whole(run_dir, 3, 16)
+    assert rows[0] == first[0]  # step 1 is the first run's row: not trained again
+    assert "time/startup" in rows[1]  # the resumed run's first step is step 2
+    assert [r["actor/step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert any("at step 1" in r.getMessage() and "resumed from" in r.getMessage() for r in caplog.records)
+    print(f"first run failed after {failed_after:.0f} s")

@@ -345,6 +345,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             "(--trainer.test_freq=N evaluates every N steps and after the last)",
             len(test_set),
         )
+    warning = collective_restart_warning(cfg)
+    if warning:
+        log.warning(warning)
     # A model folder of the user's is checked now (its files); the tokenizer (most of it importing
     # transformers) and the prompt lengths it checks, or the tiny default when it still has to be
     # built, come while Ray starts: a failure there stops Ray again and is reported.
@@ -471,6 +474,18 @@ def _close_run(*closers, own: Roles | None, failing: bool) -> None:
         own.shutdown()
     if errors and not failing:
         raise errors[0]
+
+
+def collective_restart_warning(cfg: Config) -> str | None:
+    """What to warn about at start-up when engine restarts are allowed but the transport cannot take a
+    restarted engine back (`WeightSync.replace_receiver`: the collective group lost a member), else None."""
+    if cfg.sync.transport != "collective" or cfg.rollout.max_restarts == 0:
+        return None
+    return (
+        f"sync.transport = collective cannot take back a restarted engine: rollout.max_restarts = "
+        f"{cfg.rollout.max_restarts}, but a run whose engine dies or hangs will fail at the restart "
+        "(--sync.transport=auto restarts engines)"
+    )
 
 
 def _within(fn: Callable[[], Any], timeout_s: float) -> bool:

@@ -290,3 +290,17 @@ def test_trainer_rank_killed_mid_step_fails_fast_then_resume_auto_finishes(tmp_p
     assert [r["actor/step"] for r in rows] == [1.0, 2.0, 3.0]
     assert any("at step 1" in r.getMessage() and "resumed from" in r.getMessage() for r in caplog.records)
     print(f"first run failed after {failed_after:.0f} s")
+
+
+@pytest.mark.parametrize(
+    "transport, max_restarts, warns", [("collective", 3, True), ("collective", 0, False), ("auto", 3, False)]
+)
+def test_collective_transport_with_engine_restarts_warns_at_start(transport, max_restarts, warns):
+    from rl_tpu.loop import collective_restart_warning
+
+    cfg = load_config(None, [f"--sync.transport={transport}", f"--rollout.max_restarts={max_restarts}"])
+    warning = collective_restart_warning(cfg)
+    if not warns:
+        assert warning is None
+        return
+    assert "rollout.max_restarts = 3" in warning and "--sync.transport=auto" in warning

@@ -304,3 +304,30 @@ def test_collective_transport_with_engine_restarts_warns_at_start(transport, max
         assert warning is None
         return
     assert "rollout.max_restarts = 3" in warning and "--sync.transport=auto" in warning
+
+
+@real_stack
+def test_get_each_names_an_engine_that_hangs_in_a_sync_once_the_others_finish():
+    """`get_each(..., timeout)`: the wait a weight sync makes on its engines gives up on one that does not
+    answer in time (a hung engine) and names it as lost, as it does a dead one."""
+    import ray
+
+    from rl_tpu.weight_sync.calls import ReceiverLost, get_each
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def ws_sync(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    engines = [Engine.remote(), Engine.remote()]
+    try:
+        assert get_each([e.ws_sync.remote(0) for e in engines], timeout=120) == [0, 0]  # both started
+        with pytest.raises(
+            ReceiverLost, match=r"engine\(s\) \[1\] did not finish the sync \(no answer within 2 s\)"
+        ) as lost:
+            get_each([engines[0].ws_sync.remote(0.5), engines[1].ws_sync.remote(600)], timeout=2)
+        assert lost.value.engines == [1]
+    finally:
+        for e in engines:
+            ray.kill(e)

@@ -38,24 +38,29 @@ def ready(refs: list) -> bool:
 
 
 class ReceiverLost(RuntimeError):
-    """Engines whose actor died during a sync (the others finished theirs): restart them, then
-    `WeightSync.replace_receiver` and sync them alone."""
+    """Engines whose actor died, or that did not answer in time, during a sync (the others finished
+    theirs): restart them, then `WeightSync.replace_receiver` and sync them alone."""
 
-    def __init__(self, engines: list[int], why: str):
-        super().__init__(f"weight sync: engine(s) {engines} died during the sync ({why})")
+    def __init__(self, engines: list[int], why: str, what: str = "died during the sync"):
+        super().__init__(f"weight sync: engine(s) {engines} {what} ({why})")
         self.engines = engines
 
 
-def get_each(xs: list) -> list:
-    """Like `get` over a list of calls, but an engine whose Ray actor died does not stop the wait for the
-    others: the dead ones are raised together as `ReceiverLost` once the rest finished. A call that
-    raised (the engine is alive) is raised at once."""
+def get_each(xs: list, timeout: float | None = None) -> list:
+    """Like `get` over a list of calls, but an engine whose Ray actor died, or that has not answered
+    within `timeout` seconds (None: no limit), does not stop the wait for the others: those are raised
+    together as `ReceiverLost` once the rest finished. A call that raised (the engine is alive) is raised."""
     if not xs or not _is_ref(xs[0]):
         return xs
     import ray
 
+    late = set(ray.wait(xs, num_returns=len(xs), timeout=timeout)[1]) if timeout is not None else set()
     out, lost, why = [], [], ""
     for i, ref in enumerate(xs):
+        if ref in late:  # a hung engine: its restart kills it
+            out.append(None)
+            lost.append(i)
+            continue
         try:
             out.append(ray.get(ref))
         except ray.exceptions.RayTaskError:  # the engine's call failed (e.g. a sender died): it is alive
@@ -64,8 +69,10 @@ def get_each(xs: list) -> list:
             out.append(None)
             lost.append(i)
             why = why or str(e).splitlines()[0]
+    if lost and not why:
+        raise ReceiverLost(lost, f"no answer within {timeout:g} s", "did not finish the sync")
     if lost:
-        raise ReceiverLost(lost, why)
+        raise ReceiverLost(lost, why if not late else f"{why}; others: no answer within {timeout:g} s")
     return out
 
 

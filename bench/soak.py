@@ -23,11 +23,12 @@ pool's spawn children). Each sample: RSS and PSS (/proc/PID/smaps_rollup), open 
 the bytes in use on /dev/shm (machine-wide: Ray's object store lives there too). No sample at the last
 step (the run is shutting down then). Reported per process: the least-squares slope of RSS and of PSS in
 MB (2^20 bytes) per 100 steps over its samples after a warm-up (`--warmup-steps`, 10: steps <= 10, or for
-a process started later, e.g. a restarted engine, its first 10 steps), with its standard error; fds at the
-first and last sample after the warm-up; and for the tree: fd growth (sum over processes) and /dev/shm
-growth between those two samples. The JSON line carries the largest RSS and PSS slopes with their
-processes (`rss_slope_mb_per_100_steps`, `rss_slope_role`, `pss_...`), `fd_growth`, `shm_growth_mb` and
-`per_process`.
+a process started later, e.g. a restarted engine, its first 10 steps), with its standard error, and the
+PSS slope over the later half of those samples alone (a cache filling up flattens there, a leak does
+not); fds at the first and last sample after the warm-up; and for the tree: fd growth (sum over
+processes) and /dev/shm growth between those two samples. The JSON line carries the largest RSS and PSS
+slopes with their processes (`rss_slope_mb_per_100_steps`, `rss_slope_role`, `pss_...`), `fd_growth`,
+`shm_growth_mb` and `per_process`.
 """
 
 from __future__ import annotations
@@ -260,6 +261,10 @@ def fit_series(series: Series, warmup: int, first_step: int) -> dict:
     rss, rss_se = least_squares_slope(xs, [p[1] for p in pts]) if len(pts) >= 3 else (math.nan, math.nan)
     pss, pss_se = least_squares_slope(xs, [p[2] for p in pts]) if len(pts) >= 3 else (math.nan, math.nan)
     per100 = 100 / MB
+    late = pts[len(pts) // 2 :]  # the later half: a cache that fills up slows down there, a leak does not
+    pss_late = (
+        least_squares_slope([p[0] for p in late], [p[2] for p in late])[0] if len(late) >= 3 else math.nan
+    )
     return {
         "role": series.name,
         "pid": series.pid,
@@ -271,6 +276,7 @@ def fit_series(series: Series, warmup: int, first_step: int) -> dict:
         "rss_slope_se": rss_se * per100,
         "pss_slope": pss * per100,
         "pss_slope_se": pss_se * per100,
+        "pss_slope_late": pss_late * per100,
         "fds": [pts[0][3], pts[-1][3]] if pts else None,
     }
 
@@ -325,7 +331,7 @@ def _pm(x: float, se: float) -> str:
 def format_table(summary: dict) -> str:
     lines = [
         f"{'process':<34} {'pid':>7} {'n':>3}  {'RSS MB first->last':>19} {'RSS MB/100 steps':>17}  "
-        f"{'PSS MB first->last':>19} {'PSS MB/100 steps':>17}  {'fds':>9}"
+        f"{'PSS MB first->last':>19} {'PSS MB/100 steps':>17} {'late':>6}  {'fds':>9}"
     ]
     for r in summary["per_process"]:
         rss = f"{r['rss_mb'][0]:8.1f}->{r['rss_mb'][1]:8.1f}" if r["rss_mb"] else "-"
@@ -334,7 +340,7 @@ def format_table(summary: dict) -> str:
         lines.append(
             f"{r['role'][:34]:<34} {r['pid']:>7} {r['samples']:>3}  {rss:>19} "
             f"{_pm(r['rss_slope'], r['rss_slope_se']):>17}  {pss:>19} "
-            f"{_pm(r['pss_slope'], r['pss_slope_se']):>17}  {fds:>9}"
+            f"{_pm(r['pss_slope'], r['pss_slope_se']):>17} {_pm(r['pss_slope_late'], math.nan):>6}  {fds:>9}"
         )
     return "\n".join(lines)
 
@@ -427,6 +433,13 @@ def main() -> None:
         "of the slopes",
     )
     p.add_argument(
+        "--samples-out",
+        type=Path,
+        default=None,
+        help="write every per-process sample here as JSON lines (step, /dev/shm bytes, pid -> [name, RSS, "
+        "PSS, fds]) for plotting or a second look",
+    )
+    p.add_argument(
         "--train-arg",
         action="append",
         default=[],
@@ -489,6 +502,10 @@ def main() -> None:
     )
     last = _tree_sums(samples[-1] if samples else None)
     leak = summarize(samples, a.warmup_steps)
+    if a.samples_out:
+        a.samples_out.write_text(
+            "".join(json.dumps({"step": x.step, "shm": x.shm, "procs": x.procs}) + "\n" for x in samples)
+        )
     out = {
         "steps": len(rows),
         "steps_requested": a.steps,
@@ -542,7 +559,8 @@ def main() -> None:
         print(
             f"\nper process, sampled every {a.sample_every} steps, slopes fitted by least squares over steps "
             f"{leak['sampled_steps'][0]}-{leak['sampled_steps'][1]} (warm-up: steps <= {a.warmup_steps} "
-            f"left out); MB = 2^20 bytes, ± one standard error:"
+            f"left out); MB = 2^20 bytes, ± one standard error; late: the PSS slope over the later half of "
+            "the samples alone:"
         )
         print(format_table(leak))
         print(

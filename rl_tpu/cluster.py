@@ -34,6 +34,13 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
         # environment (threads, devices), so none would ever be used: two processes importing Ray for
         # nothing (~3 CPU s) while the roles start on a 2-core box.
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+        # Ray records every task's state changes and profile events in each worker and sends them to the
+        # GCS every second, which keeps up to 100,000 tasks (`ray list tasks`, the dashboard's timeline):
+        # ~3 KB of GCS memory per task, ~7 actor calls a step here, so the GCS grew ~4.5 MB per 100 steps
+        # for the first ~14,000 steps (bench/soak.py, bench/RESULTS.md 2026-12-05). Nothing here reads
+        # them; 0 turns the recording off in every process of a cluster we start (set the variable to
+        # e.g. 1000 to have them back).
+        os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
     for attempt in range(attempts):
         try:
             ray.init(**kwargs)

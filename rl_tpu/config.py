@@ -137,6 +137,9 @@ class RolloutConfig:
     max_restarts: int = F(
         3, ge=0
     )  # engines that die or hang are restarted and re-synced, this many times per run
+    # an engine call (a generation batch, a weight sync) with no answer for this long counts as a hung
+    # engine: it is killed and restarted like a dead one
+    timeout_s: float = F(600.0, gt=0)
     python: str = (
         ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
     )

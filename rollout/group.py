@@ -104,7 +104,7 @@ class RolloutGroup:
         model_path: str,
         num_workers: int | None = None,
         *,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         ping_timeout_s: float = 30.0,
         start_timeout_s: float = 600.0,
         num_cpus_per_worker: float = 1.0,
@@ -116,6 +116,8 @@ class RolloutGroup:
             raise ValueError(f"RolloutGroup needs num_workers >= 1, got {self.num_workers}")
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model folder {self.model_path!r} has no config.json")
+        if timeout_s is None:
+            timeout_s = cfg.rollout.timeout_s
         self.timeout_s, self.ping_timeout_s = timeout_s, ping_timeout_s
         # an engine's start (vLLM start-up and warm-up: a minute or more on a busy CPU box) is not a call:
         # the first ping waits this long, whatever the call timeout

@@ -188,19 +188,13 @@ def test_engine_killed_during_weight_sync_is_restarted_resynced_and_verified(tmp
 
 
 @real_stack
-def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path, hook, caplog, monkeypatch):
+def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path, hook, caplog):
     """Engine 1 stops answering in step 2's generation (it sleeps an hour): once the call timeout passes,
     the group kills it, starts a new engine, syncs it and sends it the lost share of the batch again."""
-    import rl_tpu.rollout
     from rl_tpu.loop import train
 
-    class ShortTimeout(rl_tpu.rollout.RolloutGroup):  # no config key sets the call timeout (600 s)
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, timeout_s=15.0, **kwargs)
-
-    monkeypatch.setattr(rl_tpu.rollout, "RolloutGroup", ShortTimeout)
     caplog.set_level(logging.INFO, logger="rl_tpu")
-    cfg = _cfg(tmp_path, "--trainer.total_steps=3")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3", "--rollout.timeout_s=15")
     hook("generate", engine=1, version=1, seconds=3600)
     train(cfg)
     hung = hook.pid("generate", timeout=0)
@@ -221,6 +215,30 @@ def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hung engine (pid {hung}) is still running")
+
+
+@real_stack
+def test_engine_hanging_in_a_weight_sync_past_the_call_timeout_is_replaced_and_verified(
+    tmp_path, hook, caplog
+):
+    """Engine 1 stops answering inside the weight sync of version 2: `WeightSync.push` waits
+    `rollout.timeout_s` for it (engine 0 finishes), then restarts it like a dead one and syncs and verifies
+    the new engine alone."""
+    from rl_tpu.loop import train
+
+    caplog.set_level(logging.INFO, logger="rl_tpu")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3", "--rollout.timeout_s=15")
+    hook("sync", engine=1, version=2, seconds=3600)
+    train(cfg)
+    hung = hook.pid("sync", timeout=0)
+    rows = _assert_whole(tmp_path / "run", 3, 16)
+    assert [r["rollout/restarts"] for r in rows] == [0, 1, 1]
+    assert _restarts(caplog) == [
+        "rollout worker 1: did not finish the weight sync of version 2; restarting it (restart 1 of at most 3)"
+    ]
+    assert _engine_pid(tmp_path / "run", 1) != hung
+    assert all(r["sync/verified_params"] > 0 for r in rows[2:])  # the push that lost it verified the new one
+    assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3} == {2}
 
 
 @real_stack
@@ -324,7 +342,7 @@ def test_get_each_names_an_engine_that_hangs_in_a_sync_once_the_others_finish():
     try:
         assert get_each([e.ws_sync.remote(0) for e in engines], timeout=120) == [0, 0]  # both started
         with pytest.raises(
-            ReceiverLost, match=r"engine\(s\) \[1\] did not finish the sync \(no answer within 2 s\)"
+            ReceiverLost, match=r"engine\(s\) \[1\] did not finish the weight sync \(no answer within 2 s\)"
         ) as lost:
             get_each([engines[0].ws_sync.remote(0.5), engines[1].ws_sync.remote(600)], timeout=2)
         assert lost.value.engines == [1]

@@ -41,9 +41,9 @@ class ReceiverLost(RuntimeError):
     """Engines whose actor died, or that did not answer in time, during a sync (the others finished
     theirs): restart them, then `WeightSync.replace_receiver` and sync them alone."""
 
-    def __init__(self, engines: list[int], why: str, what: str = "died during the sync"):
+    def __init__(self, engines: list[int], why: str, what: str = "died during the weight sync"):
         super().__init__(f"weight sync: engine(s) {engines} {what} ({why})")
-        self.engines = engines
+        self.engines, self.why, self.what = engines, why, what
 
 
 def get_each(xs: list, timeout: float | None = None) -> list:
@@ -70,7 +70,7 @@ def get_each(xs: list, timeout: float | None = None) -> list:
             lost.append(i)
             why = why or str(e).splitlines()[0]
     if lost and not why:
-        raise ReceiverLost(lost, f"no answer within {timeout:g} s", "did not finish the sync")
+        raise ReceiverLost(lost, f"no answer within {timeout:g} s", "did not finish the weight sync")
     if lost:
         raise ReceiverLost(lost, why if not late else f"{why}; others: no answer within {timeout:g} s")
     return out

@@ -213,7 +213,7 @@ class WeightSync:
             nbytes, verified = self._sync_and_verify(version)
         except ReceiverLost as e:
             for engine in e.engines:  # restart_worker calls engine_restarted, which syncs it
-                self.group.restart_worker(engine, f"died during the weight sync of version {version}")
+                self.group.restart_worker(engine, f"{e.what} of version {version}")
             nbytes, verified = 0, None
         except Exception:
             self.trainer.check_alive()  # a dead trainer rank fails every engine's sync: name it
@@ -394,7 +394,8 @@ class WeightSync:
         plan = self.plan or self.build()
         t0 = time.perf_counter()
         per_engine = get_each(
-            [call(self.receivers[e].ws_sync, version, keep_for_verify, self.direct) for e in engines]
+            [call(self.receivers[e].ws_sync, version, keep_for_verify, self.direct) for e in engines],
+            self._timeout(),
         )
         mine = np.isin(plan.buckets[:, 0], [i for i, (e, _) in enumerate(plan.engine_ranks) if e in engines])
         return SyncStats(
@@ -416,9 +417,15 @@ class WeightSync:
         self.trainer.export_hf(str(self._tmp))
         path = self._tmp / "model.safetensors"
         acks = get_each(
-            [call(self.receivers[e].load_weights, str(path), version, True, keep) for e in engines]
+            [call(self.receivers[e].load_weights, str(path), version, True, keep) for e in engines],
+            self._timeout(),
         )
         return SyncStats(version, time.perf_counter() - t0, path.stat().st_size, 1, acks)
+
+    def _timeout(self) -> float | None:
+        """How long an engine may take to install a version before it counts as hung (and is restarted
+        like a dead one): the engine group's call timeout (`rollout.timeout_s`); no limit without one."""
+        return self.group.timeout_s if self.group is not None else None
 
     def replace_receiver(self, engine: int, receiver) -> None:
         """A restarted engine (same model folder and config) takes slot `engine`. Its loaders are run

@@ -290,6 +290,12 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
             ser.name = name  # the latest: placement.json may name it only after its first sample
             ser.points.append((s.step, rss, pss, fds))
     first_step = samples[0].step if samples else 0
+    names: dict[str, int] = {}
+    for ser in series.values():
+        names[ser.name] = names.get(ser.name, 0) + 1
+    for ser in series.values():  # a restarted engine: the old and the new process, told apart by pid
+        if names[ser.name] > 1 and "(pid " not in ser.name:
+            ser.name = f"{ser.name} (pid {ser.pid})"
     per = [fit_series(ser, warmup, first_step) for ser in series.values()]
     per.sort(key=lambda r: -r["pss_slope"] if math.isfinite(r["pss_slope"]) else math.inf)
     after = [s for s in samples if s.step > warmup]

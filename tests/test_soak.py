@@ -135,6 +135,7 @@ def test_summarize_slopes_warmup_restart_fds_and_shm():
     assert per[2]["rss_slope"] == pytest.approx(3.0, abs=1e-3) and per[2]["steps"] == [15, 200]
     assert per[1]["rss_slope"] == pytest.approx(0.0) and per[1]["pss_slope"] == pytest.approx(0.0)
     assert per[4]["steps"] == [115, 200] and per[4]["rss_slope"] == pytest.approx(1.0, abs=1e-3)
+    assert (per[3]["role"], per[4]["role"]) == ("engine 0 (pid 3)", "engine 0 (pid 4)")
     assert s["rss_slope_mb_per_100_steps"] == pytest.approx(3.0, abs=1e-3)
     assert s["rss_slope_role"] == "gcs_server"
     assert s["fd_growth"] == 0 and s["fd_start"] == 40 + 64 + 98

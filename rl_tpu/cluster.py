@@ -36,10 +36,9 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
         # Ray records every task's state changes and profile events in each worker and sends them to the
         # GCS every second, which keeps up to 100,000 tasks (`ray list tasks`, the dashboard's timeline):
-        # ~3 KB of GCS memory per task, ~7 actor calls a step here, so the GCS grew ~4.5 MB per 100 steps
-        # for the first ~14,000 steps (bench/soak.py, bench/RESULTS.md 2026-12-05). Nothing here reads
-        # them; 0 turns the recording off in every process of a cluster we start (set the variable to
-        # e.g. 1000 to have them back).
+        # ~3 KB of GCS memory per task, so the GCS grew ~4.5 MB per 100 steps of `bench/soak.py`, linearly,
+        # toward ~330 MB (bench/RESULTS.md, 2026-12-05). Nothing here reads them; 0 turns the recording off
+        # in every process of a cluster we start (set the variable, e.g. to 1000, to have them back).
         os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
     for attempt in range(attempts):
         try:

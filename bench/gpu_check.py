@@ -227,12 +227,16 @@ def check_sync(m: dict, device: str, dtype: str, bucket_mb: float, syncs: int) -
         "bytes": plan.nbytes,
         "buckets": int(len(plan.buckets)),
         "sync_seconds": [round(s, 4) for s in res["seconds"]],
-        "sync_gbps": round(gbps, 2),
-        "device_copy_gbps": round(floor, 2),
-        "ratio": round(gbps / floor, 3),
+        "sync_gbps": _sig(gbps),
+        "device_copy_gbps": _sig(floor),
+        "ratio": _sig(gbps / floor),  # significant digits: a tiny CPU run's ratio must not round to 0
         "bit_exact": not bad,
         "mismatched": bad[:5],
     }
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 # ---------------------------------------------------------------------------------------------- (b) step

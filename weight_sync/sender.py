@@ -30,7 +30,7 @@ from .transports import (
     join_group,
     leave_group,
 )
-from .wire import begin_pack, bucket_meta, packed_size
+from .wire import begin_pack, bucket_meta, bucket_nbytes
 
 
 @dataclass
@@ -95,10 +95,10 @@ class SyncSender:
         shards = self.ws_shards()
         total = int((pieces[:, 3] * pieces[:, 4]).sum())
         dtype = self._ws_send.dtypes.get(bucket) or next(iter(shards.values())).dtype
-        meta = bucket_meta(version, bucket)
         tr = get_transport(transport)
-        state, buf = tr.alloc(packed_size([("data", dtype, total)], meta), slot=slot)
-        data = begin_pack(buf, "data", dtype, total, meta)
+        # the receiver computes the same size with `bucket_nbytes` (the collective transport posts with it)
+        state, buf = tr.alloc(bucket_nbytes(dtype, total, version, bucket), slot=slot)
+        data = begin_pack(buf, "data", dtype, total, bucket_meta(version, bucket))
         off = 0
         with torch.no_grad():
             for piece in self._ws_pieces(bucket, shards):  # cast to the wire dtype as it is copied
@@ -120,11 +120,9 @@ class SyncSender:
     def ws_cuda_uuid(self) -> str | None:
         """The UUID of the GPU this rank's shards live on (None off CUDA): the `cuda_ipc` route's test."""
         dev = next(iter(self.ws_shards().values())).device
-        return (
-            device_uuid(dev.index if dev.index is not None else torch.cuda.current_device())
-            if (dev.type == "cuda")
-            else None
-        )
+        if dev.type != "cuda":
+            return None
+        return device_uuid(dev.index if dev.index is not None else torch.cuda.current_device())
 
     def ws_join(self, host: str, port: int, world: int, rank: int, senders: int, backend: str) -> int:
         """Collective transport: join the sync group as `rank` (senders are ranks 0 .. senders - 1)."""

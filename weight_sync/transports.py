@@ -285,12 +285,7 @@ class Collective(Transport):
 
     @classmethod
     def _buffer(cls, key, nbytes: int):
-        import torch
-
-        buf = cls._pool.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = cls._pool[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=cls._g()["device"])
-        return buf[:nbytes]
+        return _pooled(cls._pool, key, nbytes, cls._g()["device"])
 
     @classmethod
     def _p2p(cls, op: str, buf, peer: int, tag: int):
@@ -303,10 +298,8 @@ class Collective(Transport):
         return pg._end_coalescing(g["device"])
 
     def alloc(self, nbytes, slot=None):
-        import torch
-
         if slot is None:  # one-off buffer, kept alive with its send
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._g()["device"])[:nbytes]
+            buf = _pooled(None, None, nbytes, self._g()["device"])
             return (buf, ("once", id(buf))), buf
         prev = self._inflight.pop(slot, None)
         if prev is not None:
@@ -369,13 +362,8 @@ class CudaIpc(Transport):
         import torch
 
         dev = torch.device("cuda", torch.cuda.current_device())
-        if slot is None:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
-        else:
-            buf = self._pool.get(slot)
-            if buf is None or buf.numel() < nbytes:
-                buf = self._pool[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
-        return buf[:nbytes], buf[:nbytes]
+        buf = _pooled(self._pool if slot is not None else None, slot, nbytes, dev)
+        return buf, buf
 
     def publish(self, state, peer=None, bucket=None):
         import inspect
@@ -424,6 +412,19 @@ class CudaIpc(Transport):
     @classmethod
     def close(cls) -> None:
         cls._pool.clear()
+
+
+def _pooled(pool: dict | None, key, nbytes: int, device):
+    """A uint8 device buffer of `nbytes`: `pool[key]`'s, grown when too small (reused across syncs), or a
+    new one without a pool."""
+    import torch
+
+    buf = pool.get(key) if pool is not None else None
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        if pool is not None:
+            pool[key] = buf
+    return buf[:nbytes]
 
 
 def device_uuid(index: int) -> str:

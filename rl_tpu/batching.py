@@ -2,7 +2,9 @@
 
 Invariants: rows are ordered prompt-major (all samples of prompt 0, then prompt 1, ...); `group_index[i]`
 is the prompt's position in the step, so advantage estimators group a prompt's samples; a sequence's
-scalar score sits on its last response token (`token_level_scores`), as verl places it.
+scalar score sits on its last response token (`token_level_scores`), as verl places it. Every response
+token carries the policy version that sampled it (`TrainBatch.policy_versions`) beside its behaviour
+log-prob (`rollout_log_probs`): a partial rollout's row mixes versions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class RolloutBatch:
     scores: torch.Tensor  # [B] sequence-level reward
     token_level_scores: torch.Tensor  # [B, T] the score on each sequence's last response token
     response_lengths: torch.Tensor  # [B]
-    policy_versions: torch.Tensor  # [B] version of the weights that sampled each row
+    policy_versions: torch.Tensor  # [B] version that sampled each row's first token (its oldest)
 
 
 def flatten(groups: list[list[Completion]]) -> list[Completion]:
@@ -38,6 +40,7 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
     # the engine's log-probs where it was asked for them (`rollout.calculate_log_probs`)
     with_lp = all(len(c.logprobs) == len(c.response_ids) for c in flat)
     per_token = {"rollout_log_probs": [list(c.logprobs) for c in flat]} if with_lp else {}
+    per_token["policy_versions"] = [c.versions() for c in flat]
     batch = TrainBatch.from_sequences([c.prompt_ids for c in flat], responses, pad_id, **per_token)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
     score_t = torch.tensor(scores, dtype=torch.float32)
@@ -55,3 +58,21 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
         response_lengths=lengths,
         policy_versions=versions,
     )
+
+
+def staleness_metrics(batch: TrainBatch, trainer_version: int) -> dict[str, float]:
+    """Over the response tokens of `batch` (`policy_versions` set): `rollout/staleness_mean` and
+    `rollout/staleness_max`, in versions behind `trainer_version` (the version the update starts from),
+    and `rollout/partial_fraction`: the share of tokens sampled by a newer version than their sequence's
+    first token (generated after a weight update of their own sequence)."""
+    mask = batch.response_mask > 0
+    versions = batch.policy_versions
+    if versions is None or not bool(mask.any()):
+        return {}
+    behind = (trainer_version - versions)[mask]
+    first = versions[:, :1].expand_as(versions)
+    return {
+        "rollout/staleness_mean": behind.float().mean().item(),
+        "rollout/staleness_max": behind.max().item(),
+        "rollout/partial_fraction": (versions > first)[mask].float().mean().item(),
+    }

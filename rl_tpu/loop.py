@@ -42,7 +42,7 @@ from rl_tpu.algorithms import (
     keep_groups_with_variance,
     overlong_penalty,
 )
-from rl_tpu.batching import RolloutBatch, build_rollout_batch
+from rl_tpu.batching import RolloutBatch, build_rollout_batch, staleness_metrics
 from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
 from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
@@ -215,7 +215,7 @@ def step_metrics(rb: RolloutBatch, trainer_version: int) -> dict[str, float]:
         "response/length_mean": rb.response_lengths.float().mean().item(),
         "response/length_max": rb.response_lengths.max().item(),
         "staleness": float(trainer_version - rb.policy_versions.min().item()),
-    }
+    } | staleness_metrics(rb.batch, trainer_version)
 
 
 def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], tok) -> dict[str, float]:

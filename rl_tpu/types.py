@@ -20,8 +20,15 @@ class Completion:
     logprobs: list[float]  # log-probability of each response token under the sampling engine; [] if not asked
     finish_reason: str  # "stop" | "length" | ...
     text: str
-    policy_version: int  # version of the weights that generated it
+    policy_version: int  # version of the weights that generated its first token (the oldest)
+    # the version that sampled each response token; [] = every token `policy_version` (a partial rollout,
+    # `rollout.partial`, continues a sequence on newer weights: its later tokens carry newer versions)
+    token_versions: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # engine-specific details (worker id, timings)
+
+    def versions(self) -> list[int]:
+        """The policy version of each response token."""
+        return list(self.token_versions) or [self.policy_version] * len(self.response_ids)
 
 
 @dataclass(kw_only=True)
@@ -41,7 +48,8 @@ class TrainBatch:
     response_mask: torch.Tensor  # [B, T] float32
     old_log_probs: torch.Tensor | None = None  # [B, T] trainer log-probs before the update
     ref_log_probs: torch.Tensor | None = None  # [B, T] frozen reference model
-    rollout_log_probs: torch.Tensor | None = None  # [B, T] inference engine's log-probs
+    rollout_log_probs: torch.Tensor | None = None  # [B, T] inference engine's (behaviour) log-probs
+    policy_versions: torch.Tensor | None = None  # [B, T] version that sampled each token (float32, exact)
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] critic targets (GAE)
     values: torch.Tensor | None = None  # [B, T] critic values before the update

@@ -239,6 +239,7 @@ def to_completions(
                     finish_reason=str(o.finish_reason),
                     text=text,
                     policy_version=policy_version,
+                    token_versions=[policy_version] * len(ids),
                     extra={"worker": worker, "stop_reason": o.stop_reason},
                 )
             )

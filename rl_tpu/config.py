@@ -146,6 +146,11 @@ class RolloutConfig:
     # the engines' device row; empty: trainer.device, except under an `xla` trainer, which must name it
     # (no vLLM engine runs on `xla`: `cpu` on the PJRT CPU device, `tpu` on a TPU; docs/devices.md)
     device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
+    # async mode: generate in chunks of `partial_chunk_tokens` tokens; a weight update waiting for the
+    # engines goes between two chunks, and unfinished sequences continue on the new weights (their prompt
+    # and sampled tokens prefilled again), so an update never waits for a whole batch (rl_tpu.rollout.partial)
+    partial: bool = False
+    partial_chunk_tokens: int = F(8, ge=1)
 
 
 @dataclass(kw_only=True)
@@ -178,6 +183,11 @@ class AlgorithmConfig:
     max_refill_rounds: int = F(3, ge=0)
     overlong_buffer_len: int = F(0, ge=0)  # DAPO soft overlong penalty; 0 disables
     overlong_penalty_factor: float = F(1.0, ge=0)
+    # async mode: no trained token was sampled by a policy more than this many versions behind the one
+    # being updated; `wait`: the engines wait before generating further ahead; `drop`: they generate
+    # ahead, and groups over the bound are dropped and generated again (`rollout/dropped`)
+    max_staleness: int = F(1, ge=1)
+    staleness_policy: Literal["wait", "drop"] = "wait"
 
 
 @dataclass(kw_only=True)
@@ -423,6 +433,20 @@ def _check_cross_fields(cfg: Config) -> None:
             'config error: `cluster.mode = "async"` overlaps generation with training, so the '
             'engines cannot sleep while the trainer runs: set `cluster.placement = "disaggregated"` '
             '(or "auto", which follows the mode)'
+        )
+    if cfg.cluster.max_staleness != 1:
+        raise ConfigError(
+            "config error: `cluster.max_staleness` is now `algorithm.max_staleness` (bounded per token)"
+        )
+    if cfg.rollout.partial and cfg.cluster.mode != "async":
+        raise ConfigError(
+            "config error: `rollout.partial = true` continues sequences across weight updates, which only "
+            'happen during generation in `cluster.mode = "async"`'
+        )
+    if cfg.rollout.partial and cfg.rollout.stop:
+        raise ConfigError(
+            "config error: `rollout.partial = true` generates in chunks, and a stop string can span two "
+            "chunks: use `rollout.stop_token_ids`, or no partial rollouts"
         )
     for key in ("trainer_resources", "rollout_resources"):
         reserved = sorted(

@@ -8,11 +8,16 @@ One step reads top to bottom (`rl_step`):
 and `train` logs it and checkpoints. Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
 - `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
-  the same time, so they cannot take turns on shared devices): generation of step k+1 is submitted before
-  training step k (`Rollouts`), so it overlaps training; its data is one version old (`staleness` =
-  trainer version - sampling version, bounded by `cluster.max_staleness`, which the one-step pipeline
-  keeps at <= 1). Trainer log-probs are recomputed before each update (`old_log_probs`), and
-  `algorithm.rollout_is` corrects the inference/trainer mismatch; `mismatch/kl` measures it.
+  the same time, so they cannot take turns on shared devices): the loop is a producer and a consumer
+  (`Rollouts`): a thread generates and scores batch after batch into a buffer while the trainer trains,
+  and no trained token was sampled more than `algorithm.max_staleness` versions behind the version being
+  updated (`algorithm.staleness_policy`: the producer waits, or stale groups are dropped and generated
+  again). `max_staleness = 1` is the one-step pipeline. Each token carries the version that sampled it
+  (`rollout/staleness_mean`, `rollout/staleness_max`); `rollout.partial` generates in chunks so a weight
+  update goes between two chunks and unfinished sequences continue on the new weights
+  (`rl_tpu.rollout.partial`, `rollout/partial_fraction`). Trainer log-probs are recomputed before each
+  update where it needs them (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
+  mismatch with the per-token behaviour log-probs; `mismatch/kl` measures it.
 Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
 bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by
 `cluster.*_resources`; where they landed is written to RUN_DIR/placement.json at start-up. `colocated`
@@ -29,7 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,7 @@ from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.placement import plan_from_config
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
+from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync import WeightSync
 
@@ -231,44 +237,164 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
     }
 
 
+class Sampler:
+    """What `generate_and_score` samples from: the engines, one generation call per engine turn
+    (`EngineTurns`), in chunks under `rollout.partial`."""
+
+    def __init__(self, cfg: Config, rollout, turns: EngineTurns, tok):
+        self.cfg, self.rollout, self.turns, self.tok = cfg, rollout, turns, tok
+
+    def _call(self, prompts: list[list[int]], **kw) -> list[list[Completion]]:
+        with self.turns.generating():
+            return self.rollout.generate(prompts, **kw)
+
+    def generate(self, prompts: list[list[int]]) -> list[list[Completion]]:
+        rc = self.cfg.rollout
+        if not rc.partial:
+            return self._call(prompts)
+        return generate_in_chunks(
+            self._call,
+            prompts,
+            n=rc.n,
+            max_tokens=rc.max_tokens,
+            chunk=rc.partial_chunk_tokens,
+            tokenizer=self.tok,
+        )
+
+
 class Rollouts:
-    """Each step's data. In async mode the next step's generation is submitted before this step trains,
-    so it overlaps the update; `wait()` lets it finish first where the engine must be idle (a weight
-    sync: the engine is serial). `loader_state()` is the data position a checkpoint must record: before
-    the draw in flight, which a resume draws again (and samples with the newer weights, so async
+    """Each step's data: the producer side of the loop.
+
+    `sync` mode: generated when the step asks for it. `async` mode: a producer thread generates and
+    scores one step's batch after another into a buffer while the trainer trains; the step takes the
+    oldest. The batch the trainer will update from policy version `v` (= `v0 + j` for the j-th batch of
+    this run) starts generating only once the engines serve version >= `v - algorithm.max_staleness`
+    (`wait`), so no token of it is older than the bound; under `drop` the producer does not wait for
+    versions (it keeps at most `max_staleness + 1` finished batches), and the step drops the groups with
+    a token over the bound and generates them again, with the current weights (`rollout/dropped` counts them).
+    The engines take turns (`EngineTurns`): the loop's weight syncs and evaluations run in
+    `turns.exclusive()`, between two generation calls (two chunks under `rollout.partial`).
+    `loader_state()` / `rollout_state()` are what a checkpoint records: the positions before the oldest
+    batch not trained yet, which a resume draws again (sampled with the checkpoint's weights, so async
     resumes are not bit-reproducible)."""
 
-    def __init__(self, cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok):
+    def __init__(
+        self, cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok, *, version: int, steps: int
+    ):
         self.cfg, self.rollout, self.pool, self.loader, self.tok = cfg, rollout, pool, loader, tok
+        self.turns = EngineTurns()
+        self.sampler = Sampler(cfg, rollout, self.turns, tok)
         self.ahead = cfg.cluster.mode == "async"
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._pending: Future | None = None
-        self._state_before: dict | None = None  # loader position before the in-flight draw
+        self.v0, self.steps = version, steps  # the version the first batch is trained at; batches to make
+        self._cv = threading.Condition()
+        self._served = version  # the version the engines serve (`updated`)
+        self._ready: list[tuple[Scored, dict[str, float]]] = []
+        self._states: list[tuple[dict, dict]] = []  # (loader, rollout) state before each batch made
+        self._taken = 0  # batches the trainer took
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self.ahead and steps > 0:
+            self._thread = threading.Thread(target=self._produce, daemon=True, name="rl_tpu-rollouts")
+            self._thread.start()
 
-    def _submit(self) -> Future:
-        return self._pool.submit(generate_and_score, self.cfg, self.rollout, self.pool, self.loader, self.tok)
+    def _make(self) -> tuple[Scored, dict[str, float]]:
+        with self._cv:
+            self._states.append((self.loader.state_dict(), self.rollout.state_dict()))
+        return generate_and_score(self.cfg, self.sampler, self.pool, self.loader, self.tok)
 
-    def next(self, last: bool) -> tuple[Scored, dict[str, float]]:
-        """This step's data (and its timings); in async mode, unless `last`, the next draw starts."""
-        pending, self._pending = self._pending or self._submit(), None
-        data = pending.result()
-        if self.ahead and not last:
-            self._state_before = self.loader.state_dict()
-            self._pending = self._submit()
+    def _produce(self) -> None:
+        a = self.cfg.algorithm
+        try:
+            for j in range(self.steps):
+                oldest = self.v0 + j - a.max_staleness  # the oldest version this batch may be sampled by
+                with self._cv:
+                    if a.staleness_policy == "wait":
+                        self._cv.wait_for(lambda oldest=oldest: self._closed or self._served >= oldest)
+                    else:
+                        self._cv.wait_for(lambda: self._closed or len(self._ready) <= a.max_staleness)
+                    if self._closed:
+                        return
+                made = self._make()
+                with self._cv:
+                    self._ready.append(made)
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's side in `next`
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def next(self, trainer_version: int) -> tuple[Scored, dict[str, float]]:
+        """This step's data and its timings (`time/trainer_idle`: how long the step waited for it)."""
+        t = time.perf_counter()
+        if not self.ahead:
+            data, timings = self._make()
+            self._states.clear()
+        else:
+            with self._cv:
+                self._cv.wait_for(lambda: self._ready or self._error is not None)
+                if not self._ready:
+                    raise self._error  # type: ignore[misc]
+                data, timings = self._ready.pop(0)
+                self._taken += 1
+                self._cv.notify_all()
+            data = self._within_bound(data, trainer_version)
+        timings["time/trainer_idle"] = time.perf_counter() - t
+        return data, timings
+
+    def _within_bound(self, data: Scored, trainer_version: int) -> Scored:
+        """`data` with no token more than `algorithm.max_staleness` versions behind `trainer_version`:
+        under `drop`, the groups over it are generated and scored again; under `wait` none can be."""
+        a = self.cfg.algorithm
+        stale = [
+            i
+            for i, g in enumerate(data.groups)
+            if any(trainer_version - min(c.versions(), default=c.policy_version) > a.max_staleness for c in g)
+        ]
+        if stale and a.staleness_policy == "wait":
+            raise RuntimeError(
+                f"async rollouts: {len(stale)} group(s) over algorithm.max_staleness = {a.max_staleness} "
+                f"under the wait policy (trainer at version {trainer_version})"
+            )
+        if stale:
+            examples = [data.examples[i] for i in stale]
+            prompts = encode_prompts(
+                self.tok, examples, self.cfg.data.max_prompt_length, self.cfg.data.truncation
+            )
+            fresh = self.sampler.generate(prompts)
+            scores, _ = score_groups(self.pool, examples, fresh)
+            per = len(data.groups[0])
+            flat = [data.scores[i * per : (i + 1) * per] for i in range(len(data.groups))]
+            for i, g, k in zip(stale, fresh, range(len(stale))):
+                data.groups[i], flat[i] = g, scores[k * per : (k + 1) * per]
+            data.scores = [s for row in flat for s in row]
+        data.metrics["rollout/dropped"] = float(sum(len(data.groups[i]) for i in stale))
         return data
 
-    def wait(self) -> None:
-        """Let an in-flight generation finish (its result is kept for the next step)."""
-        if self._pending is not None:
-            done: Future = Future()
-            done.set_result(self._pending.result())
-            self._pending = done
+    def updated(self, version: int) -> None:
+        """The engines now serve `version` (a weight sync finished)."""
+        with self._cv:
+            self._served = version
+            self._cv.notify_all()
 
     def loader_state(self) -> dict:
-        return self._state_before if self._pending is not None else self.loader.state_dict()
+        with self._cv:
+            return (
+                self._states[self._taken][0] if len(self._states) > self._taken else self.loader.state_dict()
+            )
+
+    def rollout_state(self) -> dict:
+        with self._cv:
+            if len(self._states) > self._taken:
+                return self._states[self._taken][1]
+            return self.rollout.state_dict()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
 
 @dataclass
@@ -289,9 +415,9 @@ class Run:
 def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
     """One RL step: data, advantages, the update, the new policy into the engines, evaluation."""
     cfg, trainer, rollout = run.cfg, run.trainer, run.rollout
-    t_step = time.perf_counter()
-    # 1. data for this step (in async mode, generated during the previous step's training)
-    data, timings = run.rollouts.next(last=step == cfg.trainer.total_steps)
+    t_step, busy = time.perf_counter(), run.rollouts.turns.busy_s
+    # 1. data for this step (in async mode, generated while earlier steps trained)
+    data, timings = run.rollouts.next(trainer.policy_version)
     # 2. advantages and the update
     t = time.perf_counter()
     if run.colocated:
@@ -305,15 +431,19 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
     timings["time/train"] = time.perf_counter() - t
     metrics = data.metrics | prep_metrics | batch_metrics | train_metrics
     metrics["rollout/samples"] = float(sum(len(g) for g in data.groups))  # completions in the update
-    # 3. the new policy into the engines (after an in-flight generation: the engine is serial)
-    run.rollouts.wait()
-    metrics |= run.sync.push()
+    # 3. the new policy into the engines, between two generation calls (the engine is serial)
+    with run.rollouts.turns.exclusive():
+        metrics |= run.sync.push()
+    run.rollouts.updated(trainer.policy_version)
     timings["time/sync"] = metrics["sync/seconds"]
     # 4. evaluation
     if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
-        metrics |= evaluate(cfg, rollout, run.pool, run.test_set, run.tok)
+        with run.rollouts.turns.exclusive():
+            metrics |= evaluate(cfg, rollout, run.pool, run.test_set, run.tok)
     metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
     timings["time/step"] = time.perf_counter() - t_step
+    # the step's wall time in which no engine generated (for training data)
+    timings["time/engine_idle"] = max(0.0, timings["time/step"] - (run.rollouts.turns.busy_s - busy))
     n_tokens = int(rb.batch.response_mask.sum().item())
     metrics |= timings | {"throughput/tokens_per_s": n_tokens / max(timings["time/rollout"], 1e-9)}
     return metrics, data
@@ -405,7 +535,15 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             step = state["step"]
             sync.push()  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
-        rollouts = Rollouts(cfg, rollout, pool, loader, tok)
+        rollouts = Rollouts(
+            cfg,
+            rollout,
+            pool,
+            loader,
+            tok,
+            version=trainer.policy_version,
+            steps=cfg.trainer.total_steps - step,
+        )
         run = Run(cfg, trainer, rollout, sync, rollouts, pool, tok, test_set, plan.placement == "colocated")
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
         startup_s: float | None = time.perf_counter() - t_start  # Ray, rewards, roles, plan: ready
@@ -427,7 +565,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
                 state = {
                     "version": trainer.policy_version,
                     "data": rollouts.loader_state(),
-                    "rollout": rollout.state_dict(),
+                    "rollout": rollouts.rollout_state(),
                 }
                 save_checkpoint(
                     run_dir, step, state, lambda p: trainer.save_checkpoint(str(p)), cfg.checkpoint.keep_last

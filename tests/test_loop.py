@@ -171,6 +171,8 @@ WALL_CLOCK_METRICS = {
     "time/train",
     "time/sync",
     "time/step",
+    "time/trainer_idle",
+    "time/engine_idle",
     "throughput/tokens_per_s",
     "sync/seconds",
     "perf/train_s",

@@ -46,3 +46,203 @@ def test_whole_rollouts_have_no_partial_tokens():
     m = staleness_metrics(rb.batch, trainer_version=1)
     assert m == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/partial_fraction": 0.0}
     assert torch.equal(rb.batch.policy_versions, torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# partial rollouts and the producer, on fakes (pure logic: no Ray, no engine)
+
+
+class _Engines:
+    """`generate` like RolloutGroup's: token t of a sequence is `len(prompt) + t`, log-prob -version; a
+    sequence stops (EOS) once its prompt plus response reaches `stop_at`. `version` is what it serves."""
+
+    def __init__(self, stop_at=None):
+        self.version, self.stop_at, self.calls = 0, stop_at or {}, []
+
+    def state_dict(self):
+        return {"calls": len(self.calls)}
+
+    def generate(self, prompts, n=None, max_tokens=None, **kw):
+        n = n or 2
+        max_tokens = max_tokens or 6
+        self.calls.append((len(prompts), n, max_tokens))
+        out = []
+        for k, p in enumerate(prompts):
+            group = []
+            for j in range(n):
+                stop = self.stop_at.get(p[0])
+                toks, reason = [], "length"
+                for t in range(max_tokens):
+                    toks.append(len(p) + t)
+                    if stop is not None and len(p) + len(toks) >= stop:
+                        reason = "stop"
+                        break
+                group.append(
+                    Completion(
+                        prompt_index=k,
+                        sample_index=j,
+                        prompt_ids=list(p),
+                        response_ids=toks,
+                        logprobs=[-float(self.version)] * len(toks),
+                        finish_reason=reason,
+                        text="",
+                        policy_version=self.version,
+                        token_versions=[self.version] * len(toks),
+                    )
+                )
+            out.append(group)
+        return out
+
+
+def test_chunks_continue_unfinished_sequences_with_the_versions_of_their_chunks():
+    from rl_tpu.rollout.partial import generate_in_chunks
+
+    engines = _Engines(stop_at={20: 5})  # prompt [20, 1] stops after 3 tokens; [10, 1] runs to max_tokens
+
+    def generate(prompts, **kw):
+        out = engines.generate(prompts, **kw)
+        engines.version += 1  # a weight update between every two chunks
+        return out
+
+    groups = generate_in_chunks(generate, [[10, 1], [20, 1]], n=2, max_tokens=7, chunk=3)
+    # chunks of 3, 3, 1 tokens; the second prompt's samples stopped in the first chunk
+    assert engines.calls == [(2, 2, 3), (2, 1, 3), (2, 1, 1)]
+    long, short = groups[0][1], groups[1][0]
+    assert long.response_ids == [2, 3, 4, 5, 6, 7, 8] and long.finish_reason == "length"
+    assert long.token_versions == [0, 0, 0, 1, 1, 1, 2] and long.policy_version == 0
+    assert long.logprobs == [0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -2.0]
+    assert short.response_ids == [2, 3, 4] and short.finish_reason == "stop" and short.versions() == [0, 0, 0]
+
+
+def test_a_waiting_exclusive_turn_goes_before_the_next_generation_call():
+    import threading
+    import time
+
+    from rl_tpu.rollout.partial import EngineTurns
+
+    turns, order = EngineTurns(), []
+    started = threading.Event()
+
+    def producer():
+        for k in range(3):
+            with turns.generating():
+                started.set()
+                order.append(f"chunk{k}")
+                time.sleep(0.05)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    started.wait()
+    with turns.exclusive():
+        order.append("update")
+    t.join()
+    assert order == ["chunk0", "update", "chunk1", "chunk2"]
+    assert turns.busy_s >= 0.15
+
+
+def _producer(tmp_path, *overrides, steps=6):
+    from rl_tpu.config import load_config
+    from rl_tpu.data import Example, PromptLoader
+    from rl_tpu.loop import Rollouts
+    from rl_tpu.rewards.pool import RewardResult
+
+    class Tok:
+        chat_template, pad_token_id = "{{ messages }}", 0
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return messages[0]["content"]
+
+        def __call__(self, texts, add_special_tokens):
+            return {"input_ids": [[int(t), 1] for t in texts]}
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+        def batch_decode(self, rows, **kw):
+            return [self.decode(r) for r in rows]
+
+    class Pool:
+        def score(self, inputs):
+            return RewardResult(
+                scores=[1.0] * len(inputs), function_scores={}, extra={}, failed=[False] * len(inputs)
+            )
+
+    cfg = load_config(
+        None,
+        [
+            f"--logging.run_dir={tmp_path}",
+            "--cluster.mode=async",
+            "--rollout.n=2",
+            "--rollout.max_tokens=6",
+            "--data.batch_size=2",
+            *overrides,
+        ],
+    )
+    examples = [
+        Example(
+            data_source="f",
+            messages=[{"role": "user", "content": str(10 + i)}],
+            ground_truth="",
+            extra_info={"index": i},
+            uid=f"f-{i}",
+        )
+        for i in range(64)
+    ]
+    engines = _Engines()
+    loader = PromptLoader(examples, cfg.data.batch_size, shuffle=False)
+    return cfg, engines, Rollouts(cfg, engines, Pool(), loader, Tok(), version=0, steps=steps)
+
+
+def _consume(rollouts, engines, steps):
+    """The trainer's side: take a batch at version v, then the engines serve v + 1 (a sync)."""
+    from rl_tpu.batching import build_rollout_batch, staleness_metrics
+
+    out = []
+    for v in range(steps):
+        data, timings = rollouts.next(v)
+        rb = build_rollout_batch(data.groups, data.scores, 0)
+        out.append(staleness_metrics(rb.batch, v) | data.metrics | timings)
+        with rollouts.turns.exclusive():
+            engines.version = v + 1
+        rollouts.updated(v + 1)
+    rollouts.close()
+    return out
+
+
+def test_wait_policy_keeps_every_token_within_max_staleness(tmp_path):
+    cfg, engines, rollouts = _producer(
+        tmp_path, "--algorithm.max_staleness=2", "--rollout.partial=true", "--rollout.partial_chunk_tokens=2"
+    )
+    rows = _consume(rollouts, engines, 6)
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows), rows
+    assert all(r["rollout/dropped"] == 0 for r in rows)
+    assert all(r["time/trainer_idle"] >= 0 for r in rows)
+    # the checkpoint's positions: nothing left in flight after the last batch
+    assert rollouts.loader_state() == rollouts.loader.state_dict()
+
+
+def test_drop_policy_generates_stale_groups_again_and_counts_them(tmp_path):
+    import time
+
+    cfg, engines, rollouts = _producer(
+        tmp_path, "--algorithm.max_staleness=1", "--algorithm.staleness_policy=drop"
+    )
+    time.sleep(0.2)  # the producer fills its buffer (max_staleness batches) and one more in hand
+    rows = _consume(rollouts, engines, 6)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows), rows
+    assert sum(r["rollout/dropped"] for r in rows) > 0
+
+
+def test_config_refuses_partial_rollouts_outside_async_mode_with_stop_strings_and_the_old_key():
+    import pytest
+
+    from rl_tpu.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.partial = true` continues"):
+        load_config(None, ["--rollout.partial=true"])
+    with pytest.raises(ConfigError, match="stop string"):
+        load_config(None, ["--cluster.mode=async", "--rollout.partial=true", '--rollout.stop=["\\n"]'])
+    with pytest.raises(ConfigError, match="now `algorithm.max_staleness`"):
+        load_config(None, ["--cluster.max_staleness=4"])
+    cfg = load_config(None, ["--cluster.mode=async", "--rollout.partial=true", "--algorithm.max_staleness=4"])
+    assert cfg.algorithm.max_staleness == 4 and cfg.algorithm.staleness_policy == "wait"

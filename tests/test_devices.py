@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_tpu.devices import get_device
+from rl_tpu.devices import cpu_process_env, get_device
 
 ROOT = Path(__file__).resolve().parents[1]
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
@@ -68,6 +68,48 @@ def test_cpu_trainer_processes_reuse_freed_memory():
     assert refaults(init=False) > 30000  # glibc's default
     assert refaults(init=True) < 1000
     assert refaults(init=True, MALLOC_MMAP_THRESHOLD_="131072") > 30000  # left alone
+
+
+_SHAPE_CACHE = """
+import ctypes, torch
+libc = ctypes.CDLL("libc.so.6")
+def mb():
+    libc.malloc_trim(0)
+    return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("Pss:")) / 1024
+torch.set_num_threads(1)
+w, a = torch.randn(256, 128), torch.randn(400, 128)
+torch.ops.mkldnn._linear_pointwise(a[:1], w, None, "none", [], "")
+before = mb()
+for m in range(2, 202):  # 200 new row counts, as RL batches bring them
+    torch.ops.mkldnn._linear_pointwise(a[:m], w, None, "none", [], "")
+print(mb() - before)
+"""
+
+
+def test_cpu_trainer_processes_bound_onednns_shape_caches(monkeypatch):
+    """oneDNN keeps ~0.5 MB per new matmul shape in two 1024-entry caches; a CPU trainer process starts
+    with both bounded (trainer/group.py passes `cpu_process_env()`), unless the user set them."""
+
+    def growth(env: dict) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", _SHAPE_CACHE],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k} | env,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(k, raising=False)
+    env = cpu_process_env()
+    assert set(env) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"}
+    assert growth({}) > 40  # the default caches: ~0.55 MB for each of the 200 shapes
+    assert growth(env) < 15
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "4096")
+    assert cpu_process_env() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}  # the user's value is kept
 
 
 @pytest.mark.timeout(600)

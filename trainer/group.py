@@ -80,6 +80,10 @@ class TrainerGroup:
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
+        if cfg.trainer.device == "cpu":
+            from rl_tpu.devices import cpu_process_env
+
+            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(cpu_process_env())
         if cfg.trainer.device == "tpu":  # torch-tpu: every rank gets the same launch variables, decided here
             from rl_tpu.devices import torch_tpu_launch_env
 

@@ -1,7 +1,7 @@
-"""Qwen3-MoE, first increment of #43: the tiny MoE model, TorchTitan's build of it and its HF parity.
+"""Qwen3-MoE (#43): the tiny MoE model, TorchTitan's build of it, its HF parity and the `moe/*` metrics.
 
 vLLM serving it (greedy tokens equal to transformers') is `test_vllm_and_transformers_agree_greedy[qwen3_moe]`
-in tests/test_tiny_model.py. Not covered yet: RL training, weight sync, expert parallelism.
+in tests/test_tiny_model.py; training it and syncing its experts into vLLM is tests/test_moe_sync.py.
 """
 
 import json
@@ -49,15 +49,15 @@ def test_moe_tiny_model_config(moe_path, tmp_path):
     assert (dense / "tokenizer.json").read_bytes() == (moe_path / "tokenizer.json").read_bytes()
 
 
-def test_moe_driver_check_refuses_training_but_builder_accepts(moe_path):
+def test_moe_driver_check_accepts_and_checks_moe_keys(moe_path):
     from rl_tpu.trainer.model import check_hf_config
 
     hf = json.loads((moe_path / "config.json").read_text())
-    with pytest.raises(ModelError, match="not trained yet.*#43"):
-        check_hf_config(hf, "config.json")
-    check_hf_config(hf, "config.json", moe=True)
+    check_hf_config(hf, "config.json")
     with pytest.raises(ModelError, match="num_experts_per_tok"):
-        check_hf_config({**hf, "num_experts_per_tok": 9}, "config.json", moe=True)
+        check_hf_config({**hf, "num_experts_per_tok": 9}, "config.json")
+    with pytest.raises(ModelError, match="shared experts"):
+        check_hf_config({**hf, "shared_expert_intermediate_size": 64}, "config.json")
 
 
 def test_moe_build_model_spec(moe_path):
@@ -141,3 +141,36 @@ def test_moe_titan_backward_runs_in_fp32(moe_path):
     grad = titan.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad
     assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
     assert titan.layers["0"].moe.router.gate.weight.grad.abs().sum() > 0
+
+
+def test_moe_stats_equal_hf_load_balancing_loss(moe_path):
+    """`moe/aux_loss` is HF's Switch load-balancing loss (per layer, then the mean over layers) and
+    `moe/expert_load_max` the busiest expert's share over the mean, on the same tokens; eval forwards
+    count nothing."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from rl_tpu.trainer.metrics import MoeStats
+
+    titan = _titan_model(moe_path)
+    stats = MoeStats(titan)
+    assert len(stats.routers) == 2
+    tokens = torch.randint(4, 500, (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        titan(tokens)  # eval mode: not counted
+        assert stats.read(torch.device("cpu")) == {}
+        titan.train()
+        titan(tokens[:2])
+        titan(tokens[2:])  # two forwards add up
+        got = stats.read(torch.device("cpu"))
+        hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+        logits = hf(tokens, output_router_logits=True).router_logits  # per layer [B * L, E]
+    per_layer = [float(load_balancing_loss_func((g,), 4, 2)) for g in logits]
+    assert got["moe/aux_loss"] == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-6)
+    loads = []
+    for g in logits:
+        counts = torch.bincount(g.topk(2, dim=-1).indices.reshape(-1), minlength=4).double()
+        loads.append(float(counts.max() / counts.mean()))
+    assert got["moe/expert_load_max"] == pytest.approx(max(loads), rel=1e-9)
+    assert 1.0 <= got["moe/expert_load_max"] <= 2.0  # E / k = 2: every token on the same two experts
+    assert stats.read(torch.device("cpu")) == {}  # read resets

@@ -20,7 +20,7 @@ import torch
 
 from rl_tpu.config import Config, resolved_dtype
 from rl_tpu.devices import Device
-from rl_tpu.trainer import converters, cpu_matmul, parallel
+from rl_tpu.trainer import converters, cpu_matmul, metrics, parallel
 
 
 class ModelBuilder:
@@ -43,6 +43,7 @@ class ModelBuilder:
             and self.param_dtype == "float32"
         )
         self.matmuls = converters.MatmulTable(tc.cpu_matmul, rank, world_size)
+        self.moe_stats: metrics.MoeStats | None = None  # the policy's expert load (`moe/*` metrics)
 
     def _build(self, spec, state_dict: dict[str, torch.Tensor], convs, what: str) -> torch.nn.Module:
         m = parallel.build_parallel_model(
@@ -71,6 +72,8 @@ class ModelBuilder:
         if frozen:
             m.requires_grad_(False)
             m.eval()
+        else:
+            self.moe_stats = metrics.MoeStats(m)
         return m
 
     def critic(self, titan_sd: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -76,3 +76,74 @@ def mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
         else sum(d[k] for d in ds if k in d) / sum(1 for d in ds if k in d)
         for k in keys
     }
+
+
+class MoeStats:
+    """Expert load of a model's mixture-of-experts layers over the training forwards since the last
+    `read` (`moe/*` metrics; nothing for a dense model).
+
+    A forward hook on each MoE layer's router (TorchTitan's `TokenChoiceTopKRouter`, which returns the
+    top-k scores, the top-k expert ids and every expert's probability) counts, in training mode only,
+    the tokens routed to each expert and sums each expert's probability, over every position the
+    forward ran (padding included). `read` sums them over ranks (collective) and reports:
+    - `moe/expert_load_max`: the most loaded expert's token count / the mean count, the max over layers
+      (1 = perfectly balanced, `num_experts / top_k` = every token on the same experts);
+    - `moe/aux_loss`: the Switch / HF Qwen3-MoE load-balancing loss `E * sum_e f_e * P_e` (f_e: the
+      fraction of routed tokens on expert e, summed over the k choices; P_e: its mean probability),
+      the mean over layers. Reported only: TorchTitan 0.3.0 adds no auxiliary loss (its balancing is
+      the aux-loss-free expert bias, `load_balance_coeff`, which trainer/model.py leaves off because
+      it changes routing and HF has none), and neither does the trainer's loss.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [
+            m.router for m in model.modules() if hasattr(m, "router") and hasattr(m, "routed_experts")
+        ]
+        self.counts: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.probs: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.tokens = [0] * len(self.routers)
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(module, args, out):
+            if not module.training:
+                return
+            _, ids, scores = out
+            ids, scores = _local(ids).detach(), _local(scores).detach()
+            n = scores.shape[-1]
+            counts = torch.bincount(ids.reshape(-1), minlength=n).to(torch.float64)
+            probs = scores.reshape(-1, n).sum(0, dtype=torch.float64)
+            self.counts[i] = counts if self.counts[i] is None else self.counts[i] + counts
+            self.probs[i] = probs if self.probs[i] is None else self.probs[i] + probs
+            self.tokens[i] += scores.numel() // n
+
+        return hook
+
+    def read(self, device: torch.device) -> dict[str, float]:
+        """The `moe/*` metrics since the last read (all ranks call it: one all-reduce), then a reset."""
+        if not self.routers:
+            return {}
+        n = self.routers[0].gate.weight.shape[0]
+        zero = torch.zeros(n, dtype=torch.float64, device=device)
+        counts = torch.stack([zero if c is None else c.to(device) for c in self.counts])  # [layers, E]
+        probs = torch.stack([zero if p is None else p.to(device) for p in self.probs])
+        tokens = torch.tensor(self.tokens, dtype=torch.float64, device=device)[:, None]
+        vec = torch.cat([counts, probs, tokens], dim=1)
+        if dist.is_initialized():
+            dist.all_reduce(vec)
+        counts, probs, tokens = vec[:, :n], vec[:, n : 2 * n], vec[:, 2 * n :]
+        self.counts, self.probs = [None] * len(self.routers), [None] * len(self.routers)
+        self.tokens = [0] * len(self.routers)
+        if float(tokens.min()) == 0:
+            return {}
+        load_max = counts.max(1).values / counts.mean(1)
+        f = counts / counts.sum(1, keepdim=True)  # fraction of routed (token, choice) pairs
+        aux = n * (f * probs / tokens).sum(1) * self.routers[0].top_k
+        return {"moe/expert_load_max": float(load_max.max()), "moe/aux_loss": float(aux.mean())}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

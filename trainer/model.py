@@ -78,8 +78,8 @@ def read_hf_config(model_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-MODEL_TYPES = ("qwen3", "llama")  # what the trainer trains (build_model_spec builds these)
-MOE_MODEL_TYPES = ("qwen3_moe",)  # build_model_spec builds these too; RL training is not wired yet (#43)
+MOE_MODEL_TYPES = ("qwen3_moe",)  # mixture of experts (#43)
+MODEL_TYPES = ("qwen3", "llama") + MOE_MODEL_TYPES  # what the trainer trains (build_model_spec builds these)
 _MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size")  # plus num_experts / num_local_experts
 _REQUIRED_KEYS = (
     "hidden_size",
@@ -90,23 +90,16 @@ _REQUIRED_KEYS = (
 )
 
 
-def check_hf_config(hf: dict, where: str | Path, *, moe: bool = False) -> None:
+def check_hf_config(hf: dict, where: str | Path) -> None:
     """Raise `ModelError` naming `where` (the config.json) if `build_model_spec` cannot build this model.
     Pure (no TorchTitan import): the driver runs it before any trainer actor starts, since an error
-    raised inside an actor's constructor reaches the user as a Ray traceback. MoE models
-    (`MOE_MODEL_TYPES`) pass only with `moe=True` (what `build_model_spec` asks): the driver's check
-    refuses to train them until weight sync and expert parallelism are wired (#43)."""
+    raised inside an actor's constructor reaches the user as a Ray traceback."""
     model_type = hf.get("model_type")
-    if model_type in MOE_MODEL_TYPES and not moe:
-        raise ModelError(
-            f"{where}: model_type {model_type!r} (mixture of experts) is not trained yet: the trainer "
-            "builds it, but weight sync and expert parallelism for MoE are not wired (issue #43)"
-        )
-    if model_type not in MODEL_TYPES + (MOE_MODEL_TYPES if moe else ()):
+    if model_type not in MODEL_TYPES:
         archs = f" (architectures {hf['architectures']})" if hf.get("architectures") else ""
         raise ModelError(
             f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
-            f"dense {' and '.join(map(repr, MODEL_TYPES))} models"
+            f"{', '.join(map(repr, MODEL_TYPES))} models"
         )
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
@@ -162,7 +155,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     from rl_tpu.trainer import titan_compat
 
     hf = read_hf_config(model_path)
-    check_hf_config(hf, Path(model_path) / "config.json", moe=True)
+    check_hf_config(hf, Path(model_path) / "config.json")
     model_type = hf["model_type"]
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads") or n_heads

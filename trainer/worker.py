@@ -139,6 +139,7 @@ class TrainerWorker(SyncSender):
         tokens = float(batch.attention_mask.sum())
         elapsed = time.perf_counter() - t0
         out.update({"actor/step": float(self.step), "perf/train_tokens": tokens, "perf/train_s": elapsed})
+        out.update(self.builder.moe_stats.read(self.local))  # moe/*: empty for a dense model
         compiles = self.device.compile_count()
         if compiles is not None:
             out["perf/compiles"] = float(compiles)

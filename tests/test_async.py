@@ -43,6 +43,35 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def _cfg(tmp_path: Path, steps: int, *overrides: str, batch: int = 4, n: int = 4):
+    (tmp_path / "digits.py").write_text(textwrap.dedent(DIGITS_REWARD))
+    return load_config(
+        None,
+        [
+            f"--logging.run_dir={tmp_path / 'run'}",
+            "--logging.tensorboard=false",
+            "--logging.progress=false",
+            "--logging.samples_per_step=64",
+            "--trainer.world_size=2",
+            "--trainer.micro_batch_size=64",
+            "--trainer.lr=1e-2",
+            f"--trainer.total_steps={steps}",
+            "--trainer.test_freq=0",
+            f"--rollout.n={n}",
+            "--rollout.engines=2",
+            "--rollout.max_tokens=16",
+            f"--data.batch_size={batch}",
+            "--data.synthetic_train_size=64",
+            "--reward.workers=1",
+            "--checkpoint.every=0",
+            f'--reward.functions=["{tmp_path / "digits.py"}:compute_score"]',
+            "--cluster.mode=async",
+            "--sync.verify=true",
+            *overrides,
+        ],
+    )
+
+
 @pytest.mark.usefixtures("loop_ray")
 def test_bounded_staleness_with_partial_rollouts_and_an_engine_killed_mid_rollout(
     tmp_path, hooks, monkeypatch
@@ -58,35 +87,14 @@ def test_bounded_staleness_with_partial_rollouts_and_an_engine_killed_mid_rollou
         return original(self, batch, algo_cfg)
 
     monkeypatch.setattr(TrainerGroup, "train_step", recording)
-    (tmp_path / "digits.py").write_text(textwrap.dedent(DIGITS_REWARD))
     steps, batch, n = 6, 4, 4
-    cfg = load_config(
-        None,
-        [
-            f"--logging.run_dir={tmp_path / 'run'}",
-            "--logging.tensorboard=false",
-            "--logging.progress=false",
-            "--logging.samples_per_step=64",
-            "--trainer.world_size=2",
-            "--trainer.micro_batch_size=64",
-            "--trainer.lr=1e-2",
-            f"--trainer.total_steps={steps}",
-            "--trainer.test_freq=0",
-            f"--rollout.n={n}",
-            "--rollout.engines=2",
-            "--rollout.max_tokens=16",
-            "--rollout.partial_chunk_tokens=4",
-            f"--data.batch_size={batch}",
-            "--data.synthetic_train_size=64",
-            "--reward.workers=1",
-            "--checkpoint.every=0",
-            f'--reward.functions=["{tmp_path / "digits.py"}:compute_score"]',
-            "--cluster.mode=async",
-            "--algorithm.max_staleness=4",
-            "--algorithm.rollout_is=token",
-            "--rollout.partial=true",
-            "--sync.verify=true",
-        ],
+    cfg = _cfg(
+        tmp_path,
+        steps,
+        "--algorithm.max_staleness=4",
+        "--algorithm.rollout_is=token",
+        "--rollout.partial=true",
+        "--rollout.partial_chunk_tokens=4",
     )
     (hooks / "generate.json").write_text(json.dumps({"engine": 1, "version": 1, "seconds": 900}))
     killed: dict = {}
@@ -128,3 +136,18 @@ def test_bounded_staleness_with_partial_rollouts_and_an_engine_killed_mid_rollou
     # stale behaviour log-probs differ from the trainer's: the IS correction in the loss saw them
     stale = [r for r in rows if r["rollout/staleness_max"] >= 1]
     assert any(r["mismatch/max_abs_logprob_diff"] > 1e-4 for r in stale)
+
+
+@pytest.mark.usefixtures("loop_ray")
+def test_drop_policy_generates_stale_groups_again_and_trains_whole_batches(tmp_path):
+    """`staleness_policy = drop`, max_staleness 1: the producer runs up to two batches ahead without
+    waiting for versions, so the third batch, sampled with version 0, would be trained at version 2; its
+    groups are generated again with the current weights when its step takes them."""
+    from rl_tpu.loop import train
+
+    steps = 4
+    train(_cfg(tmp_path, steps, "--algorithm.max_staleness=1", "--algorithm.staleness_policy=drop"))
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/samples"] for r in rows] == [16] * steps
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows), [r["rollout/staleness_max"] for r in rows]
+    assert sum(r["rollout/dropped"] for r in rows) > 0, [r["rollout/dropped"] for r in rows]

@@ -146,7 +146,15 @@ def test_drop_policy_generates_stale_groups_again_and_trains_whole_batches(tmp_p
     from rl_tpu.loop import train
 
     steps = 4
-    train(_cfg(tmp_path, steps, "--algorithm.max_staleness=1", "--algorithm.staleness_policy=drop"))
+    train(
+        _cfg(
+            tmp_path,
+            steps,
+            "--algorithm.max_staleness=1",
+            "--algorithm.staleness_policy=drop",
+            "--trainer.ppo_epochs=4",
+        )
+    )
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["rollout/samples"] for r in rows] == [16] * steps
     assert all(r["rollout/staleness_max"] <= 1 for r in rows), [r["rollout/staleness_max"] for r in rows]

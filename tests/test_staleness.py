@@ -193,8 +193,11 @@ def _producer(tmp_path, *overrides, steps=6):
     return cfg, engines, Rollouts(cfg, engines, Pool(), loader, Tok(), version=0, steps=steps)
 
 
-def _consume(rollouts, engines, steps):
-    """The trainer's side: take a batch at version v, then the engines serve v + 1 (a sync)."""
+def _consume(rollouts, engines, steps, train_s=0.0):
+    """The trainer's side: take a batch at version v, train for `train_s`, then the engines serve v + 1
+    (a sync)."""
+    import time
+
     from rl_tpu.batching import build_rollout_batch, staleness_metrics
 
     out = []
@@ -202,6 +205,7 @@ def _consume(rollouts, engines, steps):
         data, timings = rollouts.next(v)
         rb = build_rollout_batch(data.groups, data.scores, 0)
         out.append(staleness_metrics(rb.batch, v) | data.metrics | timings)
+        time.sleep(train_s)
         with rollouts.turns.exclusive():
             engines.version = v + 1
         rollouts.updated(v + 1)
@@ -227,8 +231,9 @@ def test_drop_policy_generates_stale_groups_again_and_counts_them(tmp_path):
     cfg, engines, rollouts = _producer(
         tmp_path, "--algorithm.max_staleness=1", "--algorithm.staleness_policy=drop"
     )
-    time.sleep(0.2)  # the producer fills its buffer (max_staleness batches) and one more in hand
-    rows = _consume(rollouts, engines, 6)
+    time.sleep(0.2)  # the producer fills its buffer (max_staleness + 1 batches)
+    # while step 1 trains, the producer makes batch 2 with version 0; it would be trained at version 2
+    rows = _consume(rollouts, engines, 6, train_s=0.1)
     assert all(r["rollout/staleness_max"] <= 1 for r in rows), rows
     assert sum(r["rollout/dropped"] for r in rows) > 0
 
@@ -246,3 +251,19 @@ def test_config_refuses_partial_rollouts_outside_async_mode_with_stop_strings_an
         load_config(None, ["--cluster.max_staleness=4"])
     cfg = load_config(None, ["--cluster.mode=async", "--rollout.partial=true", "--algorithm.max_staleness=4"])
     assert cfg.algorithm.max_staleness == 4 and cfg.algorithm.staleness_policy == "wait"
+
+
+def test_a_checkpoint_records_the_positions_before_the_oldest_batch_not_trained(tmp_path):
+    import time
+
+    cfg, engines, rollouts = _producer(tmp_path, "--algorithm.max_staleness=2", steps=4)
+    deadline = time.monotonic() + 10
+    while len(rollouts._ready) < 3 and time.monotonic() < deadline:  # batches 0..2 may start at version 0
+        time.sleep(0.01)
+    assert len(rollouts._ready) == 3 and rollouts.loader_state()["position"] == 0  # nothing trained yet
+    assert rollouts.rollout_state() == {"calls": 0}
+    rollouts.next(0)
+    # batch 1 is the oldest not trained: a resume draws its prompts again, not those after batch 2
+    assert rollouts.loader_state() == rollouts._states[1][0] != rollouts.loader.state_dict()
+    assert rollouts.rollout_state() == {"calls": 1}
+    rollouts.close()

@@ -55,6 +55,11 @@ class ModelConfig:
 class TrainerConfig:
     device: Literal["cpu", "cuda", "tpu", "xla"] = "cpu"
     world_size: int = F(2, ge=1)  # trainer ranks (one Ray actor each)
+    # expert parallelism of a mixture-of-experts model (TorchTitan's EP, all-to-all token dispatch): the
+    # experts are split over `expert_parallel` ranks and FSDP shards each rank's experts over the other
+    # world_size / expert_parallel; dense weights stay FSDP over all ranks. 1 = FSDP only; must divide
+    # world_size
+    expert_parallel: int = F(1, ge=1)
     total_steps: int = F(20, ge=0)
     lr: float = F(1e-5, gt=0)
     weight_decay: float = F(0.0, ge=0)

@@ -174,3 +174,39 @@ def test_moe_stats_equal_hf_load_balancing_loss(moe_path):
     assert got["moe/expert_load_max"] == pytest.approx(max(loads), rel=1e-9)
     assert 1.0 <= got["moe/expert_load_max"] <= 2.0  # E / k = 2: every token on the same two experts
     assert stats.read(torch.device("cpu")) == {}  # read resets
+
+
+def test_plan_owners_match_dtensor_shards_of_ep_times_fsdp_experts():
+    """Experts under EP 2 x FSDP 2 (FSDP2's `_StridedShard(0)` on `efsdp`, `Shard(0)` on `ep`, as
+    TorchTitan lays them out on 4 ranks): the rows `plan.owners` reads from each rank are the rows
+    DTensor puts in that rank's local shard (each rank computed with a fake process group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rl_tpu.weight_sync.plan import owners
+    from rl_tpu.weight_sync.specs import ParamSpec
+
+    t = torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8, 3, 2)  # [experts, out, in]
+    rows = t.reshape(-1, 2)
+    seen = []
+    for rank in range(4):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+            d = distribute_tensor(t, mesh, [_StridedShard(0, split_factor=2), Shard(0)], src_data_rank=None)
+            spec = ParamSpec.from_tensor("w", d)
+            got = {r: (lo, hi) for r, lo, hi in owners(spec)}
+            lo, hi = got[rank]
+            assert torch.equal(rows[lo:hi], d.to_local().reshape(-1, 2)), (rank, spec.placements)
+            seen.append((lo, hi))
+        finally:
+            dist.destroy_process_group()
+    # EP splits the experts first: ranks 0 and 2 (ep 0) hold experts 0-3, ranks 1 and 3 experts 4-7
+    assert seen == [(0, 6), (12, 18), (6, 12), (18, 24)]
+    bad = ParamSpec.from_tensor("w", t)
+    bad = ParamSpec(**{**bad.__dict__, "mesh_shape": (2, 2), "placements": ("_S(0, 4)", "S(0)")})
+    with pytest.raises(NotImplementedError, match="product must be sf"):
+        owners(bad)

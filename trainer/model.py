@@ -29,9 +29,9 @@ computation: its `GroupedExperts.forward` casts activations and expert weights t
 here are `ParamDtypeGroupedExperts`, the same grouped matmuls in the parameters' dtype (fp32 on CPU:
 logits equal HF's to ~1e-6; under FSDP2 mixed precision the parameters arrive in bf16 and so does the
 math). Same parameter names, so the adapter and DCP see TorchTitan's layout.
-Not covered yet: RL training of an MoE model (`check_hf_config` refuses it by default: weight sync of
-the stacked expert tensors, expert parallelism, the router's load-balancing loss), TorchTitan 0.2.0
-(`titan_compat`), shared experts (Qwen2-MoE style).
+Training: FSDP2 alone or with TorchTitan's expert parallelism (`trainer.expert_parallel`,
+trainer/parallel.py), weight sync of the grouped experts into vLLM's fused w13 / w2 (docs/moe.md).
+Not covered yet: routing replay, TorchTitan 0.2.0 (`titan_compat`), shared experts (Qwen2-MoE style).
 """
 
 from __future__ import annotations

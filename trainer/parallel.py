@@ -6,6 +6,8 @@ Invariants:
   `xla`), never from `if device == ...` here.
 - After `build_parallel_model` every parameter is a DTensor on the `fsdp` mesh dimension
   (FSDP2 `Shard(0)`), also with one rank, so `param_specs()` looks the same at any world size.
+  Exception: with `trainer.expert_parallel` > 1 an MoE model's experts live on TorchTitan's sparse
+  mesh (`efsdp` x `ep`: `_StridedShard(0)`, `Shard(0)`), one block of whole experts per EP rank.
 - Gradients are SUMMED across ranks (`set_force_sum_reduction_for_comms(True)`: gloo has no
   PREMUL_SUM, so FSDP's default average is unavailable). Losses must therefore be normalised by
   global (all-rank) token/sequence counts, which is what makes N ranks equal 1 rank.
@@ -62,11 +64,14 @@ def init_process_group(
     )
 
 
-def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
-    """FSDP over all ranks (times TP where the backend supports it); None on a device without FSDP2
-    (one rank, plain parameters)."""
+def make_parallel_dims(device: Device, world_size: int, tp: int = 1, ep: int = 1):
+    """FSDP over all ranks (times TP where the backend supports it), with `ep`-way expert parallelism
+    of an MoE model's experts (FSDP over the other world_size / ep ranks for them); None on a device
+    without FSDP2 (one rank, plain parameters)."""
+    if world_size % ep:
+        raise ValueError(f"trainer.expert_parallel = {ep} must divide trainer.world_size = {world_size}")
     if not device.fsdp2:
-        if world_size != 1 or tp != 1:
+        if world_size != 1 or tp != 1 or ep != 1:
             raise ValueError(
                 f"trainer.device = {device.name!r} trains on one rank without FSDP2 (docs/devices.md): "
                 f"set trainer.world_size = 1 (got {world_size}, tp {tp})"
@@ -83,7 +88,7 @@ def make_parallel_dims(device: Device, world_size: int, tp: int = 1):
         cp=1,
         tp=tp,
         pp=1,
-        ep=1,
+        ep=ep,
         world_size=world_size,
         spmd_backend="partial_dtensor",
     )
@@ -108,8 +113,9 @@ def build_parallel_model(
     sharded with the root unit (used for the critic's value head). Weights are uninitialised until
     `load_full_state_dict`; buffers (RoPE caches) are initialised here.
     """
+    config = spec.config if pdims is None or pdims.ep == 1 else expert_parallel_config(spec, pdims.ep)
     with torch.device("meta"):
-        model = spec.config.build()
+        model = config.build()
         if drop_lm_head:
             model.lm_head = None
         for name, mod in (extra_modules or {}).items():
@@ -127,6 +133,29 @@ def build_parallel_model(
     with torch.no_grad():
         model.init_weights(buffer_device=local)
     return model
+
+
+def expert_parallel_config(spec, ep: int):
+    """A copy of `spec.config` carrying TorchTitan's expert-parallel sharding declarations
+    (`set_qwen3_sharding_config`, sequence parallelism off), which `parallelize_qwen3` applies
+    (`Module.parallelize`): experts `Shard(0)` over the `ep` mesh dim (FSDP2 then shards each rank's
+    experts over `efsdp`, as `_StridedShard(0)`), the router replicated, tokens dispatched all-to-all.
+    Dense modules are declared too but stay FSDP only (TP is 1)."""
+    import copy
+
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    layers = [layer.moe for layer in spec.config.layers if getattr(layer, "moe", None) is not None]
+    if spec.arch != "qwen3_moe" or not layers:
+        raise ValueError(f"trainer.expert_parallel = {ep}: the model ({spec.arch}) has no experts")
+    for moe in layers:
+        if moe.num_experts % ep:
+            raise ValueError(
+                f"trainer.expert_parallel = {ep} must divide the number of experts ({moe.num_experts})"
+            )
+    config = copy.deepcopy(spec.config)
+    set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
+    return config
 
 
 def _parallelize(

@@ -237,7 +237,9 @@ class Updater:
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
         foreach = None if self.device.lazy_tensors else True  # torch has no foreach kernels for xla tensors
-        grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=foreach)
+        # expert-parallel experts live on a mesh of their own: TorchTitan then sums the norm per mesh
+        ep = any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) for p in params)
+        grad_norm = dist_utils.clip_grad_norm_(params, max_norm, foreach=foreach, ep_enabled=ep)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -14,14 +14,17 @@ row boundaries into buckets of about `bucket_bytes` (a bucket exceeds it by less
 Invariants: every engine element that vLLM's loader fills is covered by exactly one piece; a receiver gets
 exactly the bytes of its shard (no full gather); the plan holds int64 tables whose size grows with the
 number of tensors, ranks and row permutations, not elements. Supported trainer placements: Replicate()
-and Shard(0) on each mesh dim (FSDP2 / HSDP, nested in mesh-dim order as DTensor does); a replicated
-source is read from mesh coordinate 0.
+and Shard(0) on each mesh dim (FSDP2 / HSDP, nested in mesh-dim order as DTensor does), and FSDP2's
+`_StridedShard(0, sf)` in front of Shard(0) dims whose sizes multiply to `sf` (experts under expert
+parallelism: EP splits dim 0 first, FSDP then splits each EP rank's block); a replicated source is read
+from mesh coordinate 0.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,28 +97,69 @@ class PlanError(ValueError):
 def owners(spec: ParamSpec) -> list[tuple[int, int, int]]:
     """(trainer rank, first row, end row) of the 2-D view each source rank holds, DTensor semantics:
     each Shard(0) mesh dim chunks the current dim-0 range with torch.chunk sizes (ceil), in mesh-dim
-    order; a Replicate() dim is read from coordinate 0 only. Ranks holding nothing are left out."""
+    order, except that a `_StridedShard(0, sf)` dim chunks after the Shard(0) dims that follow it (their
+    sizes multiply to `sf`; dim 0 must then divide evenly); a Replicate() dim is read from coordinate 0
+    only. Ranks holding nothing are left out. The rank at a mesh coordinate is `spec.mesh_ranks`'."""
     d0 = spec.shape[0] if spec.shape else 1
     per = rows_cols(spec.shape)[0] // max(d0, 1)  # 2-D rows per dim-0 index
     if not spec.mesh_shape:
         return [(0, 0, rows_cols(spec.shape)[0])]
+    order = _chunk_order(spec, d0)
     out = []
     for coord in itertools.product(*(range(n) for n in spec.mesh_shape)):
-        lo, hi, source = 0, d0, True
-        for c, n, p in zip(coord, spec.mesh_shape, spec.placements):
-            if p in ("S(0)", "Shard(0)", "Shard(dim=0)"):
-                ch = math.ceil((hi - lo) / n) if hi > lo else 0
-                lo, hi = min(lo + c * ch, hi), min(lo + (c + 1) * ch, hi)
-            elif p in ("R", "Replicate()"):
-                source = source and c == 0
-            else:
-                raise NotImplementedError(
-                    f"{spec.name}: placement {p} (weight sync supports Shard(0) and Replicate())"
-                )
+        lo, hi = 0, d0
+        source = all(c == 0 for c, p in zip(coord, spec.placements) if p in ("R", "Replicate()"))
+        for i in order:
+            c, n = coord[i], spec.mesh_shape[i]
+            ch = math.ceil((hi - lo) / n) if hi > lo else 0
+            lo, hi = min(lo + c * ch, hi), min(lo + (c + 1) * ch, hi)
         if source and hi > lo:
-            rank = int(np.ravel_multi_index(coord, spec.mesh_shape))
+            flat = int(np.ravel_multi_index(coord, spec.mesh_shape))
+            rank = spec.mesh_ranks[flat] if spec.mesh_ranks else flat
             out.append((rank, lo * per, hi * per))
     return out
+
+
+_SHARD0 = ("S(0)", "Shard(0)", "Shard(dim=0)")
+_STRIDED0 = re.compile(r"_S(?:tridedShard)?\((?:dim=)?0, (?:sf=|split_factor=)?(\d+)\)")  # str() / repr()
+
+
+def _chunk_order(spec: ParamSpec, d0: int) -> list[int]:
+    """The mesh dims that chunk dim 0, in the order they chunk it (see `owners`)."""
+    kinds = []
+    for p in spec.placements:
+        if p in _SHARD0:
+            kinds.append(("shard", 0))
+        elif p in ("R", "Replicate()"):
+            kinds.append(("replicate", 0))
+        elif m := _STRIDED0.fullmatch(p):
+            kinds.append(("strided", int(m.group(1))))
+        else:
+            raise NotImplementedError(
+                f"{spec.name}: placement {p} (weight sync supports Shard(0), Replicate() and "
+                "_StridedShard(0) before Shard(0))"
+            )
+    order: list[int] = []
+    pending: list[tuple[int, int]] = []  # strided dims waiting for the Shard(0) dims behind them
+    for i, (kind, sf) in enumerate(kinds):
+        if kind == "strided":
+            pending.append((i, sf))
+        elif kind == "shard":
+            order.append(i)
+    if pending:
+        for i, sf in pending:
+            after = [j for j in order if j > i]
+            if math.prod(spec.mesh_shape[j] for j in after) != sf:
+                raise NotImplementedError(
+                    f"{spec.name}: placement {spec.placements[i]} with Shard(0) mesh dims of sizes "
+                    f"{[spec.mesh_shape[j] for j in after]} behind it (their product must be sf)"
+                )
+        order = [j for j in order if j not in {i for i, _ in pending}] + [i for i, _ in pending]
+        if d0 % math.prod(spec.mesh_shape[j] for j in order):
+            raise NotImplementedError(
+                f"{spec.name}: dim 0 ({d0}) does not split evenly over {spec.placements}"
+            )
+    return order
 
 
 def build_plan(

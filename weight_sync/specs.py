@@ -18,6 +18,9 @@ class ParamSpec:
     mesh_shape: tuple[int, ...]  # DeviceMesh shape, () for a plain (non-DTensor) parameter
     mesh_dim_names: tuple[str, ...]
     placements: tuple[str, ...]  # one per mesh dim: "Shard(0)", "Replicate()", ...
+    # the trainer ranks of the DeviceMesh, row-major (`mesh.mesh.flatten()`); empty: ranks 0..n-1 in
+    # order. Expert-parallel parameters live on a mesh of their own (TorchTitan's `efsdp` x `ep`)
+    mesh_ranks: tuple[int, ...] = ()
 
     @classmethod
     def from_tensor(cls, name: str, t) -> ParamSpec:
@@ -34,6 +37,7 @@ class ParamSpec:
                 mesh_shape=tuple(mesh.shape),
                 mesh_dim_names=tuple(mesh.mesh_dim_names or ()),
                 placements=tuple(str(p) for p in t.placements),
+                mesh_ranks=tuple(int(r) for r in mesh.mesh.flatten().tolist()),
             )
         return cls(
             name=name, shape=tuple(t.shape), dtype=dtype, mesh_shape=(), mesh_dim_names=(), placements=()

@@ -34,11 +34,11 @@ class RewardSpecError(RewardError, UserError, ValueError):
     """A reward spec string does not lead to a callable; the message says which part is wrong."""
 
 
-def split_spec(spec: str) -> tuple[str, str, bool]:
+def split_spec(spec: str, label: str = "reward spec") -> tuple[str, str, bool]:
     """`spec` -> (module or path, function name, is_file). Pure string logic, no imports."""
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(
-            f"reward spec {spec!r} must be a non-empty string like 'pkg.module:function' "
+            f"{label} {spec!r} must be a non-empty string like 'pkg.module:function' "
             "or 'path/to/file.py:function'"
         )
     spec = spec.strip()
@@ -47,7 +47,7 @@ def split_spec(spec: str) -> tuple[str, str, bool]:
     if not sep or not target or fn.endswith(".py") or "/" in fn or "\\" in fn:
         target, fn = spec, DEFAULT_FUNCTION
     if not fn.isidentifier():
-        raise RewardSpecError(f"reward spec {spec!r}: {fn!r} is not a valid function name")
+        raise RewardSpecError(f"{label} {spec!r}: {fn!r} is not a valid function name")
     is_file = target.endswith(".py") or "/" in target or "\\" in target
     return target, fn, is_file
 
@@ -68,10 +68,10 @@ def reward_name(spec: str) -> str:
     return Path(target).stem if is_file else target.rsplit(".", 1)[-1]
 
 
-def _import_file(path: Path, spec: str) -> ModuleType:
+def _import_file(path: Path, spec: str, label: str = "reward spec") -> ModuleType:
     if not path.is_file():
         raise RewardSpecError(
-            f"reward spec {spec!r}: file {str(path)!r} not found (relative paths are "
+            f"{label} {spec!r}: file {str(path)!r} not found (relative paths are "
             f"resolved against the current directory {str(Path.cwd())!r})"
         )
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
@@ -80,7 +80,7 @@ def _import_file(path: Path, spec: str) -> ModuleType:
         return sys.modules[name]
     mspec = importlib.util.spec_from_file_location(name, path)
     if mspec is None or mspec.loader is None:
-        raise RewardSpecError(f"reward spec {spec!r}: {str(path)!r} cannot be imported as a Python file")
+        raise RewardSpecError(f"{label} {spec!r}: {str(path)!r} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
     try:
@@ -88,17 +88,17 @@ def _import_file(path: Path, spec: str) -> ModuleType:
     except BaseException as e:
         del sys.modules[name]
         raise RewardSpecError(
-            f"reward spec {spec!r}: importing {str(path)!r} raised {type(e).__name__}: {e}"
+            f"{label} {spec!r}: importing {str(path)!r} raised {type(e).__name__}: {e}"
         ) from e
     return module
 
 
-def _import_module(name: str, spec: str) -> ModuleType:
+def _import_module(name: str, spec: str, label: str = "reward spec") -> ModuleType:
     try:
         return importlib.import_module(name)
     except BaseException as e:  # SyntaxError, SystemExit in user code, ...: all mean "not importable"
         raise RewardSpecError(
-            f"reward spec {spec!r}: module {name!r} is not importable: {type(e).__name__}: {e}"
+            f"{label} {spec!r}: module {name!r} is not importable: {type(e).__name__}: {e}"
         ) from e
 
 
@@ -111,22 +111,21 @@ def _callables(module: ModuleType) -> list[str]:
     return sorted(own) or sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v))
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """Import and return the function named by `spec` (see module docstring)."""
-    target, fn_name, is_file = split_spec(spec)
+def load_reward_fn(spec: str, label: str = "reward spec") -> Callable:
+    """Import and return the function named by `spec` (see module docstring); `label` names the spec's
+    field in errors (a tool or an environment class loads the same way)."""
+    target, fn_name, is_file = split_spec(spec, label)
     if is_file:
-        module = _import_file(Path(target).expanduser().resolve(), spec)
+        module = _import_file(Path(target).expanduser().resolve(), spec, label)
     else:
-        module = _import_module(target, spec)
+        module = _import_module(target, spec, label)
     if not hasattr(module, fn_name):
         names = _callables(module)
         raise RewardSpecError(
-            f"reward spec {spec!r}: {target!r} has no attribute {fn_name!r}; "
+            f"{label} {spec!r}: {target!r} has no attribute {fn_name!r}; "
             f"callables defined there: {', '.join(names) if names else '(none)'}"
         )
     fn = getattr(module, fn_name)
     if not callable(fn):
-        raise RewardSpecError(
-            f"reward spec {spec!r}: {target}.{fn_name} is a {type(fn).__name__}, not callable"
-        )
+        raise RewardSpecError(f"{label} {spec!r}: {target}.{fn_name} is a {type(fn).__name__}, not callable")
     return fn

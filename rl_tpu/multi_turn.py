@@ -1,0 +1,239 @@
+"""Multi-turn rollouts: an environment answers each assistant turn, and a trajectory stays token ids from
+end to end.
+
+A trajectory is its prompt's ids followed by, turn after turn, the ids the engine sampled (exactly as
+sampled, its stop token included) and the ids the chat template inserts for the environment's messages
+(`ChatDelta`: the template's text for those messages, tokenized once, on its own). Nothing is decoded and
+tokenized again, so the trainer scores the very tokens the engine produced and saw: log-probs, masks and
+importance ratios stay exact. `mask` is 1 on sampled tokens only, the ones that carry loss.
+
+Environment interface (a class named by `rollout.env = "module:Class"` or `"path.py:Class"`; one
+instance per trajectory, so it may keep state):
+
+    reset(sample: dict) -> list[dict]            # the opening messages for one dataset row
+    step(messages: list[dict]) -> (new_messages, reward | None, done)   # after each assistant turn
+
+Either may be `async`. `messages` is the conversation so far as text (the assistant's turns as the engine
+decoded them). The trajectory's reward is the last one `step` gave, or None (the caller then scores the
+final answer with the reward functions).
+
+A trajectory ends when the environment says done, when an assistant turn ends without its stop token
+(`max_tokens` reached), after `max_turns` assistant turns, or when the next turn would start past
+`max_total_tokens` tokens after the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rl_tpu.errors import UserError
+from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
+from rl_tpu.types import Completion
+
+# Generate one completion per prompt (token ids), each at most `max_tokens` tokens.
+Generate = Callable[[list[list[int]], int], list[Completion]]
+
+
+class Environment(Protocol):
+    def reset(self, sample: dict) -> list[dict]: ...
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], float | None, bool]: ...
+
+
+class EnvError(UserError, RuntimeError):
+    """An environment could not be loaded, or broke its contract (the message names which and how)."""
+
+
+def load_env(spec: str, field_name: str = "rollout.env") -> type:
+    """The environment class `spec` names ("module:Class" or "path.py:Class"), checked for the interface."""
+    if ":" not in str(spec):
+        raise EnvError(f"{field_name} {spec!r}: name the class, as 'module:Class' or 'path/to/file.py:Class'")
+    try:
+        cls = load_reward_fn(spec, label=field_name)
+    except RewardSpecError as e:
+        raise EnvError(str(e)) from e
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(
+            f"{field_name} {spec!r}: {getattr(cls, '__name__', cls)!r} has no {' or '.join(missing)} method"
+        )
+    return cls
+
+
+def _resolve(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
+    return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise EnvError(
+            f"{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}"
+        )
+    return messages
+
+
+class ChatDelta:
+    """The token ids a chat template inserts after an assistant turn for new messages, ending with the
+    opening of the next assistant turn.
+
+    Rendered on a fixed two-message conversation: the text the template adds for `messages` after it,
+    plus whatever the template writes after an assistant message's stop token (Qwen's newline), tokenized
+    on its own. That text does not depend on the earlier turns for templates that render each message by
+    itself (ChatML, Qwen, Llama 3); `ChatDelta` checks the rendering is a pure extension and refuses
+    templates where it is not."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer: Any, eos_text: str | None = None):
+        self.tok = tokenizer
+        self.eos_text = eos_text if eos_text is not None else tokenizer.eos_token
+        head = self._render(self._BASE, generation_prompt=False)
+        end = head.rfind("a" + self.eos_text) if self.eos_text else -1
+        if end < 0:
+            raise EnvError(
+                f"the chat template does not close an assistant message with the stop token {self.eos_text!r}; "
+                "multi-turn rollouts need it to know where a sampled turn ends"
+            )
+        self._head = head
+        self._glue = head[end + 1 + len(self.eos_text) :]  # after the stop token, e.g. "\n"
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def text(self, messages: list[dict]) -> str:
+        full = self._render(self._BASE + list(messages), generation_prompt=True)
+        if not full.startswith(self._head):
+            raise EnvError(
+                "the chat template renders earlier turns differently once messages follow them; token-in/"
+                "token-out multi-turn rollouts need a template that appends each message"
+            )
+        return self._glue + full[len(self._head) :]
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        return list(self.tok(self.text(messages), add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout. `ids`, `mask`, `logprobs` and `versions` run over every token after the prompt."""
+
+    sample: dict
+    prompt_ids: list[int]
+    messages: list[dict]  # the conversation as text, as the environment sees it
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the policy (carries loss)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, on sampled tokens; 0.0 elsewhere
+    versions: list[int] = field(default_factory=list)  # policy version of sampled tokens; -1 elsewhere
+    turns: int = 0
+    reward: float | None = None
+    finish_reason: str = ""
+    last_text: str = ""  # the final assistant turn's text (what reward functions score)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def append(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        """Add tokens: sampled ones with their log-probs and versions, else inserted ones (no loss)."""
+        sampled = versions is not None
+        self.ids.extend(ids)
+        self.mask.extend([int(sampled)] * len(ids))
+        self.logprobs.extend(list(logprobs or [0.0] * len(ids))[: len(ids)])
+        self.versions.extend(list(versions)[: len(ids)] if sampled else [-1] * len(ids))
+
+
+def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
+    """Whether decoding the trajectory and tokenizing the text again gives other ids than it holds: the
+    drift a text-based pipeline would have trained on (reported, never used)."""
+    full = traj.prompt_ids + traj.ids
+    text = tokenizer.decode(full, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) != full
+
+
+class MultiTurn:
+    """Runs trajectories turn by turn: every active trajectory's next assistant turn in one `generate`
+    call, then each environment's `step`."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        env_cls: type,
+        generate: Generate,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        max_total_tokens: int,
+    ):
+        if max_turns < 1 or max_tokens < 1 or max_total_tokens < 1:
+            raise ValueError(
+                f"max_turns, max_tokens and max_total_tokens must be >= 1, got {max_turns}, {max_tokens}, "
+                f"{max_total_tokens}"
+            )
+        self.tok, self.env_cls, self.generate = tokenizer, env_cls, generate
+        self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
+        self.delta = ChatDelta(tokenizer)
+        self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
+
+    def start(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[Trajectory, Any]:
+        env = self.env_cls()
+        messages = _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset")
+        ids = self.tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages)), env
+
+    def rollout(self, samples: Sequence[dict], n: int = 1) -> list[Trajectory]:
+        """`n` trajectories per sample, in order (sample 0's n, then sample 1's, ...)."""
+        loop = asyncio.new_event_loop()
+        try:
+            started = [self.start(s, loop) for s in samples for _ in range(n)]
+            trajs, envs = [t for t, _ in started], [e for _, e in started]
+            while active := [i for i, t in enumerate(trajs) if not t.done]:
+                outs = self.generate([trajs[i].prompt_ids + trajs[i].ids for i in active], self.max_tokens)
+                if len(outs) != len(active):
+                    raise RuntimeError(f"generate returned {len(outs)} completions for {len(active)} prompts")
+                for i, out in zip(active, outs):
+                    self._after_turn(trajs[i], envs[i], out, loop)
+            return trajs
+        finally:
+            loop.close()
+
+    def _after_turn(self, t: Trajectory, env: Any, out: Completion, loop: asyncio.AbstractEventLoop) -> None:
+        ids = list(out.response_ids)[: self.max_total_tokens - len(t.ids)]  # what fits the trajectory
+        t.append(ids, out.logprobs, out.versions())
+        t.turns += 1
+        t.last_text = out.text
+        if not ids or ids[-1] != self.eos_id:
+            t.finish_reason = "length"
+            return
+        t.messages.append({"role": "assistant", "content": out.text})
+        where = f"{self.env_cls.__name__}.step"
+        result = _resolve(env.step(list(t.messages)), loop)
+        if not isinstance(result, tuple) or len(result) != 3:
+            raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
+        new, reward, done = _check_messages(result[0], where), result[1], result[2]
+        if reward is not None:
+            t.reward = float(reward)
+        if done:
+            t.finish_reason = "env"
+        elif t.turns >= self.max_turns:
+            t.finish_reason = "max_turns"
+        else:
+            delta = self.delta.ids(new)
+            if len(t.ids) + len(delta) >= self.max_total_tokens:
+                t.finish_reason = "max_total_tokens"
+            else:
+                t.append(delta)
+                t.messages.extend(new)

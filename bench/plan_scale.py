@@ -1,7 +1,9 @@
 """Plan scale: can the driver plan weight sync for real model sizes? Seconds and driver peak RSS per case.
 
-For Qwen3-8B, Qwen3-32B, Llama-3-70B and Qwen3-30B-A3B (MoE) shapes, trainer FSDP 8 and 64 ranks into
-one engine of TP 1, 4 and 8, this builds the plan the way `WeightSync.build` does on the driver:
+For Qwen3-8B, Qwen3-32B, Llama-3-70B, Qwen3-30B-A3B and Qwen3-235B-A22B (MoE) shapes, trainer FSDP 8
+and 64 ranks (MoE also with expert parallelism 8: the experts `Shard(0)` over `ep`, FSDP2's
+`_StridedShard(0)` over the other `efsdp` ranks, as TorchTitan lays them out) into one engine of TP 1, 4
+and 8, this builds the plan the way `WeightSync.build` does on the driver:
 TorchTitan's own state-dict adapter probed for the row map (`names.hf_row_map`; the MoE expert split is
 written out here, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and every receiver's tables.
 No weights are allocated. Engine layouts are synthetic: row-run tables written from vLLM's sharding
@@ -17,7 +19,7 @@ fraction of the model's bytes in the engine.
 Last line: one JSON object with `max_seconds`, `max_driver_rss_mib` over the cases (targets: <= 10 s,
 <= 1024 MiB) and `layout_extra_fraction` (with --derive; target <= 0.25).
 
-    python bench/plan_scale.py                 # all 24 plan cases
+    python bench/plan_scale.py                 # all 42 plan cases
     python bench/plan_scale.py --derive        # plus derivation on a real engine (~0.6B, a few minutes)
 """
 
@@ -80,9 +82,23 @@ MODELS = {
         experts=128,
         moe_inter=768,
     ),
+    "qwen3-235b-a22b": dict(
+        arch="qwen3",
+        hidden=4096,
+        layers=94,
+        heads=64,
+        kv=4,
+        head_dim=128,
+        inter=12288,
+        vocab=151936,
+        tie=False,
+        experts=128,
+        moe_inter=1536,
+    ),
 }
 FSDP = (8, 64)
 TP = (1, 4, 8)
+EP = 8  # MoE models also run with trainer expert parallelism 8 (x FSDP 8 and 1 of the experts)
 MIB = 2**20
 
 
@@ -248,24 +264,38 @@ def synthetic_layouts(m: dict, hf_order: list, tp: int) -> list:
 # ---------------------------------------------------------------------------------------------- one case
 
 
-def run_case(model: str, fsdp: int, tp: int) -> dict:
+def trainer_spec(name: str, shape: tuple[int, ...], fsdp: int, ep: int):
+    """The ParamSpec a trainer rank reports: FSDP2 `Shard(0)` over all ranks, or, for an expert tensor
+    under expert parallelism, TorchTitan's sparse mesh (`efsdp` x `ep`, row-major over the ranks)."""
+    from rl_tpu.weight_sync.specs import ParamSpec
+
+    if ep > 1 and "inner_experts" in name:
+        return ParamSpec(
+            name=name,
+            shape=shape,
+            dtype="bfloat16",
+            mesh_shape=(fsdp // ep, ep),
+            mesh_dim_names=("efsdp", "ep"),
+            placements=(f"_S(0, {ep})", "S(0)"),
+            mesh_ranks=tuple(range(fsdp)),
+        )
+    return ParamSpec(
+        name=name,
+        shape=shape,
+        dtype="bfloat16",
+        mesh_shape=(fsdp,),
+        mesh_dim_names=("fsdp",),
+        placements=("Shard(dim=0)",),
+    )
+
+
+def run_case(model: str, fsdp: int, tp: int, ep: int = 1) -> dict:
     from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
     from rl_tpu.weight_sync.plan import build_plan
-    from rl_tpu.weight_sync.specs import ParamSpec
     from rl_tpu.weight_sync.sync import receiver_tables
 
     m = MODELS[model]
-    specs = [
-        ParamSpec(
-            name=n,
-            shape=s,
-            dtype="bfloat16",
-            mesh_shape=(fsdp,),
-            mesh_dim_names=("fsdp",),
-            placements=("Shard(dim=0)",),
-        )
-        for n, s in titan_shapes(m).items()
-    ]
+    specs = [trainer_spec(n, s, fsdp, ep) for n, s in titan_shapes(m).items()]
     to_hf = to_hf_for(m)
     hf_order = sorted(hf_shapes(specs, to_hf).items())
     layouts = synthetic_layouts(m, hf_order, tp)  # what the engine ranks would send back
@@ -281,6 +311,7 @@ def run_case(model: str, fsdp: int, tp: int) -> dict:
     return {
         "model": model,
         "fsdp": fsdp,
+        "ep": ep,
         "tp": tp,
         "params_b": round(params / 1e9, 2),
         "seconds": round(secs, 2),
@@ -414,22 +445,23 @@ def main() -> None:
         print("RESULT " + json.dumps(run_derive(Path(tempfile.mkdtemp(prefix="plan_scale_")))))
         return
     if a.case:
-        model, fsdp, tp = a.case.split(":")
-        print("RESULT " + json.dumps(run_case(model, int(fsdp), int(tp))))
+        model, fsdp, tp, ep = a.case.split(":")
+        print("RESULT " + json.dumps(run_case(model, int(fsdp), int(tp), int(ep))))
         return
     rows = []
     print(
-        f"{'model':15} {'params':>7} {'fsdp':>4} {'tp':>2} {'seconds':>7} {'row map':>7} {'RSS MiB':>8} "
+        f"{'model':15} {'params':>7} {'fsdp':>4} {'ep':>2} {'tp':>2} {'seconds':>7} {'row map':>7} {'RSS MiB':>8} "
         f"{'pieces':>8} {'buckets':>7}"
     )
     for model in a.models.split(","):
-        for fsdp in FSDP:
+        eps = (1, EP) if "experts" in MODELS[model] else (1,)
+        for fsdp, ep in [(f, e) for e in eps for f in FSDP if f % e == 0]:
             for tp in TP:
-                r = _child(["--case", f"{model}:{fsdp}:{tp}"])
+                r = _child(["--case", f"{model}:{fsdp}:{tp}:{ep}"])
                 rows.append(r)
                 print(
-                    f"{model:15} {r['params_b']:6.1f}B {fsdp:4} {tp:2} {r['seconds']:7.2f} {r['row_map_s']:7.2f} "
-                    f"{r['driver_rss_mib']:8.0f} {r['pieces']:8} {r['buckets']:7}",
+                    f"{model:15} {r['params_b']:6.1f}B {fsdp:4} {ep:2} {tp:2} {r['seconds']:7.2f} "
+                    f"{r['row_map_s']:7.2f} {r['driver_rss_mib']:8.0f} {r['pieces']:8} {r['buckets']:7}",
                     flush=True,
                 )
     result = {

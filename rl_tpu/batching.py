@@ -41,6 +41,8 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
     with_lp = all(len(c.logprobs) == len(c.response_ids) for c in flat)
     per_token = {"rollout_log_probs": [list(c.logprobs) for c in flat]} if with_lp else {}
     per_token["policy_versions"] = [c.versions() for c in flat]
+    if any(c.loss_mask for c in flat):  # multi-turn: inserted tokens carry no loss
+        per_token["response_mask"] = [list(c.loss_mask) or [1] * len(c.response_ids) for c in flat]
     batch = TrainBatch.from_sequences([c.prompt_ids for c in flat], responses, pad_id, **per_token)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
     score_t = torch.tensor(scores, dtype=torch.float32)

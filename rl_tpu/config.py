@@ -156,6 +156,12 @@ class RolloutConfig:
     # and sampled tokens prefilled again), so an update never waits for a whole batch (rl_tpu.rollout.partial)
     partial: bool = False
     partial_chunk_tokens: int = F(8, ge=1)
+    # multi-turn (rl_tpu/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment
+    # whose `step` answers each assistant turn; "" = one completion per prompt. `max_tokens` bounds each turn,
+    # `max_total_tokens` every token after the prompt (0: max_model_len - data.max_prompt_length)
+    env: str = ""
+    max_turns: int = F(4, ge=1)
+    max_total_tokens: int = F(0, ge=0)
 
 
 @dataclass(kw_only=True)
@@ -447,6 +453,16 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             "config error: `rollout.partial = true` continues sequences across weight updates, which only "
             'happen during generation in `cluster.mode = "async"`'
+        )
+    if cfg.rollout.env and cfg.cluster.mode == "async" and cfg.algorithm.staleness_policy == "drop":
+        raise ConfigError(
+            'config error: `rollout.env` (multi-turn) does not run with `algorithm.staleness_policy = "drop"` '
+            'yet (stale groups are generated again single-turn): use "wait"'
+        )
+    if cfg.rollout.partial and cfg.rollout.env:
+        raise ConfigError(
+            "config error: `rollout.env` (multi-turn) does not run with `rollout.partial = true` yet: "
+            "set one of them"
         )
     if cfg.rollout.partial and cfg.rollout.stop:
         raise ConfigError(

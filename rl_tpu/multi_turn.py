@@ -17,7 +17,9 @@ Either may be `async`. `messages` is the conversation so far as text (the assist
 decoded them). The trajectory's reward is the last one `step` gave, or None (the caller then scores the
 final answer with the reward functions).
 
-A trajectory ends when the environment says done, when an assistant turn ends without its stop token
+A turn ends at a stop token or string (`rollout.stop_token_ids`, `rollout.stop`) as well as at the
+template's own (then the template's stop token is inserted, unsampled, before the next messages). A
+trajectory ends when the environment says done, when an assistant turn ends without stopping
 (`max_tokens` reached), after `max_turns` assistant turns, or when the next turn would start past
 `max_total_tokens` tokens after the prompt.
 """
@@ -107,17 +109,19 @@ class ChatDelta:
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def text(self, messages: list[dict]) -> str:
+    def text(self, messages: list[dict], closed: bool = True) -> str:
+        """`closed`: the sampled turn ended with the stop token itself; else (another stop token or
+        string ended it) the template's stop token is inserted first."""
         full = self._render(self._BASE + list(messages), generation_prompt=True)
         if not full.startswith(self._head):
             raise EnvError(
                 "the chat template renders earlier turns differently once messages follow them; token-in/"
                 "token-out multi-turn rollouts need a template that appends each message"
             )
-        return self._glue + full[len(self._head) :]
+        return ("" if closed else self.eos_text) + self._glue + full[len(self._head) :]
 
-    def ids(self, messages: list[dict]) -> list[int]:
-        return list(self.tok(self.text(messages), add_special_tokens=False)["input_ids"])
+    def ids(self, messages: list[dict], closed: bool = True) -> list[int]:
+        return list(self.tok(self.text(messages, closed), add_special_tokens=False)["input_ids"])
 
 
 @dataclass
@@ -135,6 +139,7 @@ class Trajectory:
     reward: float | None = None
     finish_reason: str = ""
     last_text: str = ""  # the final assistant turn's text (what reward functions score)
+    engine_logprobs: bool = True  # every turn came with the engine's log-probs
 
     @property
     def done(self) -> bool:
@@ -148,10 +153,29 @@ class Trajectory:
     ) -> None:
         """Add tokens: sampled ones with their log-probs and versions, else inserted ones (no loss)."""
         sampled = versions is not None
+        self.engine_logprobs &= not sampled or len(logprobs or []) >= len(ids)
         self.ids.extend(ids)
         self.mask.extend([int(sampled)] * len(ids))
         self.logprobs.extend(list(logprobs or [0.0] * len(ids))[: len(ids)])
         self.versions.extend(list(versions)[: len(ids)] if sampled else [-1] * len(ids))
+
+    def completion(self, prompt_index: int, sample_index: int) -> Completion:
+        """The trajectory as the loop's record: its response is every token after the prompt, and
+        `loss_mask` marks the sampled ones; `extra["env_reward"]` is the environment's reward (or None)."""
+        sampled = [v for v, m in zip(self.versions, self.mask) if m]
+        return Completion(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.ids),
+            logprobs=list(self.logprobs) if self.engine_logprobs else [],
+            finish_reason=self.finish_reason,
+            text=self.last_text,
+            policy_version=min(sampled, default=-1),
+            token_versions=list(self.versions),
+            loss_mask=list(self.mask),
+            extra={"turns": self.turns, "env_reward": self.reward},
+        )
 
 
 def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
@@ -215,7 +239,7 @@ class MultiTurn:
         t.append(ids, out.logprobs, out.versions())
         t.turns += 1
         t.last_text = out.text
-        if not ids or ids[-1] != self.eos_id:
+        if out.finish_reason != "stop" or len(ids) < len(out.response_ids):  # cut by max_tokens or the budget
             t.finish_reason = "length"
             return
         t.messages.append({"role": "assistant", "content": out.text})
@@ -231,7 +255,7 @@ class MultiTurn:
         elif t.turns >= self.max_turns:
             t.finish_reason = "max_turns"
         else:
-            delta = self.delta.ids(new)
+            delta = self.delta.ids(new, closed=ids[-1] == self.eos_id)
             if len(t.ids) + len(delta) >= self.max_total_tokens:
                 t.finish_reason = "max_total_tokens"
             else:

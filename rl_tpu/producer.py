@@ -8,6 +8,7 @@ turns between generation calls and the loop's weight syncs (`rl_tpu.rollout.part
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from rl_tpu.algorithms import keep_groups_with_variance
 from rl_tpu.config import Config
 from rl_tpu.data import Example, PromptLoader, encode_prompts
+from rl_tpu.multi_turn import MultiTurn, load_env, retokenize_drift
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
 from rl_tpu.types import Completion
@@ -61,9 +63,12 @@ def generate_and_score(
     drawn_groups = 0
     while True:
         examples = next(loader)
-        prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
         t = time.perf_counter()
-        groups = rollout.generate(prompts)
+        if cfg.rollout.env:
+            groups, turn_metrics = rollout.multi_turn(examples)
+        else:
+            prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
+            groups, turn_metrics = rollout.generate(prompts), {}
         timings["time/rollout"] += time.perf_counter() - t
         # the engines' own generate time (the slowest engine's): time/rollout minus this is our overhead
         timings["time/generate"] += max(
@@ -71,6 +76,12 @@ def generate_and_score(
         )
         t = time.perf_counter()
         scores, metrics = score_groups(pool, examples, groups)
+        metrics.update(turn_metrics)
+        # an environment's own reward wins over the reward functions' score of the final answer
+        flat = [c for g in groups for c in g]
+        scores = [
+            s if c.extra.get("env_reward") is None else c.extra["env_reward"] for c, s in zip(flat, scores)
+        ]
         timings["time/reward"] += time.perf_counter() - t
         if not kept.metrics:
             kept.metrics = metrics  # reward metrics describe what the policy produced, before filtering
@@ -109,6 +120,17 @@ class Sampler:
 
     def __init__(self, cfg: Config, rollout, turns: EngineTurns, tok):
         self.cfg, self.rollout, self.turns, self.tok = cfg, rollout, turns, tok
+        rc = cfg.rollout
+        self.turn_runner = None
+        if rc.env:  # loaded here, so a bad class fails before the first step
+            self.turn_runner = MultiTurn(
+                tok,
+                load_env(rc.env),
+                lambda prompts, max_tokens: [g[0] for g in self._call(prompts, n=1, max_tokens=max_tokens)],
+                max_turns=rc.max_turns,
+                max_tokens=rc.max_tokens,
+                max_total_tokens=rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length,
+            )
 
     def _call(self, prompts: list[list[int]], **kw) -> list[list[Completion]]:
         with self.turns.generating():
@@ -126,6 +148,18 @@ class Sampler:
             chunk=rc.partial_chunk_tokens,
             tokenizer=self.tok,
         )
+
+    def multi_turn(self, examples: list[Example]) -> tuple[list[list[Completion]], dict[str, float]]:
+        """`rollout.n` multi-turn trajectories per example (`rollout.env`), and their turn metrics."""
+        n = self.cfg.rollout.n
+        trajs = self.turn_runner.rollout([dataclasses.asdict(ex) for ex in examples], n=n)
+        groups = [[trajs[i * n + j].completion(i, j) for j in range(n)] for i in range(len(examples))]
+        metrics = {
+            "rollout/turns_mean": sum(t.turns for t in trajs) / len(trajs),
+            "rollout/env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
+            "rollout/retokenize_drift": float(sum(retokenize_drift(self.tok, t) for t in trajs)),
+        }
+        return groups, metrics
 
 
 class Rollouts:

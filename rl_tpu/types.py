@@ -24,6 +24,9 @@ class Completion:
     # the version that sampled each response token; [] = every token `policy_version` (a partial rollout,
     # `rollout.partial`, continues a sequence on newer weights: its later tokens carry newer versions)
     token_versions: list[int] = field(default_factory=list)
+    # 1 where the policy sampled the token (it carries loss); 0 on tokens a multi-turn rollout inserted
+    # (an environment's or tool's messages, rl_tpu/multi_turn.py); [] = every token sampled
+    loss_mask: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # engine-specific details (worker id, timings)
 
     def versions(self) -> list[int]:
@@ -98,7 +101,8 @@ class TrainBatch:
         cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, **per_token: list[list[float]]
     ) -> TrainBatch:
         """Right-pad token lists into a batch; `per_token` lists (e.g. `rollout_log_probs=`,
-        `advantages=`) are padded to `[B, T]` with zeros. A scalar per row broadcasts over its tokens."""
+        `advantages=`) are padded to `[B, T]` with zeros. A scalar per row broadcasts over its tokens.
+        `per_token["response_mask"]`, if given, replaces the default mask (1 on every response token)."""
         import torch
 
         if len(prompts) != len(responses):
@@ -133,6 +137,7 @@ class TrainBatch:
                         )
                     t[i, : len(r)] = torch.tensor(row, dtype=torch.float32)
             extra[name] = t
+        mask = extra.pop("response_mask", mask)
         return cls(
             input_ids=ids,
             attention_mask=attn,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_tpu.multi_turn import ChatDelta, EnvError, MultiTurn, load_env, retokenize_drift
 from rl_tpu.types import Completion
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Echo:
@@ -49,7 +52,8 @@ def _scripted(tok, texts):
         out = []
         for p in prompts:
             text = next(it)
-            ids = (tok(text, add_special_tokens=False)["input_ids"] + [eos])[:max_tokens]
+            whole = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+            ids = whole[:max_tokens]
             out.append(
                 Completion(
                     prompt_index=0,
@@ -57,7 +61,7 @@ def _scripted(tok, texts):
                     prompt_ids=list(p),
                     response_ids=ids,
                     logprobs=[-0.5] * len(ids),
-                    finish_reason="stop",
+                    finish_reason="stop" if ids == whole else "length",
                     text=text,
                     policy_version=3,
                 )
@@ -222,3 +226,45 @@ def test_real_engine_trajectories_score_the_same_under_the_model(tiny_qwen3, tok
             assert any((t.prompt_ids + t.ids)[: len(p)] == p for t in trajs)
     drift = [retokenize_drift(tok, t) for t in trajs]
     assert all(isinstance(d, bool) for d in drift)
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_templates_stop_token_inserted(tok):
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    stop = tok("x", add_special_tokens=False)["input_ids"][-1]  # as if rollout.stop_token_ids=[stop]
+
+    def generate(prompts, max_tokens):
+        ids = tok("y y", add_special_tokens=False)["input_ids"] + [stop]
+        return [
+            Completion(
+                prompt_index=0,
+                sample_index=0,
+                prompt_ids=list(p),
+                response_ids=ids,
+                logprobs=[-1.0] * len(ids),
+                finish_reason="stop",
+                text="y y",
+                policy_version=0,
+            )
+            for p in prompts
+        ]
+
+    (t,) = MultiTurn(tok, Echo, generate, max_turns=2, max_tokens=8, max_total_tokens=99).rollout(
+        [{"question": "q"}]
+    )
+    first = t.mask.index(0)
+    assert t.ids[first - 1] == stop and t.ids[first] == eos  # inserted after the sampled stop, unsampled
+    assert t.ids[first:][
+        : len(ChatDelta(tok).ids([{"role": "user", "content": "again 1"}], closed=False))
+    ] == (ChatDelta(tok).ids([{"role": "user", "content": "again 1"}], closed=False))
+    c = t.completion(5, 1)
+    assert (c.prompt_index, c.sample_index, c.loss_mask, c.response_ids) == (5, 1, t.mask, t.ids)
+    assert c.policy_version == 0 and c.extra["turns"] == 2 and len(c.logprobs) == len(c.response_ids)
+
+
+def test_the_documented_example_environment(tok):
+    retry = load_env(str(ROOT / "examples" / "envs" / "retry.py") + ":Retry")
+    generate, _ = _scripted(tok, ["It is 5.", "It is 7."])
+    row = {"messages": [{"role": "user", "content": "What is 3+4?"}], "ground_truth": "7"}
+    (t,) = MultiTurn(tok, retry, generate, max_turns=3, max_tokens=16, max_total_tokens=200).rollout([row])
+    assert (t.turns, t.reward, t.finish_reason) == (2, 1.0, "env")
+    assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant"]

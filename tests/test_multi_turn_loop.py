@@ -1,0 +1,101 @@
+"""Multi-turn rollouts in `rl-tpu train` (real Ray, a 2-rank trainer, two vLLM-CPU engines, `sync.verify`):
+an environment answers each turn, and only the tokens the policy sampled carry loss."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl_tpu.config import ConfigError, load_config
+
+ENV = """
+class Again:
+    '''Answers each assistant turn with a user message; after the third turn rewards the turns' length.'''
+
+    def reset(self, sample):
+        self.turns = 0
+        return list(sample["messages"])
+
+    async def step(self, messages):
+        self.turns += 1
+        if self.turns >= 3:
+            return [], sum(len(m["content"]) for m in messages if m["role"] == "assistant") / 100.0, True
+        return [{"role": "user", "content": f"Try again ({self.turns})."}], None, False
+"""
+
+DIGITS_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
+    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
+"""
+
+
+def _cfg(tmp_path: Path, steps: int, *overrides: str):
+    (tmp_path / "again_env.py").write_text(textwrap.dedent(ENV))
+    (tmp_path / "digits.py").write_text(textwrap.dedent(DIGITS_REWARD))
+    return load_config(
+        None,
+        [
+            f"--logging.run_dir={tmp_path / 'run'}",
+            "--logging.tensorboard=false",
+            "--logging.progress=false",
+            "--trainer.world_size=2",
+            "--trainer.micro_batch_size=64",
+            f"--trainer.total_steps={steps}",
+            "--trainer.test_freq=0",
+            "--rollout.n=2",
+            "--rollout.engines=2",
+            "--rollout.max_tokens=8",
+            # a random tiny model seldom samples its stop token: stop turns on a quarter of the vocabulary
+            f"--rollout.stop_token_ids={list(range(100, 228))}",
+            f"--rollout.env={tmp_path / 'again_env.py'}:Again",
+            "--rollout.max_turns=3",
+            "--data.batch_size=2",
+            "--data.synthetic_train_size=16",
+            "--reward.workers=1",
+            "--checkpoint.every=0",
+            f'--reward.functions=["{tmp_path / "digits.py"}:compute_score"]',
+            "--sync.verify=true",
+            *overrides,
+        ],
+    )
+
+
+def test_multi_turn_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.partial"):
+        _cfg(tmp_path, 1, "--cluster.mode=async", "--rollout.partial=true")
+    with pytest.raises(ConfigError, match="staleness_policy"):
+        _cfg(tmp_path, 1, "--cluster.mode=async", "--algorithm.staleness_policy=drop")
+
+
+@pytest.mark.usefixtures("loop_ray")
+def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
+    from rl_tpu.loop import train
+    from rl_tpu.trainer.group import TrainerGroup
+
+    trained = []
+    original = TrainerGroup.train_step
+
+    def recording(self, batch, algo_cfg):
+        trained.append(batch)
+        return original(self, batch, algo_cfg)
+
+    monkeypatch.setattr(TrainerGroup, "train_step", recording)
+    steps = 2
+    train(_cfg(tmp_path, steps))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/samples"] for r in rows] == [4] * steps
+    assert all(r["sync/verified_params"] > 0 for r in rows)
+    assert max(r["rollout/turns_mean"] for r in rows) > 1, [r["rollout/turns_mean"] for r in rows]
+    assert all("rollout/retokenize_drift" in r and "rollout/env_reward_frac" in r for r in rows)
+    inserted = 0
+    for b in trained:
+        m = b.response_mask > 0
+        real = b.attention_mask.sum(1) - b.prompt_lens  # response tokens per row
+        for i in range(b.num_seqs):
+            row = m[i, : int(real[i])]
+            assert bool(row[-1])  # a trajectory ends on a sampled token (its score sits there)
+            inserted += int((~row).sum())
+        assert (b.rollout_log_probs[m] < 0).all() and (b.rollout_log_probs[~m] == 0).all()
+        assert (b.policy_versions[m] >= 0).all()
+    assert inserted > 0  # environment messages were in the trained rows, masked out of the loss

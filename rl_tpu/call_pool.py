@@ -1,0 +1,360 @@
+"""CallPool: call user functions, loaded by spec string, in worker processes with a deadline per call.
+
+Rewards (`rl_tpu.rewards.RewardPool`) and tools (`rl_tpu.tools.Tools`) run user code through it.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: it cannot cancel a running call, so one hung function
+would stall the run forever. Here each worker is a spawn-context process with its own pipe; the parent
+sends chunks of calls and the worker answers each call as it finishes, so the parent always knows which
+call a worker is on and since when. A call running longer than `timeout_s` gets its worker killed
+(SIGKILL: works on sleeping, spinning or deadlocked code alike) and replaced; the rest of its chunk is
+re-queued. A worker that dies (segfault, `os._exit`) is treated the same way, as an error.
+
+Invariants:
+- Functions are loaded by spec string inside each worker (never pickled), so user files only have to
+  be importable there; load errors surface in the constructor, which waits for every worker. Workers
+  do not re-import the parent's `__main__` (no `if __name__ == "__main__"` guard is needed).
+  A module's top-level imports run there, at startup, outside the per-call timeout: a function that
+  imports something heavy lazily in its first call can time out, and so can every replacement.
+- One call = (function index, kwargs); its clock starts when the worker begins it. Sync and async
+  functions alike (one event loop per worker). `check` (a module-level function, run in the worker on
+  each return value) turns it into what the caller wants or raises; its exception is the call's error.
+- `run` returns one `CallResult` per call, in input order: the value, or the error text ("Type: message",
+  "timed out after T s", "worker process died (exit code N)") with a timeout flag. `on_failure(index,
+  result)` sees each failure as it happens; if it raises, the busy workers are replaced (none keeps
+  working on that batch) and the exception propagates.
+- The pool is reusable across batches until `close()`. One `run` at a time (not thread-safe). A worker
+  killed from outside is replaced; three deaths in a row before a worker reports ready (a crash while
+  importing the functions) raise `error_type`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_conns
+from typing import Any
+
+# rl_tpu.rewards.loader is imported where used: rl_tpu.rewards imports this module (RewardPool) first
+
+MAX_CHUNK = 64  # calls per message to one worker: amortises pipe latency, keeps re-queues small
+MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before "ready" that make the pool give up
+
+
+@dataclass
+class CallResult:
+    value: Any = None  # what `check` made of the return value, when the call succeeded
+    error: str | None = (
+        None  # why it did not: "Type: message", "timed out after T s", "worker process died ..."
+    )
+    traceback: str | None = None  # the worker's traceback, for an exception
+    timeout: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def identity(value: Any) -> Any:
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# worker process
+
+
+def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any]) -> None:
+    from rl_tpu.rewards.loader import load_reward_fn
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    try:
+        fns = [load_reward_fn(s, label) for s in specs]
+    except BaseException as e:  # noqa: BLE001 - reported to the parent verbatim
+        conn.send(("load_error", str(e), traceback.format_exc()))
+        return
+    loop = asyncio.new_event_loop()  # one loop per worker: async functions cost no loop setup per call
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            tasks = conn.recv()
+        except (EOFError, OSError):  # parent gone
+            return
+        if tasks is None:
+            return
+        for call_id, fn_index, kwargs in tasks:
+            try:
+                out = fns[fn_index](**kwargs)
+                if inspect.isawaitable(out):
+                    out = loop.run_until_complete(out)
+                msg = ("ok", call_id, check(out))
+            except BaseException as e:  # noqa: BLE001 - user code may even raise SystemExit
+                msg = ("err", call_id, f"{type(e).__name__}: {e}", traceback.format_exc())
+            conn.send(msg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# parent side
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Any
+    ready: bool = False
+    since: float = field(default_factory=time.monotonic)  # start of the current call (or of startup)
+    pending: deque = field(default_factory=deque)  # call ids sent and not yet answered, in order
+
+
+def _kill(worker: _Worker) -> None:
+    if worker.proc.is_alive():
+        worker.proc.kill()
+    worker.proc.join(timeout=5)
+    worker.conn.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for w in workers:
+        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(w)
+    workers.clear()
+
+
+class _Run:
+    """Bookkeeping of one `run` call: call id -> (function index, kwargs) and the results so far."""
+
+    def __init__(self, base: int, calls: list[tuple[int, dict]], on_failure: Callable | None):
+        self.base, self.calls, self.on_failure = base, calls, on_failure
+        self.results: list[CallResult | None] = [None] * len(calls)
+        self.remaining = len(calls)
+
+    def owns(self, call_id: int) -> bool:
+        k = call_id - self.base
+        return 0 <= k < len(self.results) and self.results[k] is None
+
+    def record(self, call_id: int, result: CallResult) -> None:
+        k = call_id - self.base
+        self.results[k] = result
+        self.remaining -= 1
+        if not result.ok and self.on_failure is not None:
+            self.on_failure(k, result)
+
+
+class CallPool:
+    """Call the functions `specs` names in `workers` processes, each call within `timeout_s` seconds."""
+
+    def __init__(
+        self,
+        specs: list[str],
+        *,
+        workers: int = 1,
+        timeout_s: float,
+        name: str = "function",
+        error_type: type[Exception] = RuntimeError,
+        check: Callable[[Any], Any] = identity,
+        startup_timeout_s: float = 120.0,
+    ):
+        # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
+        # `error_type` is what startup failures raise (a spec that does not load raises RewardSpecError)
+        from rl_tpu.rewards.loader import resolve_spec
+
+        self.specs = [resolve_spec(s) for s in specs]
+        self.name, self.error_type, self.check = name, error_type, check
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = startup_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._next_call = 0
+        self._startup_deaths = 0  # consecutive workers that died before reporting ready
+        for _ in range(max(1, workers)):
+            self._workers.append(self._spawn())
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main,
+            args=(child, self.specs, f"{self.name} spec", self.check),
+            daemon=True,
+            name=f"rl-tpu-{self.name}-worker",
+        )
+        # Spawn re-runs the parent's __main__ in the child unless __main__ has no file: hide it, since
+        # workers load everything by spec. This makes the pool work from stdin, notebooks, Ray workers
+        # and unguarded scripts, and saves the child a re-import of the driver.
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            proc.start()
+        finally:
+            sys.modules["__main__"] = main
+        child.close()
+        return _Worker(proc=proc, conn=parent)
+
+    def _wait_ready(self) -> None:
+        while not all(w.ready for w in self._workers):
+            waiting = [w for w in self._workers if not w.ready]
+            left = min(w.since for w in waiting) + self.startup_timeout_s - time.monotonic()
+            if left <= 0:
+                raise self.error_type(
+                    f"{self.name} workers did not start within {self.startup_timeout_s:.0f} s "
+                    f"(loading {self.specs})"
+                )
+            for conn in wait_conns([w.conn for w in waiting], timeout=left):
+                self._on_message(self._by_conn(conn), None)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    # -- calling -------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        calls: list[tuple[int, dict]],
+        on_failure: Callable[[int, CallResult], None] | None = None,
+    ) -> list[CallResult]:
+        """Call `specs[i](**kwargs)` for each `(i, kwargs)`; see the module docstring for failures."""
+        if not self._finalizer.alive:
+            raise self.error_type(f"{type(self).__name__} used after close()")
+        base = self._next_call
+        self._next_call += len(calls)
+        run = _Run(base, calls, on_failure)
+        queue = deque(range(base, base + len(calls)))
+        chunk_cap = max(1, min(MAX_CHUNK, -(-len(queue) // (2 * len(self._workers)))))
+        try:
+            while run.remaining:
+                now = time.monotonic()
+                for w in self._workers:
+                    if w.ready and not w.pending and queue:
+                        ids = [queue.popleft() for _ in range(min(chunk_cap, len(queue)))]
+                        try:
+                            w.conn.send([(cid, *calls[cid - base]) for cid in ids])
+                        except OSError:  # it died while idle: nothing of this batch was lost
+                            queue.extendleft(reversed(ids))
+                            self._replace(w, None, None, failure=None)
+                            continue
+                        w.pending.extend(ids)
+                        w.since = now
+                for conn in wait_conns([w.conn for w in self._workers], timeout=self._next_deadline()):
+                    if (w := self._by_conn(conn)) is not None:
+                        self._on_message(w, run, queue)
+                self._check_deadlines(run, queue)
+        except BaseException:
+            self._abort()
+            raise
+        return run.results  # type: ignore[return-value]
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        ends = [
+            w.since + (self.timeout_s if w.ready else self.startup_timeout_s)
+            for w in self._workers
+            if w.pending or not w.ready
+        ]
+        return max(0.0, min(ends) - now) if ends else 1.0
+
+    def _by_conn(self, conn) -> _Worker | None:
+        return next((w for w in self._workers if w.conn is conn), None)
+
+    def _on_message(self, w: _Worker, run: _Run | None, queue: deque | None = None) -> None:
+        while True:
+            try:
+                if not w.conn.poll():
+                    return
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                w.proc.join(timeout=1)
+                if not w.ready:
+                    # Killed from outside (OOM, a test), or a crash while importing the functions,
+                    # which would repeat in every replacement: retry a few times, then give up.
+                    self._startup_deaths += 1
+                    if self._startup_deaths >= MAX_STARTUP_DEATHS:
+                        raise self.error_type(
+                            f"{self.name} workers exited during startup {self._startup_deaths} times in "
+                            f"a row (last exit code {w.proc.exitcode}) while loading {self.specs}"
+                        ) from None
+                self._replace(w, run, queue, failure=f"worker process died (exit code {w.proc.exitcode})")
+                return
+            kind = msg[0]
+            if kind == "ready":
+                w.ready, w.since = True, time.monotonic()
+                self._startup_deaths = 0
+            elif kind == "load_error":
+                from rl_tpu.rewards.loader import RewardSpecError
+
+                raise RewardSpecError(msg[1])
+            elif w.pending and w.pending[0] == msg[1]:
+                w.pending.popleft()
+                w.since = time.monotonic()
+                if run is not None and run.owns(msg[1]):
+                    if kind == "ok":
+                        run.record(msg[1], CallResult(value=msg[2]))
+                    else:
+                        run.record(msg[1], CallResult(error=msg[2], traceback=msg[3]))
+
+    def _check_deadlines(self, run: _Run, queue: deque) -> None:
+        now = time.monotonic()
+        for w in list(self._workers):
+            if not w.ready and now - w.since > self.startup_timeout_s:
+                raise self.error_type(
+                    f"a replacement {self.name} worker did not start within {self.startup_timeout_s:.0f} s"
+                )
+            if w.pending and now - w.since > self.timeout_s:
+                self._on_message(w, run, queue)  # it may have answered at the last moment
+                if w in self._workers and w.pending and time.monotonic() - w.since > self.timeout_s:
+                    self._replace(w, run, queue, failure=None)
+
+    def _replace(self, w: _Worker, run: _Run | None, queue: deque | None, failure: str | None) -> None:
+        """Kill `w`, start a fresh worker in its slot; its current call fails (`failure`, or a timeout
+        when None), the rest are re-queued."""
+        _kill(w)
+        self._workers[self._workers.index(w)] = self._spawn()
+        if not w.pending:
+            return
+        head, rest = w.pending[0], list(w.pending)[1:]
+        if queue is not None:
+            queue.extendleft(reversed(rest))
+        if run is not None and run.owns(head):
+            if failure is None:
+                run.record(head, CallResult(error=f"timed out after {self.timeout_s:g} s", timeout=True))
+            else:
+                run.record(head, CallResult(error=failure))
+
+    def _abort(self) -> None:
+        """After an exception mid-batch: no worker may keep working on (or answering) that batch."""
+        for w in list(self._workers):
+            if w.pending and w in self._workers:
+                w.pending.clear()
+                self._replace(w, None, None, failure=None)

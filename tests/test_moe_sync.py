@@ -12,7 +12,7 @@ What is checked (fp32):
 - expert parallelism (`trainer.expert_parallel = 2` on 2 ranks, TorchTitan's EP with all-to-all token
   dispatch over gloo): the same train step gives the same weights as FSDP alone (within float rounding:
   the token order inside an expert differs), each rank sends only its own experts (no gather), and the
-  sync into the engine is bit-exact with log-prob parity within 1e-5.
+  sync into the engine, in-process and TP=2, is bit-exact with log-prob parity within 1e-5.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def rollout_moe(ray_session, tiny_moe):
     g.shutdown()
 
 
-def _sync_verify(trainer, rollout, model_path, version: int) -> dict:
+def _sync_verify(trainer, rollout, model_path, version: int) -> tuple[dict, object]:
+    """Plan, sync and verify; (verify's max diff per (engine, parameter), the plan)."""
     from rl_tpu.weight_sync import WeightSync
 
     ws = WeightSync(
@@ -95,8 +96,8 @@ def _sync_verify(trainer, rollout, model_path, version: int) -> dict:
     try:
         plan = ws.build()
         stats = ws.sync(version, keep_for_verify=True)
-        assert stats.acks[0]["bytes"] == plan.nbytes
-        return ws.verify(sorted(trainer.hf_state_dict().items()))
+        assert sum(a["bytes"] for a in stats.acks) == plan.nbytes  # each engine rank: its shard, once
+        return ws.verify(sorted(trainer.hf_state_dict().items())), plan
     finally:
         ws.close()
 
@@ -124,7 +125,7 @@ def test_moe_fsdp2_train_step_sync_verify_bit_exact_and_logprob_parity(trained_m
     w1 = "model.layers.0.mlp.experts.3.gate_proj.weight"
     assert not torch.equal(hf[w1], before[w1])  # the experts trained
 
-    diffs = _sync_verify(trainer, rollout_moe, tiny_moe, 1)
+    diffs, _ = _sync_verify(trainer, rollout_moe, tiny_moe, 1)
     experts = [k for k in diffs if "experts" in k[1]]
     assert len(experts) == 4 and {k[1].rsplit(".", 1)[-1] for k in experts} == {"w13_weight", "w2_weight"}
     assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
@@ -136,6 +137,7 @@ def test_moe_fsdp2_train_step_sync_verify_bit_exact_and_logprob_parity(trained_m
 
 
 def test_moe_expert_parallel_2_trains_as_fsdp_and_syncs_bit_exact(trained_moe, rollout_moe, tiny_moe):
+    from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
     from rl_tpu.weight_sync.plan import owners
 
@@ -167,8 +169,22 @@ def test_moe_expert_parallel_2_trains_as_fsdp_and_syncs_bit_exact(trained_moe, r
         # entries move those by a fraction of lr (1e-3)
         assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
 
-        diffs = _sync_verify(ep, rollout_moe, tiny_moe, 3)
+        diffs, _ = _sync_verify(ep, rollout_moe, tiny_moe, 3)
         assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
         assert _parity(ep, rollout_moe) <= TOL
+
+        # a TP=2 engine: vLLM's FusedMoE splits every expert's intermediate dim over its two ranks
+        tp2 = RolloutGroup(
+            _cfg("--rollout.tensor_parallel_size=2"), tiny_moe, num_workers=1, num_cpus_per_worker=0
+        )
+        try:
+            diffs, plan = _sync_verify(ep, tp2, tiny_moe, 4)
+            assert sorted(plan.engine_ranks) == [(0, 0), (0, 1)]
+            per_rank = [sum(n.values()) for n in plan.dst_numel]
+            assert all(n < 0.55 * sum(per_rank) for n in per_rank)  # about half each (norms replicated)
+            assert len(diffs) == 21 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+            assert _parity(ep, tp2) <= TOL
+        finally:
+            tp2.shutdown()
     finally:
         ep.shutdown()

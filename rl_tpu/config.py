@@ -162,6 +162,13 @@ class RolloutConfig:
     env: str = ""
     max_turns: int = F(4, ge=1)
     max_total_tokens: int = F(0, ge=0)
+    # tools (rl_tpu/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
+    # whose calls the model writes in its template's format (<tool_call>...</tool_call>); they make a run
+    # multi-turn with or without `env`. Each call runs in one of `tool_workers` processes, killed after
+    # `tool_timeout_s` (the model then reads the timeout as the tool's result)
+    tools: list[str] = F([])
+    tool_timeout_s: float = F(10.0, gt=0)
+    tool_workers: int = F(2, ge=1)
 
 
 @dataclass(kw_only=True)
@@ -454,14 +461,19 @@ def _check_cross_fields(cfg: Config) -> None:
             "config error: `rollout.partial = true` continues sequences across weight updates, which only "
             'happen during generation in `cluster.mode = "async"`'
         )
-    if cfg.rollout.env and cfg.cluster.mode == "async" and cfg.algorithm.staleness_policy == "drop":
+    multi_turn = "`rollout.env`" if cfg.rollout.env else "`rollout.tools`"
+    if (
+        (cfg.rollout.env or cfg.rollout.tools)
+        and cfg.cluster.mode == "async"
+        and cfg.algorithm.staleness_policy == "drop"
+    ):
         raise ConfigError(
-            'config error: `rollout.env` (multi-turn) does not run with `algorithm.staleness_policy = "drop"` '
+            f'config error: {multi_turn} (multi-turn) does not run with `algorithm.staleness_policy = "drop"` '
             'yet (stale groups are generated again single-turn): use "wait"'
         )
-    if cfg.rollout.partial and cfg.rollout.env:
+    if cfg.rollout.partial and (cfg.rollout.env or cfg.rollout.tools):
         raise ConfigError(
-            "config error: `rollout.env` (multi-turn) does not run with `rollout.partial = true` yet: "
+            f"config error: {multi_turn} (multi-turn) does not run with `rollout.partial = true` yet: "
             "set one of them"
         )
     if cfg.rollout.partial and cfg.rollout.stop:

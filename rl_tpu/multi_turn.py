@@ -1,5 +1,5 @@
-"""Multi-turn rollouts: an environment answers each assistant turn, and a trajectory stays token ids from
-end to end.
+"""Multi-turn rollouts: tools and an environment answer each assistant turn, and a trajectory stays token
+ids from end to end.
 
 A trajectory is its prompt's ids followed by, turn after turn, the ids the engine sampled (exactly as
 sampled, its stop token included) and the ids the chat template inserts for the environment's messages
@@ -16,6 +16,15 @@ instance per trajectory, so it may keep state):
 Either may be `async`. `messages` is the conversation so far as text (the assistant's turns as the engine
 decoded them). The trajectory's reward is the last one `step` gave, or None (the caller then scores the
 final answer with the reward functions).
+
+Tools (`rollout.tools`, rl_tpu/tools.py): their schemas go to the chat template's `tools=` wherever it
+renders (the prompt, and `ChatDelta`). The rule for each assistant turn that stopped:
+- it has tool calls (`<tool_call>...</tool_call>`): they run (all trajectories' calls of this turn in
+  one `Tools.run`), and their results come back as `{"role": "tool", "content": ...}` messages, one per
+  call in order; the environment's `step` is not called for this turn;
+- no tool call, with an environment: its `step` answers, as above;
+- no tool call, no environment: the trajectory ends (`finish_reason` "stop"), and the reward functions
+  score that turn's text.
 
 A turn ends at a stop token or string (`rollout.stop_token_ids`, `rollout.stop`) as well as at the
 template's own (then the template's stop token is inserted, unsampled, before the next messages). A
@@ -34,6 +43,7 @@ from typing import Any, Protocol
 
 from rl_tpu.errors import UserError
 from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
+from rl_tpu.tools import ToolCall, ToolResult, Tools, parse_tool_calls
 from rl_tpu.types import Completion
 
 # Generate one completion per prompt (token ids), each at most `max_tokens` tokens.
@@ -89,12 +99,12 @@ class ChatDelta:
     plus whatever the template writes after an assistant message's stop token (Qwen's newline), tokenized
     on its own. That text does not depend on the earlier turns for templates that render each message by
     itself (ChatML, Qwen, Llama 3); `ChatDelta` checks the rendering is a pure extension and refuses
-    templates where it is not."""
+    templates where it is not. `tools` (JSON schemas) are passed to every rendering, as to the prompt's."""
 
     _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
-    def __init__(self, tokenizer: Any, eos_text: str | None = None):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Any, eos_text: str | None = None, tools: list[dict] | None = None):
+        self.tok, self.tools = tokenizer, tools
         self.eos_text = eos_text if eos_text is not None else tokenizer.eos_token
         head = self._render(self._BASE, generation_prompt=False)
         end = head.rfind("a" + self.eos_text) if self.eos_text else -1
@@ -107,7 +117,9 @@ class ChatDelta:
         self._glue = head[end + 1 + len(self.eos_text) :]  # after the stop token, e.g. "\n"
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def text(self, messages: list[dict], closed: bool = True) -> str:
         """`closed`: the sampled turn ended with the stop token itself; else (another stop token or
@@ -140,6 +152,9 @@ class Trajectory:
     finish_reason: str = ""
     last_text: str = ""  # the final assistant turn's text (what reward functions score)
     engine_logprobs: bool = True  # every turn came with the engine's log-probs
+    tool_calls: int = 0  # calls the model wrote, malformed ones included
+    tool_errors: int = 0  # of which answered with an error (malformed, raised, bad return, dead worker)
+    tool_timeouts: int = 0  # of which timed out
 
     @property
     def done(self) -> bool:
@@ -188,33 +203,40 @@ def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
 
 class MultiTurn:
     """Runs trajectories turn by turn: every active trajectory's next assistant turn in one `generate`
-    call, then each environment's `step`."""
+    call, then this turn's tool calls (all of them in one `Tools.run`) and each environment's `step`.
+    `env_cls` may be None when `tools` are given (see the module docstring for the rule)."""
 
     def __init__(
         self,
         tokenizer: Any,
-        env_cls: type,
+        env_cls: type | None,
         generate: Generate,
         *,
         max_turns: int,
         max_tokens: int,
         max_total_tokens: int,
+        tools: Tools | None = None,
     ):
         if max_turns < 1 or max_tokens < 1 or max_total_tokens < 1:
             raise ValueError(
                 f"max_turns, max_tokens and max_total_tokens must be >= 1, got {max_turns}, {max_tokens}, "
                 f"{max_total_tokens}"
             )
-        self.tok, self.env_cls, self.generate = tokenizer, env_cls, generate
+        self.tok, self.env_cls, self.generate, self.tools = tokenizer, env_cls, generate, tools
         self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
-        self.delta = ChatDelta(tokenizer)
+        self.schemas = tools.schemas if tools else None
+        self.delta = ChatDelta(tokenizer, tools=self.schemas)
         self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
 
     def start(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[Trajectory, Any]:
-        env = self.env_cls()
-        messages = _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset")
+        """A trajectory's prompt: the environment's `reset`, or without one the row's own messages."""
+        env = self.env_cls() if self.env_cls is not None else None
+        if env is not None:
+            messages = _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset")
+        else:
+            messages = list(sample["messages"])
         ids = self.tok.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+            messages, tools=self.schemas, tokenize=True, add_generation_prompt=True, return_dict=False
         )
         return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages)), env
 
@@ -228,21 +250,52 @@ class MultiTurn:
                 outs = self.generate([trajs[i].prompt_ids + trajs[i].ids for i in active], self.max_tokens)
                 if len(outs) != len(active):
                     raise RuntimeError(f"generate returned {len(outs)} completions for {len(active)} prompts")
-                for i, out in zip(active, outs):
-                    self._after_turn(trajs[i], envs[i], out, loop)
+                stopped = [i for i, out in zip(active, outs) if self._sampled(trajs[i], out)]
+                calls = {i: parse_tool_calls(trajs[i].last_text) for i in stopped} if self.tools else {}
+                answers = self._run_tools(
+                    {i: c for i, c in calls.items() if c and trajs[i].turns < self.max_turns}, trajs
+                )
+                for i in stopped:
+                    t = trajs[i]
+                    if calls.get(i):  # tool calls are answered by the tools, not the environment
+                        new, done = [{"role": "tool", "content": r.text} for r in answers.get(i, [])], False
+                    elif envs[i] is not None:
+                        new, done = self._step(t, envs[i], loop)
+                    else:  # no tool call, no environment: the answer is final
+                        t.finish_reason = "stop"
+                        continue
+                    self._continue(t, new, done)
             return trajs
         finally:
             loop.close()
 
-    def _after_turn(self, t: Trajectory, env: Any, out: Completion, loop: asyncio.AbstractEventLoop) -> None:
+    def _sampled(self, t: Trajectory, out: Completion) -> bool:
+        """Append a sampled turn; False when it ended the trajectory (cut by max_tokens or the budget)."""
         ids = list(out.response_ids)[: self.max_total_tokens - len(t.ids)]  # what fits the trajectory
         t.append(ids, out.logprobs, out.versions())
         t.turns += 1
         t.last_text = out.text
-        if out.finish_reason != "stop" or len(ids) < len(out.response_ids):  # cut by max_tokens or the budget
+        if out.finish_reason != "stop" or len(ids) < len(out.response_ids):
             t.finish_reason = "length"
-            return
+            return False
         t.messages.append({"role": "assistant", "content": out.text})
+        return True
+
+    def _run_tools(
+        self, calls: dict[int, list[ToolCall]], trajs: list[Trajectory]
+    ) -> dict[int, list[ToolResult]]:
+        """Every trajectory's calls of this turn in one pool batch; counts them on their trajectories."""
+        if not calls:
+            return {}
+        results = iter(self.tools.run([c for cs in calls.values() for c in cs]))
+        answers = {i: [next(results) for _ in cs] for i, cs in calls.items()}
+        for i, rs in answers.items():
+            trajs[i].tool_calls += len(rs)
+            trajs[i].tool_errors += sum(r.error for r in rs)
+            trajs[i].tool_timeouts += sum(r.timeout for r in rs)
+        return answers
+
+    def _step(self, t: Trajectory, env: Any, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], bool]:
         where = f"{self.env_cls.__name__}.step"
         result = _resolve(env.step(list(t.messages)), loop)
         if not isinstance(result, tuple) or len(result) != 3:
@@ -250,12 +303,16 @@ class MultiTurn:
         new, reward, done = _check_messages(result[0], where), result[1], result[2]
         if reward is not None:
             t.reward = float(reward)
+        return new, bool(done)
+
+    def _continue(self, t: Trajectory, new: list[dict], done: bool) -> None:
+        """Insert the template's ids for `new` (tool results or the environment's reply), or end `t`."""
         if done:
             t.finish_reason = "env"
         elif t.turns >= self.max_turns:
             t.finish_reason = "max_turns"
         else:
-            delta = self.delta.ids(new, closed=ids[-1] == self.eos_id)
+            delta = self.delta.ids(new, closed=t.ids[-1] == self.eos_id)
             if len(t.ids) + len(delta) >= self.max_total_tokens:
                 t.finish_reason = "max_total_tokens"
             else:

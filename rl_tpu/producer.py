@@ -21,6 +21,7 @@ from rl_tpu.data import Example, PromptLoader, encode_prompts
 from rl_tpu.multi_turn import MultiTurn, load_env, retokenize_drift
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
+from rl_tpu.tools import Tools
 from rl_tpu.types import Completion
 
 __all__ = ["Rollouts", "Sampler", "Scored", "generate_and_score", "score_groups"]
@@ -64,7 +65,7 @@ def generate_and_score(
     while True:
         examples = next(loader)
         t = time.perf_counter()
-        if cfg.rollout.env:
+        if cfg.rollout.env or cfg.rollout.tools:
             groups, turn_metrics = rollout.multi_turn(examples)
         else:
             prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
@@ -121,16 +122,23 @@ class Sampler:
     def __init__(self, cfg: Config, rollout, turns: EngineTurns, tok):
         self.cfg, self.rollout, self.turns, self.tok = cfg, rollout, turns, tok
         rc = cfg.rollout
-        self.turn_runner = None
-        if rc.env:  # loaded here, so a bad class fails before the first step
+        self.turn_runner = self.tools = None
+        if rc.tools:  # loaded here (workers started), so a bad tool fails before the first step
+            self.tools = Tools(rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers)
+        if rc.env or rc.tools:  # loaded here, so a bad class fails before the first step
             self.turn_runner = MultiTurn(
                 tok,
-                load_env(rc.env),
+                load_env(rc.env) if rc.env else None,
                 lambda prompts, max_tokens: [g[0] for g in self._call(prompts, n=1, max_tokens=max_tokens)],
                 max_turns=rc.max_turns,
                 max_tokens=rc.max_tokens,
                 max_total_tokens=rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length,
+                tools=self.tools,
             )
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
 
     def _call(self, prompts: list[list[int]], **kw) -> list[list[Completion]]:
         with self.turns.generating():
@@ -150,7 +158,8 @@ class Sampler:
         )
 
     def multi_turn(self, examples: list[Example]) -> tuple[list[list[Completion]], dict[str, float]]:
-        """`rollout.n` multi-turn trajectories per example (`rollout.env`), and their turn metrics."""
+        """`rollout.n` multi-turn trajectories per example (`rollout.env`, `rollout.tools`), and their
+        turn metrics."""
         n = self.cfg.rollout.n
         trajs = self.turn_runner.rollout([dataclasses.asdict(ex) for ex in examples], n=n)
         groups = [[trajs[i * n + j].completion(i, j) for j in range(n)] for i in range(len(examples))]
@@ -159,6 +168,10 @@ class Sampler:
             "rollout/env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
             "rollout/retokenize_drift": float(sum(retokenize_drift(self.tok, t) for t in trajs)),
         }
+        if self.tools is not None:  # per step, over all trajectories
+            metrics["rollout/tool_calls"] = float(sum(t.tool_calls for t in trajs))
+            metrics["rollout/tool_errors"] = float(sum(t.tool_errors for t in trajs))
+            metrics["rollout/tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))
         return groups, metrics
 
 
@@ -295,3 +308,4 @@ class Rollouts:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self.sampler.close()

@@ -1,0 +1,168 @@
+"""Tools for multi-turn rollouts: Python functions the model calls in its chat template's tool-call format.
+
+`rollout.tools = ["module:function", "path/to/file.py:function"]` names plain functions, sync or async.
+Each one's type hints and docstring (a summary line and an `Args:` section) give its JSON schema
+(`transformers.utils.get_json_schema`), which goes to the chat template's `tools=`. A function it cannot
+describe is a `ToolError` naming the function, raised when the tools load.
+
+Calls are read from an assistant turn's text in the Qwen3 / Hermes format, any number per turn:
+
+    <tool_call>
+    {"name": "multiply", "arguments": {"a": 1234, "b": 5678}}
+    </tool_call>
+
+Invariants:
+- One result text per call, in the order the calls were written: the tool's return value (a `str`),
+  or "Error: ..." for a malformed call (bad JSON, unknown tool, missing or unexpected arguments, an
+  unclosed tag), an exception, a return value that is not a `str`, a dead worker or a timeout. A
+  failing tool never stops the run; the model reads the error, as real tool APIs return it.
+- Arguments are checked against the function's signature in the parent (names only); their types
+  are the function's business.
+- Well-formed calls run in a `CallPool` (worker processes, `rollout.tool_timeout_s` per call, a hung
+  or crashed worker killed and replaced). That isolates crashes and hangs; it is not a security
+  sandbox for untrusted code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_tpu.call_pool import CallPool
+from rl_tpu.errors import UserError
+from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
+
+logger = logging.getLogger(__name__)
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class ToolError(UserError, ValueError):
+    """A tool spec does not load or cannot be described as a tool; the message names it."""
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+    error: str | None = None  # why the call is malformed (then it is not run)
+
+
+@dataclass
+class ToolResult:
+    text: str  # what goes back to the model as the `tool` message
+    error: bool = False  # malformed call, exception, non-str return or dead worker
+    timeout: bool = False
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order; malformed ones
+    carry their `error`. An opening tag without a closing one counts as one malformed call."""
+    calls = [_parse_one(body) for body in _CALL.findall(text)]
+    if "<tool_call>" in _CALL.sub("", text):
+        calls.append(ToolCall(name="", error="a <tool_call> without its closing </tool_call>"))
+    return calls
+
+
+def _parse_one(body: str) -> ToolCall:
+    shape = 'a tool call is one JSON object {"name": "<tool>", "arguments": {...}}'
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCall(name="", error=f"the tool call is not valid JSON ({e.msg}, char {e.pos}); {shape}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ToolCall(name="", error=f"{shape}, got {body.strip()!r:.200}")
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args or "{}")
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        return ToolCall(name=obj["name"], error=f'"arguments" must be a JSON object, got {args!r:.200}')
+    return ToolCall(name=obj["name"], arguments=args)
+
+
+def tool_text(out: Any) -> str:
+    """A tool's return value as the `tool` message's content (run in the worker): it must be a str."""
+    if not isinstance(out, str):
+        raise TypeError(f"returned {type(out).__name__} {out!r:.80}; a tool must return a str")
+    return out
+
+
+def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") -> dict:
+    """`fn`'s JSON schema for the chat template's `tools=`; a `ToolError` naming it if it has none."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # TypeHintParsingException, DocstringParsingException
+        raise ToolError(
+            f"{field_name} {spec!r}: {getattr(fn, '__name__', fn)} cannot be described as a tool: {e} "
+            "(every argument needs a type hint, and the docstring a summary and an 'Args:' section)"
+        ) from e
+
+
+class Tools:
+    """The functions `specs` names: their schemas (`schemas`, for `tools=`) and a pool that runs calls."""
+
+    def __init__(
+        self, specs: list[str], *, timeout_s: float, workers: int = 1, field_name: str = "rollout.tools"
+    ):
+        fns = []
+        for spec in specs:
+            try:
+                fns.append(load_reward_fn(spec, label=field_name))
+            except RewardSpecError as e:
+                raise ToolError(str(e)) from e
+        self.schemas = [describe_tool(fn, spec, field_name) for fn, spec in zip(fns, specs)]
+        self.names = [s["function"]["name"] for s in self.schemas]
+        if len(set(self.names)) < len(self.names):
+            raise ToolError(f"{field_name} {list(specs)}: two tools share a name ({self.names})")
+        self._signatures = [inspect.signature(fn) for fn in fns]
+        self._logged = False
+        self.pool = CallPool(
+            specs, workers=workers, timeout_s=timeout_s, name="tool", error_type=ToolError, check=tool_text
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def check(self, call: ToolCall) -> str | None:
+        """Why `call` cannot run (malformed, unknown tool, wrong argument names), or None."""
+        if call.error:
+            return call.error
+        if call.name not in self.names:
+            return f"unknown tool {call.name!r}; the tools are: {', '.join(self.names)}"
+        try:
+            self._signatures[self.names.index(call.name)].bind(**call.arguments)
+        except TypeError as e:
+            return f"wrong arguments for {call.name}: {e}"
+        return None
+
+    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """One result per call, in order (see the module docstring); the well-formed ones run in the pool."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        todo = []
+        for k, call in enumerate(calls):
+            if (why := self.check(call)) is not None:
+                results[k] = ToolResult(f"Error: {why}", error=True)
+            else:
+                todo.append(k)
+        out = self.pool.run([(self.names.index(calls[k].name), calls[k].arguments) for k in todo])
+        for k, r in zip(todo, out):
+            if r.ok:
+                results[k] = ToolResult(r.value)
+                continue
+            results[k] = ToolResult(
+                f"Error: {calls[k].name}: {r.error}", error=not r.timeout, timeout=r.timeout
+            )
+            if not self._logged:  # the first failure of the run, with its traceback; later ones are counted
+                self._logged = True
+                logger.warning("tool %s failed: %s\n%s", calls[k].name, r.error, r.traceback or "")
+        return results  # type: ignore[return-value]

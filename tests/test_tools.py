@@ -1,0 +1,314 @@
+"""Tools in multi-turn rollouts (rl_tpu/tools.py, rl_tpu/multi_turn.py): schemas, parsing, the worker pool
+(real processes: a hung tool is killed at its timeout), and token-in/token-out trajectories with tool turns."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from rl_tpu.multi_turn import ChatDelta, MultiTurn
+from rl_tpu.tools import ToolCall, ToolError, Tools, describe_tool, parse_tool_calls
+from rl_tpu.types import Completion
+
+# A Qwen3-style template with tools: the schemas in a system message, a turn's tool results in one user
+# message of <tool_response> blocks (the tiny models' own template has no tools).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou may call functions. Signatures within <tools></tools>:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each call, return <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '\n<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>' }}{% endif %}"
+    "{%- else %}{{ '\n<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '\n<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TOOLS_PY = '''
+import asyncio
+import time
+
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return str(a * b)
+
+
+async def add(a: int, b: int = 0) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first term.
+        b: The second term.
+    """
+    await asyncio.sleep(0)
+    return str(a + b)
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def boom() -> str:
+    """Always raises."""
+    raise ValueError("boom on purpose")
+
+
+def not_text() -> int:
+    """Returns a number, not text."""
+    return 42
+
+
+def untyped(a):
+    """No type hint.
+
+    Args:
+        a: Anything.
+    """
+    return a
+'''
+
+NAMES = ["multiply", "add", "sleepy", "boom", "not_text"]
+
+
+@pytest.fixture(scope="module")
+def tools_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "my_tools.py"
+    path.write_text(textwrap.dedent(TOOLS_PY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tools(tools_file):
+    t = Tools([f"{tools_file}:{n}" for n in NAMES], timeout_s=1.0, workers=2)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tiny_qwen3)
+    t.chat_template = TOOLS_TEMPLATE
+    return t
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_schemas_from_type_hints_and_docstrings(tools, tools_file):
+    assert tools.names == NAMES
+    assert tools.schemas[0] == {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "description": "The first factor."},
+                    "b": {"type": "integer", "description": "The second factor."},
+                },
+                "required": ["a", "b"],
+            },
+            "return": {"type": "string"},
+        },
+    }
+    assert tools.schemas[1]["function"]["parameters"]["required"] == ["a"]  # async, b has a default
+    with pytest.raises(
+        ToolError, match=r"rollout.tools '.*my_tools.py:untyped': untyped cannot be described"
+    ):
+        Tools([f"{tools_file}:untyped"], timeout_s=1.0)
+    with pytest.raises(ToolError, match="no attribute 'nope'"):
+        Tools([f"{tools_file}:nope"], timeout_s=1.0)
+    with pytest.raises(ToolError, match="len cannot be described"):
+        describe_tool(len, "builtins:len")
+
+
+def test_parsing_several_and_malformed_calls(tools):
+    text = (
+        "Let me compute. "
+        + call("multiply", a=2, b=3)
+        + " and "
+        + call("add", a=1)
+        + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>'  # arguments as a string
+        + "<tool_call>{not json}</tool_call>"
+        + '<tool_call>["add"]</tool_call>'
+        + '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'
+        + "<tool_call>"
+    )
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in calls[:3]] == [
+        ("multiply", {"a": 2, "b": 3}),
+        ("add", {"a": 1}),
+        ("add", {"a": 5}),
+    ]
+    assert [c.error is None for c in calls] == [True, True, True, False, False, False, False]
+    assert "not valid JSON" in calls[3].error and "one JSON object" in calls[4].error
+    assert '"arguments" must be a JSON object' in calls[5].error and "closing </tool_call>" in calls[6].error
+    assert parse_tool_calls("no call here") == []
+    assert tools.check(ToolCall("divide", {})) == (
+        "unknown tool 'divide'; the tools are: multiply, add, sleepy, boom, not_text"
+    )
+    assert "missing a required argument: 'b'" in tools.check(ToolCall("multiply", {"a": 1}))
+    assert "unexpected keyword argument 'c'" in tools.check(ToolCall("multiply", {"a": 1, "b": 2, "c": 3}))
+
+
+def test_run_answers_every_call_in_order_and_survives_a_hang(tools):
+    pids = set(tools.pool.worker_pids)
+    calls = parse_tool_calls(
+        call("multiply", a=12, b=34)
+        + call("sleepy", seconds=600)
+        + call("boom")
+        + call("not_text")
+        + call("add", a=2, b=2)
+        + call("nope")
+    )
+    t0 = time.monotonic()
+    results = tools.run(calls)
+    elapsed = time.monotonic() - t0
+    assert [r.text for r in results] == [
+        "408",
+        "Error: sleepy: timed out after 1 s",
+        "Error: boom: ValueError: boom on purpose",
+        "Error: not_text: TypeError: returned int 42; a tool must return a str",
+        "4",
+        "Error: unknown tool 'nope'; the tools are: multiply, add, sleepy, boom, not_text",
+    ]
+    assert [(r.error, r.timeout) for r in results] == [(False, False), (False, True)] + [
+        (True, False)
+    ] * 2 + [
+        (False, False),
+        (True, False),
+    ]
+    assert elapsed < 60, f"a 1 s timeout took {elapsed:.1f} s"
+    assert pids - set(tools.pool.worker_pids), "the hung worker was replaced"
+    assert [r.text for r in tools.run(parse_tool_calls(call("multiply", a=3, b=3)))] == ["9"]  # still usable
+
+
+def _scripted(tok, texts):
+    """A generate that answers prompt k of each call with texts[k] of that turn (plus the stop token)."""
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    turns, prompts_seen = iter(texts), []
+
+    def generate(prompts, max_tokens):
+        prompts_seen.append([list(p) for p in prompts])
+        batch = next(turns)
+        out = []
+        for p, text in zip(prompts, batch):
+            ids = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+            out.append(
+                Completion(
+                    prompt_index=0,
+                    sample_index=0,
+                    prompt_ids=list(p),
+                    response_ids=ids[:max_tokens],
+                    logprobs=[-0.25] * len(ids[:max_tokens]),
+                    finish_reason="stop" if len(ids) <= max_tokens else "length",
+                    text=text,
+                    policy_version=2,
+                )
+            )
+        return out
+
+    return generate, prompts_seen
+
+
+def test_tool_turns_insert_the_results_ids_with_mask_0(tok, tools):
+    first = "I will use the tool. " + call("multiply", a=12, b=34) + call("sleepy", seconds=600)
+    generate, seen = _scripted(tok, [[first, "no tools, final: 7"], ["The answer is 408."]])
+    mt = MultiTurn(tok, None, generate, max_turns=4, max_tokens=200, max_total_tokens=2000, tools=tools)
+    sample = {"messages": [{"role": "user", "content": "What is 12 * 34?"}]}
+    t, plain = mt.rollout([sample, sample])
+    # the prompt is the template's rendering with the tools' schemas
+    assert t.prompt_ids == tok.apply_chat_template(
+        sample["messages"], tools=tools.schemas, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert '"name": "multiply"' in tok.decode(t.prompt_ids)
+    # turn 1 called two tools: both answered, the hang with its timeout; turn 2 had no call: the end
+    assert (t.turns, t.finish_reason, t.tool_calls, t.tool_errors, t.tool_timeouts) == (2, "stop", 2, 0, 1)
+    results = [
+        {"role": "tool", "content": "408"},
+        {"role": "tool", "content": "Error: sleepy: timed out after 1 s"},
+    ]
+    assert t.messages[1:] == [{"role": "assistant", "content": first}, *results] + [
+        {"role": "assistant", "content": "The answer is 408."}
+    ]
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    sampled1 = tok(first, add_special_tokens=False)["input_ids"] + [eos]
+    sampled2 = tok("The answer is 408.", add_special_tokens=False)["input_ids"] + [eos]
+    inserted = ChatDelta(tok, tools=tools.schemas).ids(results)
+    assert tok.decode(inserted) == (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<tool_response>\n"
+        "Error: sleepy: timed out after 1 s\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert t.ids == sampled1 + inserted + sampled2
+    assert t.mask == [1] * len(sampled1) + [0] * len(inserted) + [1] * len(sampled2)
+    assert t.logprobs == [-0.25 if m else 0.0 for m in t.mask]
+    assert t.versions == [2 if m else -1 for m in t.mask]
+    assert seen[1] == [t.prompt_ids + sampled1 + inserted]  # turn 2's prompt: the trajectory's own ids
+    # the whole trajectory is what the template renders for the conversation (so nothing drifts)
+    rendered = tok.apply_chat_template(t.messages, tools=tools.schemas, tokenize=False)
+    assert tok.decode(t.prompt_ids + t.ids) == rendered.rstrip("\n")
+    assert (plain.turns, plain.finish_reason, plain.tool_calls, plain.last_text) == (
+        1,
+        "stop",
+        0,
+        "no tools, final: 7",
+    )
+    c = t.completion(0, 0)
+    assert c.loss_mask == t.mask and c.text == "The answer is 408." and c.extra["env_reward"] is None
+
+
+class Judge:
+    """Rewards 1 when the last assistant turn contains the tool's answer; counts its `step` calls."""
+
+    steps = 0
+
+    def reset(self, sample):
+        return [{"role": "user", "content": "What is 6 * 7?"}]
+
+    def step(self, messages):
+        Judge.steps += 1
+        assert messages[-1]["role"] == "assistant" and "<tool_call>" not in messages[-1]["content"]
+        assert {"role": "tool", "content": "42"} in messages
+        return [], float("42" in messages[-1]["content"]), True
+
+
+def test_with_an_environment_tool_calls_are_answered_first(tok, tools):
+    generate, _ = _scripted(tok, [[call("multiply", a=6, b=7) + call("multiply", a="x")], ["It is 42."]])
+    mt = MultiTurn(tok, Judge, generate, max_turns=4, max_tokens=200, max_total_tokens=2000, tools=tools)
+    (t,) = mt.rollout([{}])
+    assert Judge.steps == 1  # only on the turn without a tool call
+    assert (t.turns, t.finish_reason, t.reward, t.tool_calls, t.tool_errors) == (2, "env", 1.0, 2, 1)
+    assert t.messages[3]["content"].startswith(
+        "Error: wrong arguments for multiply: missing a required argument"
+    )
+    # a tool call on the last allowed turn is not run: the trajectory ends at max_turns
+    generate, _ = _scripted(tok, [[call("multiply", a=6, b=7)]])
+    (t,) = MultiTurn(
+        tok, Judge, generate, max_turns=1, max_tokens=200, max_total_tokens=2000, tools=tools
+    ).rollout([{}])
+    assert (t.turns, t.finish_reason, t.tool_calls, Judge.steps) == (1, "max_turns", 0, 1)

@@ -312,3 +312,51 @@ def test_with_an_environment_tool_calls_are_answered_first(tok, tools):
         tok, Judge, generate, max_turns=1, max_tokens=200, max_total_tokens=2000, tools=tools
     ).rollout([{}])
     assert (t.turns, t.finish_reason, t.tool_calls, Judge.steps) == (1, "max_turns", 0, 1)
+
+
+class ScriptedEngine:
+    """Stands in for the engines in a wiring test: calls multiply until a tool response is in the prompt."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompts, n=1, max_tokens=64):
+        eos = self.tok.convert_tokens_to_ids(self.tok.eos_token)
+        out = []
+        for p in prompts:
+            text = "42" if "<tool_response>" in self.tok.decode(p) else call("multiply", a=6, b=7)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [eos]
+            ids = ids[:max_tokens]
+            done = "stop" if ids[-1] == eos else "length"
+            kw = dict(prompt_ids=list(p), response_ids=ids, logprobs=[-1.0] * len(ids), text=text)
+            out.append(
+                [Completion(prompt_index=0, sample_index=0, finish_reason=done, policy_version=0, **kw)]
+            )
+        return out
+
+
+def test_sampler_runs_tools_from_the_config(tok, tools_file):
+    from rl_tpu.config import ConfigError, load_config
+    from rl_tpu.data import make_synthetic
+    from rl_tpu.producer import Sampler
+    from rl_tpu.rollout.partial import EngineTurns
+
+    args = [f'--rollout.tools=["{tools_file}:multiply"]', "--rollout.n=2", "--rollout.tool_workers=1"]
+    args += ["--rollout.max_tokens=200"]
+    with pytest.raises(
+        ConfigError, match=r"`rollout.tools` \(multi-turn\) does not run with `rollout.partial"
+    ):
+        load_config(None, [*args, "--cluster.mode=async", "--rollout.partial=true"])
+    sampler = Sampler(load_config(None, args), ScriptedEngine(tok), EngineTurns(), tok)
+    try:
+        groups, metrics = sampler.multi_turn(make_synthetic("arithmetic", 3, 1)[0])
+    finally:
+        sampler.close()
+    assert [len(g) for g in groups] == [2, 2, 2]
+    assert all(c.extra["turns"] == 2 and c.text == "42" and 0 in c.loss_mask for g in groups for c in g)
+    assert metrics["rollout/turns_mean"] == 2.0
+    assert (
+        metrics["rollout/tool_calls"],
+        metrics["rollout/tool_errors"],
+        metrics["rollout/tool_timeouts"],
+    ) == (6, 0, 0)

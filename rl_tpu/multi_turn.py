@@ -2,10 +2,11 @@
 ids from end to end.
 
 A trajectory is its prompt's ids followed by, turn after turn, the ids the engine sampled (exactly as
-sampled, its stop token included) and the ids the chat template inserts for the environment's messages
-(`ChatDelta`: the template's text for those messages, tokenized once, on its own). Nothing is decoded and
-tokenized again, so the trainer scores the very tokens the engine produced and saw: log-probs, masks and
-importance ratios stay exact. `mask` is 1 on sampled tokens only, the ones that carry loss.
+sampled, its stop token included) and the ids the chat template inserts for the tools' or the
+environment's messages (`ChatDelta`: the template's text for those messages, tokenized once, on its own).
+Nothing is decoded and tokenized again, so the trainer scores the very tokens the engine produced and
+saw: log-probs, masks and importance ratios stay exact. `mask` is 1 on sampled tokens only, the ones that
+carry loss.
 
 Environment interface (a class named by `rollout.env = "module:Class"` or `"path.py:Class"`; one
 instance per trajectory, so it may keep state):
@@ -14,8 +15,8 @@ instance per trajectory, so it may keep state):
     step(messages: list[dict]) -> (new_messages, reward | None, done)   # after each assistant turn
 
 Either may be `async`. `messages` is the conversation so far as text (the assistant's turns as the engine
-decoded them). The trajectory's reward is the last one `step` gave, or None (the caller then scores the
-final answer with the reward functions).
+decoded them, tool calls and results included). The trajectory's reward is the last one `step` gave, or
+None (the caller then scores the final answer with the reward functions).
 
 Tools (`rollout.tools`, rl_tpu/tools.py): their schemas go to the chat template's `tools=` wherever it
 renders (the prompt, and `ChatDelta`). The rule for each assistant turn that stopped:
@@ -28,9 +29,9 @@ renders (the prompt, and `ChatDelta`). The rule for each assistant turn that sto
 
 A turn ends at a stop token or string (`rollout.stop_token_ids`, `rollout.stop`) as well as at the
 template's own (then the template's stop token is inserted, unsampled, before the next messages). A
-trajectory ends when the environment says done, when an assistant turn ends without stopping
-(`max_tokens` reached), after `max_turns` assistant turns, or when the next turn would start past
-`max_total_tokens` tokens after the prompt.
+trajectory ends when the environment says done (or, without one, at a turn with no tool call), when an
+assistant turn ends without stopping (`max_tokens` reached), after `max_turns` assistant turns, or when
+the next turn would start past `max_total_tokens` tokens after the prompt.
 """
 
 from __future__ import annotations

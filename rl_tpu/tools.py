@@ -14,7 +14,8 @@ Calls are read from an assistant turn's text in the Qwen3 / Hermes format, any n
 Invariants:
 - One result text per call, in the order the calls were written: the tool's return value (a `str`),
   or "Error: ..." for a malformed call (bad JSON, unknown tool, missing or unexpected arguments, an
-  unclosed tag), an exception, a return value that is not a `str`, a dead worker or a timeout. A
+  unclosed tag), an exception, a return value JSON cannot write, a dead worker or a timeout. A
+  non-`str` JSON value (a number, a list, a dict) is written as JSON. A
   failing tool never stops the run; the model reads the error, as real tool APIs return it.
 - Arguments are checked against the function's signature in the parent (names only); their types
   are the function's business.
@@ -89,10 +90,16 @@ def _parse_one(body: str) -> ToolCall:
 
 
 def tool_text(out: Any) -> str:
-    """A tool's return value as the `tool` message's content (run in the worker): it must be a str."""
-    if not isinstance(out, str):
-        raise TypeError(f"returned {type(out).__name__} {out!r:.80}; a tool must return a str")
-    return out
+    """A tool's return value as the `tool` message's content (run in the worker): a `str` as it is,
+    anything JSON can write (numbers, lists, dicts, None) as JSON; anything else is an error."""
+    if isinstance(out, str):
+        return out
+    try:
+        return json.dumps(out, ensure_ascii=False)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"returned {type(out).__name__} {out!r:.80}; a tool returns a str or a JSON value"
+        ) from None
 
 
 def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") -> dict:

@@ -46,7 +46,7 @@ def multiply(a: int, b: int) -> str:
     return str(a * b)
 
 
-async def add(a: int, b: int = 0) -> str:
+async def add(a: int, b: int = 0) -> int:
     """Add two integers.
 
     Args:
@@ -54,7 +54,7 @@ async def add(a: int, b: int = 0) -> str:
         b: The second term.
     """
     await asyncio.sleep(0)
-    return str(a + b)
+    return a + b  # a JSON value: sent as JSON text
 
 
 def sleepy(seconds: float) -> str:
@@ -72,9 +72,9 @@ def boom() -> str:
     raise ValueError("boom on purpose")
 
 
-def not_text() -> int:
-    """Returns a number, not text."""
-    return 42
+def not_text() -> set:
+    """Returns a set, which JSON cannot write."""
+    return {1, 2}
 
 
 def untyped(a):
@@ -193,7 +193,7 @@ def test_run_answers_every_call_in_order_and_survives_a_hang(tools):
         "408",
         "Error: sleepy: timed out after 1 s",
         "Error: boom: ValueError: boom on purpose",
-        "Error: not_text: TypeError: returned int 42; a tool must return a str",
+        "Error: not_text: TypeError: returned set {1, 2}; a tool returns a str or a JSON value",
         "4",
         "Error: unknown tool 'nope'; the tools are: multiply, add, sleepy, boom, not_text",
     ]

@@ -461,6 +461,11 @@ def _check_cross_fields(cfg: Config) -> None:
             "config error: `rollout.partial = true` continues sequences across weight updates, which only "
             'happen during generation in `cluster.mode = "async"`'
         )
+    if cfg.trainer.world_size % cfg.trainer.expert_parallel:
+        raise ConfigError(
+            f"config error: `trainer.expert_parallel = {cfg.trainer.expert_parallel}` must divide "
+            f"`trainer.world_size = {cfg.trainer.world_size}` (the experts are split over that many ranks)"
+        )
     multi_turn = "`rollout.env`" if cfg.rollout.env else "`rollout.tools`"
     if (
         (cfg.rollout.env or cfg.rollout.tools)

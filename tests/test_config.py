@@ -196,3 +196,14 @@ def test_single_value_from_a_toml_file(tmp_path):
         ConfigError, match=r"bad\.toml.*`data.train_files` must be a list \(or a single string\), got int 3"
     ):
         load_config(g)
+
+
+def test_expert_parallel_must_divide_world_size():
+    with pytest.raises(
+        ConfigError, match=r"trainer.expert_parallel = 3. must divide .trainer.world_size = 4"
+    ):
+        load_config(None, ["--trainer.world_size=4", "--trainer.expert_parallel=3"])
+    assert (
+        load_config(None, ["--trainer.world_size=4", "--trainer.expert_parallel=2"]).trainer.expert_parallel
+        == 2
+    )

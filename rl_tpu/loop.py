@@ -54,10 +54,12 @@ from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
+from rl_tpu.multi_turn import load_env
 from rl_tpu.placement import plan_from_config
 from rl_tpu.producer import Rollouts, Scored, generate_and_score, score_groups
 from rl_tpu.rewards import RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
+from rl_tpu.tools import load_tools
 from rl_tpu.weight_sync import WeightSync
 
 log = logging.getLogger("rl_tpu")
@@ -256,6 +258,11 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     if roles is not None:
         check_roles(cfg, roles, plan)
+    # A multi-turn environment class and the tools load here (the tools' workers start later).
+    if cfg.rollout.env:
+        load_env(cfg.rollout.env)
+    if cfg.rollout.tools:
+        load_tools(list(cfg.rollout.tools))
     # The reward functions load in the pool's workers, which report a missing file or function, a
     # syntax or import error before the trainer and engines start.
     pool = RewardPool(cfg.reward)

@@ -115,22 +115,31 @@ def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") ->
         ) from e
 
 
+def load_tools(specs: list[str], field_name: str = "rollout.tools") -> tuple[list[Callable], list[dict]]:
+    """The functions `specs` names and their schemas; a `ToolError` naming the first that does not load,
+    cannot be described, or shares another's name. Cheap: the driver checks `rollout.tools` with it
+    before Ray starts."""
+    fns = []
+    for spec in specs:
+        try:
+            fns.append(load_reward_fn(spec, label=field_name))
+        except RewardSpecError as e:
+            raise ToolError(str(e)) from e
+    schemas = [describe_tool(fn, spec, field_name) for fn, spec in zip(fns, specs)]
+    names = [s["function"]["name"] for s in schemas]
+    if len(set(names)) < len(names):
+        raise ToolError(f"{field_name} {list(specs)}: two tools share a name ({names})")
+    return fns, schemas
+
+
 class Tools:
     """The functions `specs` names: their schemas (`schemas`, for `tools=`) and a pool that runs calls."""
 
     def __init__(
         self, specs: list[str], *, timeout_s: float, workers: int = 1, field_name: str = "rollout.tools"
     ):
-        fns = []
-        for spec in specs:
-            try:
-                fns.append(load_reward_fn(spec, label=field_name))
-            except RewardSpecError as e:
-                raise ToolError(str(e)) from e
-        self.schemas = [describe_tool(fn, spec, field_name) for fn, spec in zip(fns, specs)]
+        fns, self.schemas = load_tools(specs, field_name)
         self.names = [s["function"]["name"] for s in self.schemas]
-        if len(set(self.names)) < len(self.names):
-            raise ToolError(f"{field_name} {list(specs)}: two tools share a name ({self.names})")
         self._signatures = [inspect.signature(fn) for fn in fns]
         self._logged = False
         self.pool = CallPool(

@@ -179,6 +179,21 @@ def test_bad_reward_spec_is_one_line(spec, files, tiny_qwen3, capsys, monkeypatc
     _assert_one_line(rc, err, *REWARD_CASES[spec])
 
 
+MULTI_TURN_CASES = {  # flag -> words the line must hold
+    "--rollout.env=missing_env.py:Env": ["rollout.env", "missing_env.py", "not found"],
+    "--rollout.env=no_function.py:other": ["rollout.env", "no_function.py", "has no reset or step method"],
+    '--rollout.tools=["missing_tool.py:add"]': ["rollout.tools", "missing_tool.py", "not found"],
+    '--rollout.tools=["no_function.py:other"]': ["rollout.tools", "other", "cannot be described"],
+}
+
+
+@pytest.mark.parametrize("flag", list(MULTI_TURN_CASES))
+def test_bad_environment_or_tool_is_one_line_before_ray(flag, files, tiny_qwen3, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    rc, err = _main(capsys, "train", *_common(files, tiny_qwen3), flag)
+    _assert_one_line(rc, err, *MULTI_TURN_CASES[flag])
+
+
 MODEL_CASES = {  # folder -> words the line must hold
     "unknown_arch": ["unknown_arch", "model_type 'foo'", "FooForCausalLM", "not supported"],
     "no_config": ["no_config", "no config.json"],

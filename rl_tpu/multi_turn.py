@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,6 +48,8 @@ from rl_tpu.errors import UserError
 from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
 from rl_tpu.tools import ToolCall, ToolResult, Tools, parse_tool_calls
 from rl_tpu.types import Completion
+
+log = logging.getLogger(__name__)
 
 # Generate one completion per prompt (token ids), each at most `max_tokens` tokens.
 Generate = Callable[[list[list[int]], int], list[Completion]]
@@ -156,6 +160,7 @@ class Trajectory:
     tool_calls: int = 0  # calls the model wrote, malformed ones included
     tool_errors: int = 0  # of which answered with an error (malformed, raised, bad return, dead worker)
     tool_timeouts: int = 0  # of which timed out
+    env_error: bool = False  # the environment's `step` raised: ended with reward 0
 
     @property
     def done(self) -> bool:
@@ -227,6 +232,7 @@ class MultiTurn:
         self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
         self.schemas = tools.schemas if tools else None
         self.delta = ChatDelta(tokenizer, tools=self.schemas)
+        self._logged_env_error = False
         self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
 
     def start(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[Trajectory, Any]:
@@ -297,8 +303,25 @@ class MultiTurn:
         return answers
 
     def _step(self, t: Trajectory, env: Any, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], bool]:
+        """The environment's answer. An exception in `step` ends the trajectory with reward 0 (counted in
+        `env_error`, the first one logged with its traceback), like a failing reward function; a
+        return value of the wrong shape is a bug in the class and stops the run (`EnvError`)."""
         where = f"{self.env_cls.__name__}.step"
-        result = _resolve(env.step(list(t.messages)), loop)
+        try:
+            result = _resolve(env.step(list(t.messages)), loop)
+        except Exception as e:  # noqa: BLE001 - user code: one bad row must not stop the run
+            if not self._logged_env_error:
+                self._logged_env_error = True
+                log.warning(
+                    "%s raised %s: %s; the trajectory ends with reward 0 (later errors are only counted in "
+                    "rollout/env_errors)\n%s",
+                    where,
+                    type(e).__name__,
+                    e,
+                    traceback.format_exc(),
+                )
+            t.reward, t.env_error = 0.0, True
+            return [], True
         if not isinstance(result, tuple) or len(result) != 3:
             raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
         new, reward, done = _check_messages(result[0], where), result[1], result[2]
@@ -309,7 +332,7 @@ class MultiTurn:
     def _continue(self, t: Trajectory, new: list[dict], done: bool) -> None:
         """Insert the template's ids for `new` (tool results or the environment's reply), or end `t`."""
         if done:
-            t.finish_reason = "env"
+            t.finish_reason = "env_error" if t.env_error else "env"
         elif t.turns >= self.max_turns:
             t.finish_reason = "max_turns"
         else:

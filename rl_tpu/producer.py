@@ -166,6 +166,7 @@ class Sampler:
         metrics = {
             "rollout/turns_mean": sum(t.turns for t in trajs) / len(trajs),
             "rollout/env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
+            "rollout/env_errors": float(sum(t.env_error for t in trajs)),
             "rollout/retokenize_drift": float(sum(retokenize_drift(self.tok, t) for t in trajs)),
         }
         if self.tools is not None:  # per step, over all trajectories

@@ -268,3 +268,28 @@ def test_the_documented_example_environment(tok):
     (t,) = MultiTurn(tok, retry, generate, max_turns=3, max_tokens=16, max_total_tokens=200).rollout([row])
     assert (t.turns, t.reward, t.finish_reason) == (2, 1.0, "env")
     assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant"]
+
+
+class Flaky(Echo):
+    """Raises on the second question's first step (a bad row), answers the rest."""
+
+    def reset(self, sample):
+        self.bad = sample["question"] == "bad"
+        return super().reset(sample)
+
+    def step(self, messages):
+        if self.bad:
+            raise KeyError("no such row")
+        return super().step(messages)
+
+
+def test_an_environment_that_raises_ends_its_trajectory_with_reward_zero(tok, caplog):
+    generate, _ = _scripted(tok, ["a"])
+    mt = MultiTurn(tok, Flaky, generate, max_turns=5, max_tokens=8, max_total_tokens=200)
+    with caplog.at_level("WARNING"):
+        ok, bad, bad2 = mt.rollout([{"question": "ok"}, {"question": "bad"}, {"question": "bad"}])
+    assert (ok.finish_reason, ok.reward, ok.env_error, ok.turns) == ("env", 6.0, False, 3)
+    assert (bad.finish_reason, bad.reward, bad.env_error, bad.turns) == ("env_error", 0.0, True, 1)
+    assert bad.mask[-1] == 1 and bad2.env_error
+    logged = [r for r in caplog.records if "Flaky.step raised KeyError" in r.getMessage()]
+    assert len(logged) == 1 and "Traceback" in logged[0].getMessage()  # the first one, with its traceback

@@ -86,6 +86,10 @@ def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/samples"] for r in rows] == [4] * steps
     assert all(r["sync/verified_params"] > 0 for r in rows)
+    # the trainer's log-probs of the sampled tokens equal the engine's: the ids it scores are the ones sampled
+    assert all(abs(r["mismatch/kl"]) <= 1e-5 and r["mismatch/max_abs_logprob_diff"] <= 1e-5 for r in rows), [
+        (r["mismatch/kl"], r["mismatch/max_abs_logprob_diff"]) for r in rows
+    ]
     assert max(r["rollout/turns_mean"] for r in rows) > 1, [r["rollout/turns_mean"] for r in rows]
     assert all("rollout/retokenize_drift" in r and "rollout/env_reward_frac" in r for r in rows)
     inserted = 0

@@ -293,3 +293,34 @@ def test_an_environment_that_raises_ends_its_trajectory_with_reward_zero(tok, ca
     assert bad.mask[-1] == 1 and bad2.env_error
     logged = [r for r in caplog.records if "Flaky.step raised KeyError" in r.getMessage()]
     assert len(logged) == 1 and "Traceback" in logged[0].getMessage()  # the first one, with its traceback
+
+
+class Interaction:
+    """Reads verl's `extra_info.interaction_kwargs` (its agent loop's per-row interaction settings)."""
+
+    def reset(self, sample):
+        self.kw = sample["extra_info"]["interaction_kwargs"]
+        return list(sample["messages"])
+
+    def step(self, messages):
+        return [], float(self.kw["ground_truth"] in messages[-1]["content"]), True
+
+
+def test_a_verl_rows_interaction_kwargs_reach_the_environment(tok):
+    import dataclasses
+
+    from rl_tpu.data.schema import example_from_row
+
+    row = {
+        "data_source": "gsm8k",
+        "prompt": [{"role": "user", "content": "What is 3+4?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "7"},
+        "extra_info": {"index": 0, "interaction_kwargs": {"name": "gsm8k", "ground_truth": "7"}},
+    }
+    sample = dataclasses.asdict(example_from_row(row, "rows.jsonl line 1", "u0"))  # what Sampler passes
+    generate, _ = _scripted(tok, ["It is 7."])
+    (t,) = MultiTurn(tok, Interaction, generate, max_turns=2, max_tokens=16, max_total_tokens=99).rollout(
+        [sample]
+    )
+    assert (t.reward, t.finish_reason) == (1.0, "env")

@@ -80,15 +80,17 @@ class TrainerGroup:
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
+        from rl_tpu.devices import cpu_process_env, torch_tpu_launch_env
+
+        env_vars = {}  # what every rank's process starts with
         if cfg.trainer.device == "cpu":
-            from rl_tpu.devices import cpu_process_env
-
-            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(cpu_process_env())
-        if cfg.trainer.device == "tpu":  # torch-tpu: every rank gets the same launch variables, decided here
-            from rl_tpu.devices import torch_tpu_launch_env
-
-            launch = torch_tpu_launch_env(cfg.trainer.python or sys.executable, self.world_size)
-            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(launch)
+            env_vars = cpu_process_env()
+        elif (
+            cfg.trainer.device == "tpu"
+        ):  # torch-tpu: every rank gets the same launch variables, decided here
+            env_vars = torch_tpu_launch_env(cfg.trainer.python or sys.executable, self.world_size)
+        if env_vars:
+            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
         self._own_placement: PlacementGroups | None = None
         if placement is None:
             placement = self._own_placement = PlacementGroups(

@@ -173,12 +173,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _KEEP_BYTES = -1, -3, 2**31 - 1
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 
-# Entries of oneDNN's primitive cache and of ideep's (PyTorch's oneDNN wrapper) LRU cache, 1024 each by
-# default. Each new operand shape costs ~0.55 MB in them whatever the weight's size, and an RL trainer
-# meets new token counts for many steps, so a rank on the oneDNN matmuls grew ~2x faster than on MKL's
-# until the caches filled (up to ~0.5 GB). At 16 a 300-step soak grows as on MKL, at the same step time;
-# a rebuilt primitive costs ~3 ms on a 3000 x 1024 x 2048 matmul of 68 ms (bench/RESULTS.md, 2026-12-05).
-# Both are read when the library loads, so they must be in a process's environment from its start.
+# oneDNN's primitive cache and ideep's LRU cache keep every operand shape they meet (1024 each by
+# default, ~0.5 MB a shape), and an RL trainer meets new token counts for many steps: bounded, a rank's
+# memory stops following them. Both are read when the library loads, so they belong in a process's
+# environment from its start (docs/decisions.md).
 _ONEDNN_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 

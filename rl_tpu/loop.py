@@ -209,8 +209,10 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
     timings["time/sync"] = metrics["sync/seconds"]
     # 4. evaluation
     if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+        t = time.perf_counter()
         with run.rollouts.turns.exclusive():
             metrics |= evaluate(cfg, rollout, run.pool, run.test_set, run.tok)
+        timings["time/eval"] = time.perf_counter() - t  # part of time/step; benches leave it out
     metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
     timings["time/step"] = time.perf_counter() - t_step
     # the step's wall time in which no engine generated (for training data)

@@ -170,6 +170,7 @@ WALL_CLOCK_METRICS = {
     "time/reward",
     "time/train",
     "time/sync",
+    "time/eval",
     "time/step",
     "time/trainer_idle",
     "time/engine_idle",

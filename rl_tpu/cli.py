@@ -110,7 +110,12 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise ConfigError(f"demo: unrecognised argument(s) {extra}")
-    run_demo(out=args.out, quick=args.quick, verbose=args.verbose)
+    if args.task == "tools":
+        from rl_tpu.demo_tools import run_tools_demo
+
+        run_tools_demo(out=args.out or Path("runs/demo-tools"), quick=args.quick, verbose=args.verbose)
+        return 0
+    run_demo(out=args.out or Path("runs/demo"), quick=args.quick, verbose=args.verbose)
     return 0
 
 
@@ -176,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_plot)
 
     s = sub.add_parser("demo", help="the CPU demo: build a model, train it, report")
-    s.add_argument("--out", type=Path, default=Path("runs/demo"))
+    s.add_argument(
+        "--task",
+        choices=("addition", "tools"),
+        default="addition",
+        help="addition: 2-digit addition (default); tools: 3-digit multiplication with a calculator tool",
+    )
+    s.add_argument("--out", type=Path, help="output folder (default: runs/demo, runs/demo-tools)")
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
     s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_demo)

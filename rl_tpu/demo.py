@@ -327,6 +327,9 @@ def plot_demo(report: dict, path: Path) -> Path:
     ax1.plot(
         [r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="GRPO held-out accuracy"
     )
+    if "grpo_no_tool_curve" in report:  # the tools demo's GRPO without the tool
+        nt = report["grpo_no_tool_curve"]
+        ax1.plot([r["step"] for r in nt], [r["reward/mean"] for r in nt], label="GRPO without the tool")
     ax1.axhline(report["accuracy_sft"], color="gray", ls="--", label="SFT (start)")
     ax1.set_xlabel("GRPO step")
     ax1.set_ylim(-0.02, 1.02)

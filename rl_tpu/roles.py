@@ -44,6 +44,11 @@ def start_shared_roles(cfg: Config, model_path: str) -> Roles:
         raise
 
 
+# rollout settings the driver alone uses (its multi-turn loop, tool workers, environments): a run may set
+# them differently from the run the roles were started for
+DRIVER_ROLLOUT = ("env", "max_turns", "max_total_tokens", "tools", "tool_timeout_s", "tool_workers")
+
+
 def check_roles(cfg: Config, roles: Roles, plan) -> None:
     """ValueError naming what `cfg` asks of the placement, the engines or the trainer's processes that
     `roles` (started for another config) cannot give."""
@@ -57,7 +62,9 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
         )
     started = roles.rollout.cfg
     have = to_dict(started.rollout)
-    differ = [f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if have[k] != v]
+    differ = [
+        f"rollout.{k}" for k, v in to_dict(cfg.rollout).items() if k not in DRIVER_ROLLOUT and have[k] != v
+    ]
     differ += [f"trainer.{k}" for k in restart_conflicts(roles.trainer.cfg.trainer, cfg.trainer)]
     if cfg.model.dtype != started.model.dtype or cfg.model.dtype != roles.trainer.cfg.model.dtype:
         differ.append("model.dtype")

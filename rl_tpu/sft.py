@@ -5,10 +5,18 @@ has one, else the ground truth as a string (for the synthetic arithmetic task, t
 The response is followed by the tokenizer's EOS so the model learns to stop. The loss is the token-mean
 NLL of the response (`algorithm.policy_loss = "sft"`), through the same micro-batched, FSDP-sharded
 train step as RL, so SFT and GRPO checkpoints are interchangeable.
+
+A multi-turn demonstration (`extra_info["response_messages"]`: the messages after the prompt, e.g. an
+assistant turn with a tool call, the tool's message, the final assistant turn) is laid out exactly as a
+multi-turn rollout lays out a trajectory (rl_tpu/multi_turn.py): each assistant turn is its text's ids
+plus EOS, each run of other messages is the ids the chat template inserts for them (`ChatDelta`), and
+the loss covers the assistant turns' tokens only. With `rollout.tools` set, the prompt and the inserted
+messages are rendered with the tools' schemas, as the rollout renders them.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +24,7 @@ from typing import Any
 from rl_tpu.config import AlgorithmConfig, Config, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.model_folder import load_tokenizer
+from rl_tpu.tools import load_tools
 from rl_tpu.types import TrainBatch
 
 
@@ -23,14 +32,67 @@ def demonstration(ex: Example) -> str:
     return str(ex.extra_info.get("response", ex.ground_truth))
 
 
+def turns_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """The ids after the prompt for `messages` (assistant turns and the messages between them) and their
+    loss mask (1 on the assistant turns' tokens, their EOS included): the layout of a multi-turn rollout."""
+    from rl_tpu.multi_turn import ChatDelta
+
+    delta = ChatDelta(tok, tools=tools)
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[dict] = []
+    for m in messages:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            inserted = delta.ids(pending)
+            ids += inserted
+            mask += [0] * len(inserted)
+            pending = []
+        turn = tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += turn
+        mask += [1] * len(turn)
+    if pending or not ids:
+        raise ValueError("a multi-turn demonstration must end with an assistant turn")
+    return ids, mask
+
+
+@functools.lru_cache(maxsize=8)
+def _schemas(specs: tuple[str, ...]) -> list[dict]:
+    return load_tools(list(specs))[1]
+
+
 def sft_batch(tok, examples: list[Example], cfg: Config) -> TrainBatch:
-    prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
-    responses = [
-        tok(demonstration(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in examples
-    ]
+    if not any("response_messages" in ex.extra_info for ex in examples):
+        prompts = encode_prompts(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
+        responses = [
+            tok(demonstration(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            for ex in examples
+        ]
+        zeros = [[0.0] * len(r) for r in responses]
+        return TrainBatch.from_sequences(
+            prompts, responses, tok.pad_token_id, advantages=zeros, old_log_probs=zeros
+        )
+    schemas = _schemas(tuple(cfg.rollout.tools)) if cfg.rollout.tools else None
+    prompts, responses, masks = [], [], []
+    for ex in examples:
+        prompts.append(
+            list(
+                tok.apply_chat_template(
+                    ex.messages, tools=schemas, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
+        )
+        messages = ex.extra_info.get("response_messages") or [
+            {"role": "assistant", "content": demonstration(ex)}
+        ]
+        ids, mask = turns_ids(tok, messages, schemas)
+        responses.append(ids)
+        masks.append([float(m) for m in mask])
     zeros = [[0.0] * len(r) for r in responses]
     return TrainBatch.from_sequences(
-        prompts, responses, tok.pad_token_id, advantages=zeros, old_log_probs=zeros
+        prompts, responses, tok.pad_token_id, advantages=zeros, old_log_probs=zeros, response_mask=masks
     )
 
 

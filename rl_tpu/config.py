@@ -81,6 +81,17 @@ class TrainerConfig:
     # stays sharded). "auto": replicated up to 500M parameters (docs/decisions.md)
     fsdp_step: Literal["auto", "sharded", "replicated"] = "auto"
     seq_len_buckets: list[int] = F([])  # pad to these lengths (TPU/XLA); empty: no padding buckets
+    # how the decoders execute (trainer/modes.py): "eager"; "compile": each TorchTitan transformer block one
+    # torch.compile program (inductor; TorchTitan's apply_compile), shapes dynamic unless seq_len_buckets
+    # pads them, cpu_matmul kernels then only outside the blocks (inductor cannot lower oneDNN's linear
+    # with trainable weights); "graph" (TorchTitan's graph trainer) is refused on this trainer for now
+    # (docs/decisions.md says what of it runs on CPU)
+    mode: Literal["eager", "compile", "graph"] = "eager"
+    # parameter sharding (trainer/parallel.py): "fsdp2" (torch's fully_shard, TorchTitan's default) or
+    # "simple" (TorchTitan's SimpleFSDP, experiments/graph_trainer/simple_fsdp.py: parameters stay DTensor
+    # shards, gathered by a parametrization in each forward, so the collectives can live in a compiled
+    # graph). Weight sync reads the shards' placements from the DTensors either way
+    fsdp: Literal["fsdp2", "simple"] = "fsdp2"
     # float32 matmuls of the model's linears and log-prob head on CPU (trainer/cpu_matmul.py): "auto" times
     # MKL (aten) and oneDNN on the model's shapes at start and runs each matmul on the faster (cached per
     # CPU model, torch and thread count, so a machine keeps its choice); "onednn" or "aten" (torch's

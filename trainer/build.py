@@ -10,6 +10,9 @@ Invariants:
   `trainer.seed + 1`, so every rank starts with the same value head: the value of response token j is
   read at the state that predicts it, like the log-prob. It has no log-prob head.
 - Every rank builds the same models in the same order (converting them may be collective).
+- `trainer.mode = "compile"` (trainer/modes.py) compiles each model's transformer blocks last, after the
+  converters, so the compiled programs trace the converted forwards; dynamic shapes unless lengths are
+  padded to buckets (`seq_len_buckets`, or the device's static shapes).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from rl_tpu.config import Config, resolved_dtype
 from rl_tpu.devices import Device
-from rl_tpu.trainer import converters, cpu_matmul, metrics, parallel
+from rl_tpu.trainer import converters, cpu_matmul, metrics, modes, parallel
 
 
 class ModelBuilder:
@@ -33,6 +36,11 @@ class ModelBuilder:
         self.reduce_dtype = tc.reduce_dtype
         self.logprob_chunk = tc.logprob_chunk_size
         self.seed = tc.seed
+        modes.check(tc.mode)
+        self.mode = tc.mode
+        self.compiled = modes.compiles_blocks(tc.mode)
+        # padded lengths and full micro-batches (forward.py) compile static; anything else varies per step
+        self.dynamic = not (tc.seq_len_buckets or device.static_shapes)
         self.pdims = parallel.make_parallel_dims(device, world_size, ep=tc.expert_parallel)
         self.replicated_step = parallel.replicated_step(tc.fsdp_step, num_params)
         # float32 CPU linears: kernels per (shape, matmul) from trainer/cpu_matmul.py
@@ -56,6 +64,8 @@ class ModelBuilder:
         )
         parallel.load_full_state_dict(m, state_dict)
         converters.apply(m, convs, what)
+        if self.compiled:
+            modes.compile_blocks(m, dynamic=self.dynamic)
         return m
 
     def policy(self, titan_sd: dict[str, torch.Tensor], frozen: bool = False) -> torch.nn.Module:
@@ -67,6 +77,7 @@ class ModelBuilder:
             self.logprob_chunk,
             hidden=int(hf["hidden_size"]),
             vocab=int(hf["vocab_size"]),
+            compiled_blocks=self.compiled,
         )
         m = self._build(self.spec, titan_sd, convs, "reference" if frozen else "policy")
         if frozen:
@@ -94,11 +105,14 @@ class ModelBuilder:
         sd = {k: v for k, v in titan_sd.items() if not k.startswith("lm_head.")}
         sd["lm_head.weight"] = torch.randn(1, dim, generator=g) * 0.02
         sd["lm_head.bias"] = torch.zeros(1)
-        return self._build(cspec, sd, converters.model_converters(self.matmuls, self.cpu_kernels), "critic")
+        convs = converters.model_converters(self.matmuls, self.cpu_kernels, compiled_blocks=self.compiled)
+        return self._build(cspec, sd, convs, "critic")
 
     def summary(self) -> dict:
         """What the build resolved, for `TrainerWorker.ready`."""
         return {
+            "mode": self.mode,  # trainer.mode
+            "compile_dynamic": self.compiled and self.dynamic,  # compiled blocks with symbolic shapes
             # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
             "fsdp_step": "unsharded"
             if self.pdims is None

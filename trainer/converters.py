@@ -15,6 +15,9 @@ Invariants:
   so all ranks read the same cache entries or time the same shapes, and agree.
 - Float32 on CPU only: with `trainer.cpu_matmul = "aten"`, another dtype or another device, the list has
   no `cpu_matmul` and every matmul is aten's (`ops.Matmuls()`), results bit for bit those of `F.linear`.
+- `trainer.mode = "compile"`: `cpu_matmul` leaves the linears inside the transformer blocks alone (they
+  are compiled, and inductor cannot lower oneDNN's linear with trainable weights: trainer/modes.py); the
+  heads outside the blocks keep the table's kernels.
 """
 
 from __future__ import annotations
@@ -87,11 +90,17 @@ class CpuMatmuls:
 
     table: MatmulTable
     extra_shapes: tuple[tuple[int, int], ...] = ()
+    outside_blocks: bool = False  # only the linears outside `model.layers` (compiled blocks)
     name: str = "cpu_matmul"
 
     def convert(self, model: torch.nn.Module) -> None:
-        self.table.resolve(cpu_matmul.linear_shapes(model) | set(self.extra_shapes))
-        cpu_matmul.install(model, self.table.matmuls)
+        parts = (
+            [m for n, m in model.named_children() if n != "layers"] if self.outside_blocks else [model]
+        )
+        shapes = set().union(*(cpu_matmul.linear_shapes(m) for m in parts))
+        self.table.resolve(shapes | set(self.extra_shapes))
+        for m in parts:
+            cpu_matmul.install(m, self.table.matmuls)
 
 
 @dataclass
@@ -133,15 +142,20 @@ def install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm: ops.Matmuls =
 
 
 def model_converters(
-    table: MatmulTable, cpu_kernels: bool, logprob_chunk: int | None = None, hidden: int = 0, vocab: int = 0
+    table: MatmulTable,
+    cpu_kernels: bool,
+    logprob_chunk: int | None = None,
+    hidden: int = 0,
+    vocab: int = 0,
+    compiled_blocks: bool = False,
 ) -> list[ModelConverter]:
     """The converters of one model: CPU kernels from `table` when `cpu_kernels` (float32 on CPU, not
-    `trainer.cpu_matmul = "aten"`), the log-prob head when `logprob_chunk` is given (policy and reference;
-    the critic's head stays a plain `Linear(hidden, 1)`)."""
+    `trainer.cpu_matmul = "aten"`; outside the blocks only when `compiled_blocks`), the log-prob head when
+    `logprob_chunk` is given (policy and reference; the critic's head stays a plain `Linear(hidden, 1)`)."""
     head = (hidden, min(logprob_chunk, vocab)) if logprob_chunk else None
     out: list[ModelConverter] = []
     if cpu_kernels:
-        out.append(CpuMatmuls(table, (head,) if head else ()))
+        out.append(CpuMatmuls(table, (head,) if head else (), outside_blocks=compiled_blocks))
     if head:
         out.append(LogProbHead(logprob_chunk, table, head))
     return out

@@ -16,7 +16,8 @@ Invariants:
 - `_weights_changed` runs whenever the policy's weights change (an optimizer step, a checkpoint load,
   a restart): the host copy lazy devices sync from is then dropped.
 - Lazy-tensor devices (XLA): loaded weights and optimizer state become device data before step 1;
-  `perf/compiles` counts the programs compiled by this rank so far.
+  `perf/compiles` counts the programs compiled by this rank so far; so it does with
+  `trainer.mode = "compile"` (dynamo's count, trainer/modes.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device
-from rl_tpu.trainer import checkpoint, parallel
+from rl_tpu.trainer import checkpoint, modes, parallel
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer.build import ModelBuilder
 from rl_tpu.trainer.checkpoint import RESTARTABLE, check_restartable, restart_conflicts
@@ -141,6 +142,8 @@ class TrainerWorker(SyncSender):
         out.update({"actor/step": float(self.step), "perf/train_tokens": tokens, "perf/train_s": elapsed})
         out.update(self.builder.moe_stats.read(self.local))  # moe/*: empty for a dense model
         compiles = self.device.compile_count()
+        if compiles is None and self.builder.compiled:  # trainer.mode = "compile": dynamo's programs
+            compiles = modes.compiled_programs()
         if compiles is not None:
             out["perf/compiles"] = float(compiles)
         return out

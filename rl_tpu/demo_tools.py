@@ -75,7 +75,8 @@ def call_text(name: str, **arguments) -> str:
 @dataclass(kw_only=True)
 class ToolsDemoPlan(DemoPlan):
     # the addition demo's plan, for the tools task: the values and how they were chosen: docs/demo.md
-    digits: int = 3  # each factor's digits
+    digits: int = 3  # each factor's digits: from `min_digits` (0: the same) to `digits`
+    min_digits: int = 0
     demonstrations: int = 300
     grpo_steps: int = 100
     max_tokens: int = 72  # per assistant turn: the call is 65 tokens of the tiny tokenizer
@@ -87,15 +88,35 @@ class ToolsDemoPlan(DemoPlan):
 
 
 def tool_examples(plan: ToolsDemoPlan) -> tuple[list[Example], list[Example]]:
-    """(train, test) multiplication prompts; every train example carries its tool-using demonstration in
-    `extra_info["response_messages"]` (the first `plan.demonstrations` are the SFT set)."""
-    from rl_tpu.data import make_synthetic
+    """(train, test) multiplication prompts, "What is a*b?" with factors of `plan.min_digits` to
+    `plan.digits` digits (each factor's count drawn uniformly), disjoint, the test split drawn first;
+    every train example carries its tool-using demonstration in `extra_info["response_messages"]` (the
+    first `plan.demonstrations` are the SFT set)."""
+    import random
 
-    train, test = make_synthetic(
-        "arithmetic", plan.train_prompts, plan.test_prompts, seed=0, digits=plan.digits, ops="*"
-    )
-    for ex in train:
-        a, b = (int(x) for x in ex.messages[-1]["content"].removeprefix("What is ").rstrip("?").split("*"))
+    rng, seen, problems = random.Random(0), set(), []
+    while len(problems) < plan.test_prompts + plan.train_prompts:
+        a, b = (
+            rng.randint(10 ** (d - 1), 10**d - 1)
+            for d in rng.choices(range(plan.min_digits or plan.digits, plan.digits + 1), k=2)
+        )
+        if (a, b) not in seen:
+            seen.add((a, b))
+            problems.append((a, b))
+
+    def example(a: int, b: int, split: str, i: int) -> Example:
+        return Example(
+            data_source="arithmetic",
+            messages=[{"role": "user", "content": f"What is {a}*{b}?"}],
+            ground_truth=str(a * b),
+            ability="math",
+            extra_info={"split": split, "index": i},
+            uid=f"tools-{split}-{i}",
+        )
+
+    test = [example(a, b, "test", i) for i, (a, b) in enumerate(problems[: plan.test_prompts])]
+    train = [example(a, b, "train", i) for i, (a, b) in enumerate(problems[plan.test_prompts :])]
+    for ex, (a, b) in zip(train, problems[plan.test_prompts :]):
         ex.extra_info["response_messages"] = [
             {"role": "assistant", "content": call_text("multiply", a=a, b=b)},
             {"role": "tool", "content": str(a * b)},

@@ -94,3 +94,59 @@ def test_sft_patience_counts_only_once_the_demonstrations_are_fit(tmp_path):
         log=lambda s: None,
     )
     assert (out["best_step"], out["steps"]) == (2, 6)
+
+
+def test_sft_of_a_tool_using_demonstration_has_loss_on_assistant_turns_only(tiny_qwen3):
+    """A multi-turn demonstration is laid out as a rollout lays out a trajectory: the assistant turns'
+    ids (each with EOS) carry the loss; the tool's message is the template's inserted ids, masked."""
+    from transformers import AutoTokenizer
+
+    from rl_tpu.config import load_config
+    from rl_tpu.demo_tools import TOOL_SPEC, TOOLS_TEMPLATE, ToolsDemoPlan, tool_examples
+    from rl_tpu.sft import sft_batch
+    from rl_tpu.tools import load_tools
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    tok.chat_template = TOOLS_TEMPLATE
+    train, test = tool_examples(ToolsDemoPlan(train_prompts=4, test_prompts=2))
+    ex = train[0]
+    a, b = (int(x) for x in ex.messages[0]["content"][len("What is ") : -1].split("*"))
+    assert ex.ground_truth == str(a * b) and "response_messages" not in test[0].extra_info
+    batch = sft_batch(tok, [ex], load_config(None, [f'--rollout.tools=["{TOOL_SPEC}"]']))
+    n = int(batch.attention_mask[0].sum())
+    ids, p = batch.input_ids[0, :n].tolist(), int(batch.prompt_lens[0])
+    mask = batch.response_mask[0, : n - p].tolist()
+    # the whole row is the template's rendering of the conversation, with the tool listed in the prompt
+    schemas = load_tools([TOOL_SPEC])[1]
+    convo = ex.messages + ex.extra_info["response_messages"]
+    assert tok.decode(ids) == tok.apply_chat_template(convo, tools=schemas, tokenize=False).rstrip("\n")
+    assert tok.decode(ids[:p]).startswith("<|im_start|>system\nTools: multiply(a, b)<|im_end|>\n")
+    learnt = tok.decode([t for t, m in zip(ids[p:], mask) if m])
+    call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    assert learnt == f"{call}<|im_end|>{a * b}<|im_end|>"
+    masked = tok.decode([t for t, m in zip(ids[p:], mask) if not m])
+    assert (
+        masked
+        == f"\n<|im_start|>user\n<tool_response>\n{a * b}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.timeout(900)
+def test_quick_tools_demo_writes_report(tmp_path):
+    """`rl-tpu demo --task tools --quick`: the tools demo's plumbing end to end (SFT on tool-using
+    demonstrations, GRPO with and without the tool on shared actors, the control, multi-turn evaluation)."""
+    out = tmp_path / "demo-tools"
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.cli", "demo", "--task", "tools", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    for key in ("accuracy_sft", "accuracy_rl", "accuracy_rl_no_tool", "accuracy_control", "tool_use_rl"):
+        assert 0.0 <= report[key] <= 1.0, key
+    assert report["task"] == "tools" and report["steps"] == report["plan"]["grpo_steps"]
+    assert len(report["grpo_no_tool_curve"]) == report["plan"]["grpo_steps"]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "GRPO with the tool" in r.stdout and "GRPO without the tool" in r.stdout

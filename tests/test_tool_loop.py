@@ -233,3 +233,28 @@ def test_shared_roles_take_runs_with_other_tools():
     check_roles(load_config(None, ["--rollout.max_turns=3", "--rollout.tool_timeout_s=1"]), roles, "p")
     with pytest.raises(ValueError, match=r"rollout.temperature differ"):
         check_roles(load_config(None, ['--rollout.tools=["m:f"]', "--rollout.temperature=0.5"]), roles, "p")
+
+
+def test_example_calculator_tool():
+    """examples/tools/calculator.py: arithmetic by the syntax tree; anything else is the tool's error."""
+    from rl_tpu.tools import Tools, parse_tool_calls
+
+    spec = str(Path(__file__).parents[1] / "examples" / "tools" / "calculator.py") + ":calculator"
+    tools = Tools([spec], timeout_s=5.0, workers=1)
+    try:
+        assert tools.schemas[0]["function"]["parameters"]["required"] == ["expression"]
+        exprs = ["(12 + 7) * 3", "7 / 2", "-2 ** 3", "__import__('os').getcwd()", "2 ** 1000", "1 / 0"]
+        calls = "".join(
+            f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': {'expression': e}})}</tool_call>"
+            for e in exprs
+        )
+        assert [r.text for r in tools.run(parse_tool_calls(calls))] == [
+            "57",
+            "3.5",
+            "-8",
+            "Error: calculator: ValueError: not arithmetic: \"__import__('os').getcwd()\"",
+            "Error: calculator: ValueError: exponent 1000 is larger than 64",
+            "Error: calculator: ZeroDivisionError: division by zero",
+        ]
+    finally:
+        tools.close()

@@ -73,10 +73,27 @@ def identity(value: Any) -> Any:
 # worker process
 
 
-def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any]) -> None:
+def _limit_memory(memory_mb: int) -> None:
+    """Cap this process's address space (RLIMIT_AS) at `memory_mb` MiB: an allocation past it raises
+    MemoryError in the call that made it (reported as that call's error), instead of the machine's
+    out-of-memory killer picking a process. Linux and macOS; a no-op where `resource` is missing."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return
+    limit = memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any], memory_mb: int = 0) -> None:
     from rl_tpu.rewards.loader import load_reward_fn
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    if memory_mb:
+        _limit_memory(memory_mb)  # before the user's modules load: their imports count too
     try:
         fns = [load_reward_fn(s, label) for s in specs]
     except BaseException as e:  # noqa: BLE001 - reported to the parent verbatim
@@ -168,15 +185,18 @@ class CallPool:
         error_type: type[Exception] = RuntimeError,
         check: Callable[[Any], Any] = identity,
         startup_timeout_s: float = 120.0,
+        memory_mb: int = 0,
     ):
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
-        # `error_type` is what startup failures raise (a spec that does not load raises RewardSpecError)
+        # `error_type` is what startup failures raise (a spec that does not load raises RewardSpecError);
+        # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none
         from rl_tpu.rewards.loader import resolve_spec
 
         self.specs = [resolve_spec(s) for s in specs]
         self.name, self.error_type, self.check = name, error_type, check
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = startup_timeout_s
+        self.memory_mb = int(memory_mb)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -196,7 +216,7 @@ class CallPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child, self.specs, f"{self.name} spec", self.check),
+            args=(child, self.specs, f"{self.name} spec", self.check, self.memory_mb),
             daemon=True,
             name=f"rl-tpu-{self.name}-worker",
         )

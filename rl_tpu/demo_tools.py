@@ -77,6 +77,9 @@ class ToolsDemoPlan(DemoPlan):
     # the addition demo's plan, for the tools task: the values and how they were chosen: docs/demo.md
     digits: int = 3  # each factor's digits: from `min_digits` (0: the same) to `digits`
     min_digits: int = 0
+    # the share of demonstrations that use the tool; the others answer directly (a teacher who does some
+    # products in its head): SFT imitates the mix, only the reward says the tool is always worth calling
+    tool_share: float = 1.0
     demonstrations: int = 300
     grpo_steps: int = 100
     max_tokens: int = 72  # per assistant turn: the call is 65 tokens of the tiny tokenizer
@@ -90,8 +93,9 @@ class ToolsDemoPlan(DemoPlan):
 def tool_examples(plan: ToolsDemoPlan) -> tuple[list[Example], list[Example]]:
     """(train, test) multiplication prompts, "What is a*b?" with factors of `plan.min_digits` to
     `plan.digits` digits (each factor's count drawn uniformly), disjoint, the test split drawn first;
-    every train example carries its tool-using demonstration in `extra_info["response_messages"]` (the
-    first `plan.demonstrations` are the SFT set)."""
+    every train example carries its demonstration in `extra_info["response_messages"]` (the first
+    `plan.demonstrations` are the SFT set): the call, the tool's message and the answer, or, for
+    `1 - plan.tool_share` of them, the answer alone."""
     import random
 
     rng, seen, problems = random.Random(0), set(), []
@@ -116,12 +120,16 @@ def tool_examples(plan: ToolsDemoPlan) -> tuple[list[Example], list[Example]]:
 
     test = [example(a, b, "test", i) for i, (a, b) in enumerate(problems[: plan.test_prompts])]
     train = [example(a, b, "train", i) for i, (a, b) in enumerate(problems[plan.test_prompts :])]
+    teacher = random.Random(1)  # which demonstrations use the tool (`plan.tool_share` of them)
     for ex, (a, b) in zip(train, problems[plan.test_prompts :]):
-        ex.extra_info["response_messages"] = [
-            {"role": "assistant", "content": call_text("multiply", a=a, b=b)},
-            {"role": "tool", "content": str(a * b)},
-            {"role": "assistant", "content": str(a * b)},
-        ]
+        if teacher.random() < plan.tool_share:
+            ex.extra_info["response_messages"] = [
+                {"role": "assistant", "content": call_text("multiply", a=a, b=b)},
+                {"role": "tool", "content": str(a * b)},
+                {"role": "assistant", "content": str(a * b)},
+            ]
+        else:  # the teacher answers from memory, correctly
+            ex.extra_info["response_messages"] = [{"role": "assistant", "content": str(a * b)}]
     return train, test
 
 
@@ -234,8 +242,9 @@ def run_tools_demo(
     cfg.logging.verbose = verbose
     demos = train_set[: plan.demonstrations]
     log(
-        f"building a {plan.size} Qwen3 locally; {len(demos)} tool-using demonstrations of {plan.digits}-digit "
-        f"multiplication, {len(test_set)} held-out prompts"
+        f"building a {plan.size} Qwen3 locally; {len(demos)} demonstrations of {plan.digits}-digit "
+        f"multiplication ({sum(len(d.extra_info['response_messages']) > 1 for d in demos)} use the tool), "
+        f"{len(test_set)} held-out prompts"
     )
     with ThreadPoolExecutor(max_workers=1) as ex:  # the model is built while Ray starts
         built = ex.submit(make_tiny_model, out / "model", "qwen3", plan.size, 0)
@@ -261,7 +270,7 @@ def run_tools_demo(
         acc_base = ev.accuracy()
         log(f"untrained held-out accuracy {acc_base:.3f}")
 
-        log("SFT on the tool-using demonstrations until held-out accuracy stops improving")
+        log("SFT on the demonstrations until held-out accuracy stops improving")
         sft = _sft_phase(session, demos, plan, ev, out / "sft", wall_budget=None, early_stop=True, log=log)
         acc_sft = sft["best_accuracy"]
         sft_eval = ev.evaluate(sft["model"])

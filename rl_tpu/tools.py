@@ -20,8 +20,8 @@ Invariants:
 - Arguments are checked against the function's signature in the parent (names only); their types
   are the function's business.
 - Well-formed calls run in a `CallPool` (worker processes, `rollout.tool_timeout_s` per call, a hung
-  or crashed worker killed and replaced). That isolates crashes and hangs; it is not a security
-  sandbox for untrusted code.
+  or crashed worker killed and replaced, an address-space limit of `MEMORY_MB` per worker). That
+  isolates crashes, hangs and runaway allocations; it is not a security sandbox for untrusted code.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from rl_tpu.errors import UserError
 from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
 
 logger = logging.getLogger(__name__)
+
+# each tool worker's address-space limit (RLIMIT_AS, MiB): a call allocating past it reads as a MemoryError
+# (not yet a config field: `Tools(memory_mb=...)` from Python, 0 for none)
+MEMORY_MB = 4096
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -136,14 +140,26 @@ class Tools:
     """The functions `specs` names: their schemas (`schemas`, for `tools=`) and a pool that runs calls."""
 
     def __init__(
-        self, specs: list[str], *, timeout_s: float, workers: int = 1, field_name: str = "rollout.tools"
+        self,
+        specs: list[str],
+        *,
+        timeout_s: float,
+        workers: int = 1,
+        field_name: str = "rollout.tools",
+        memory_mb: int = MEMORY_MB,
     ):
         fns, self.schemas = load_tools(specs, field_name)
         self.names = [s["function"]["name"] for s in self.schemas]
         self._signatures = [inspect.signature(fn) for fn in fns]
         self._logged = False
         self.pool = CallPool(
-            specs, workers=workers, timeout_s=timeout_s, name="tool", error_type=ToolError, check=tool_text
+            specs,
+            workers=workers,
+            timeout_s=timeout_s,
+            name="tool",
+            error_type=ToolError,
+            check=tool_text,
+            memory_mb=memory_mb,
         )
 
     def close(self) -> None:

@@ -258,3 +258,33 @@ def test_example_calculator_tool():
         ]
     finally:
         tools.close()
+
+
+def test_a_tool_past_its_memory_limit_reads_a_memory_error(tmp_path):
+    """Tool workers run under an address-space limit (RLIMIT_AS): an allocation past it is that call's
+    MemoryError, and the worker goes on answering."""
+    from rl_tpu.tools import Tools, parse_tool_calls
+
+    (tmp_path / "hog.py").write_text(
+        textwrap.dedent(
+            '''
+            def hog(mb: int) -> str:
+                """Allocate some memory.
+
+                Args:
+                    mb: How many MiB.
+                """
+                return str(len(bytearray(mb * 2**20)))
+            '''
+        )
+    )
+    tools = Tools([f"{tmp_path / 'hog.py'}:hog"], timeout_s=10.0, workers=1, memory_mb=256)
+    try:
+        calls = "".join(
+            f'<tool_call>{{"name": "hog", "arguments": {{"mb": {mb}}}}}</tool_call>' for mb in (1, 1024, 2)
+        )
+        texts = [r.text for r in tools.run(parse_tool_calls(calls))]
+        assert texts[0] == str(2**20) and texts[2] == str(2 * 2**20), texts
+        assert texts[1].startswith("Error: hog: MemoryError"), texts
+    finally:
+        tools.close()

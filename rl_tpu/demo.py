@@ -324,9 +324,13 @@ def plot_demo(report: dict, path: Path) -> Path:
     curve = report["grpo_curve"]
     ax1.plot([r["step"] for r in curve], [r["reward/mean"] for r in curve], label="GRPO train reward")
     evals = [r for r in curve if "eval/accuracy" in r]
-    ax1.plot(
-        [r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="GRPO held-out accuracy"
-    )
+    if evals:  # the tools demo evaluates GRPO once, at its end (the loop's evaluation is single-turn)
+        ax1.plot(
+            [r["step"] for r in evals],
+            [r["eval/accuracy"] for r in evals],
+            "o-",
+            label="GRPO held-out accuracy",
+        )
     if "grpo_no_tool_curve" in report:  # the tools demo's GRPO without the tool
         nt = report["grpo_no_tool_curve"]
         ax1.plot([r["step"] for r in nt], [r["reward/mean"] for r in nt], label="GRPO without the tool")

@@ -108,8 +108,13 @@ def test_sft_of_a_tool_using_demonstration_has_loss_on_assistant_turns_only(tiny
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     tok.chat_template = TOOLS_TEMPLATE
-    train, test = tool_examples(ToolsDemoPlan(train_prompts=4, test_prompts=2))
-    ex = train[0]
+    train, test = tool_examples(ToolsDemoPlan(train_prompts=20, test_prompts=2))
+    kinds = [len(e.extra_info["response_messages"]) for e in train]
+    assert set(kinds) == {1, 3}  # the teacher calls the tool on some problems and answers others directly
+    direct = train[kinds.index(1)]
+    batch = sft_batch(tok, [direct], load_config(None, [f'--rollout.tools=["{TOOL_SPEC}"]']))
+    assert batch.response_mask[0].sum() == len(tok(direct.ground_truth)["input_ids"]) + 1  # answer + EOS
+    ex = train[kinds.index(3)]
     a, b = (int(x) for x in ex.messages[0]["content"][len("What is ") : -1].split("*"))
     assert ex.ground_truth == str(a * b) and "response_messages" not in test[0].extra_info
     batch = sft_batch(tok, [ex], load_config(None, [f'--rollout.tools=["{TOOL_SPEC}"]']))

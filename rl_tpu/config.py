@@ -118,6 +118,11 @@ class TrainerConfig:
     test_freq: int = F(0, ge=0)  # steps between held-out evaluations (greedy); 0: none
     seed: int = 0
     num_threads: int = F(1, ge=1)  # CPU threads per trainer rank (torch threads; the actor's Ray num_cpus)
+    # before step 1, run the largest batch a step can bring (every row the longest prompt + the whole
+    # response budget) through the log-prob passes and the update's forward and backward, changing
+    # nothing: an out-of-memory shows at once, not at the first long batch, and the trainer's memory stays
+    # flat over a run (rl_tpu/preflight.py)
+    preflight: bool = True
     # interpreter of the trainer's own environment, e.g. ".venv-xla/bin/python" (scripts/setup.sh --role-env
     # xla); empty: the controller's. Same Python minor and Ray version required (rl_tpu.devices.roles)
     python: str = ""

@@ -727,6 +727,27 @@ def test_policy_gradient_equals_independent_reference(group2, cfg, tiny_qwen3):
     assert sum(g.abs().sum() for g in want.values()) > 0
 
 
+def test_preflight_changes_nothing(group2, cfg):
+    """rl_tpu/preflight.py on 2 ranks with a reference and a critic: the largest batch through the
+    log-prob passes and both updates' forward and backward leaves the weights, the gradients and the
+    policy version as they were (no optimizer step, no gradient left behind)."""
+    from rl_tpu.preflight import run_preflight
+
+    b = _batch(seed=2)
+    b = b.replace(old_log_probs=group2.compute_log_probs(b))
+    weights, grads, version = (
+        group2.hf_state_dict(),
+        group2.policy_grads(b, cfg.algorithm),
+        group2.policy_version,
+    )
+    assert run_preflight(cfg, group2, prompt_len=9, vocab_size=512) > 0
+    after = group2.hf_state_dict()
+    assert sorted(after) == sorted(weights) and all(torch.equal(after[k], weights[k]) for k in weights)
+    again = group2.policy_grads(b, cfg.algorithm)
+    assert all(torch.equal(again[k], grads[k]) for k in grads)
+    assert group2.policy_version == version
+
+
 def test_train_step_two_ranks_equals_one_rank(group1, group2, cfg):
     b = _batch()
     b = b.replace(old_log_probs=group2.compute_log_probs(b), values=group2.compute_values(b))

@@ -194,6 +194,11 @@ class TrainerGroup:
         self.policy_version += 1
         return metrics
 
+    def preflight(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> None:
+        """The update's forward and backward over `batch` on every rank, changing nothing (weights,
+        optimizer state, policy version): rl_tpu/preflight.py."""
+        self._call("preflight", self._put(batch), algo_cfg)
+
     def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, with_metrics: bool = False):
         """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step;
         with `with_metrics`, also the loss metrics `train_step` would report: (grads, metrics)."""

@@ -79,6 +79,30 @@ class Updater:
             parallel.reshard(ref)  # the reference may have run inside the actor loss
         return metrics.mean_dicts(stats)
 
+    def preflight(
+        self,
+        batch: TrainBatch,
+        algo: AlgorithmConfig,
+        tc: TrainerConfig,
+        policy: Trained,
+        critic: Trained | None,
+        ref: torch.nn.Module | None,
+    ) -> None:
+        """The update's forward and backward over every row of `batch` as one mini-batch (the policy's,
+        then the critic's), with no optimizer step and the gradients dropped (rl_tpu/preflight.py)."""
+        rows = torch.arange(batch.num_seqs)
+        parts = [(policy, self.policy_loss(algo, tc, policy.model, ref))]
+        if critic is not None and batch.returns is not None:
+            parts.append((critic, self.value_loss(algo, critic.model)))
+        for part, loss_fn in parts:
+            part.model.train()
+            part.optimizer.zero_grad(set_to_none=True)
+            self.accumulate(batch, rows, part.model, loss_fn, tc)
+            self.device.step_end()  # lazy devices: run the program, so its memory is really taken
+            part.optimizer.zero_grad(set_to_none=True)
+        if ref is not None:
+            parallel.reshard(ref)
+
     def policy_grads(
         self, batch: TrainBatch, algo: AlgorithmConfig, tc: TrainerConfig, policy: Trained, ref
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

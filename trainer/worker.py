@@ -156,6 +156,13 @@ class TrainerWorker(SyncSender):
         gradient behind."""
         return self.updater.policy_grads(batch, algo, self.tc, self._trained()["policy"], self.ref)
 
+    def preflight(self, batch: TrainBatch, algo: AlgorithmConfig) -> None:
+        """The update's forward and backward over `batch`, leaving no trace: no optimizer step, gradients
+        dropped, the MoE counters drained (rl_tpu/preflight.py says why)."""
+        trained = self._trained()
+        self.updater.preflight(batch, algo, self.tc, trained["policy"], trained.get("critic"), self.ref)
+        self.builder.moe_stats.read(self.local)
+
     # ------------------------------------------------------------------ checkpoints and export
 
     def save_checkpoint(self, path: str) -> str:

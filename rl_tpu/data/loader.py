@@ -126,12 +126,17 @@ def check_prompt_lengths(
     max_prompt_length: int,
     truncation: str = "error",
     chunk: int = 1024,
-) -> None:
+) -> int:
     """With `truncation="error"`, encode every prompt once (about 60 us each on CPU) so that an over-long
-    one stops the run before it starts, naming the example, instead of at the step that draws it."""
-    if truncation == "error":
-        for i in range(0, len(examples), chunk):  # chunks: the token ids are dropped as we go
-            encode_prompts(tokenizer, examples[i : i + chunk], max_prompt_length, truncation)
+    one stops the run before it starts, naming the example, instead of at the step that draws it.
+    Returns the longest prompt's token count (`max_prompt_length` when prompts are not encoded here)."""
+    if truncation != "error" or not examples:
+        return max_prompt_length
+    longest = 0
+    for i in range(0, len(examples), chunk):  # chunks: the token ids are dropped as we go
+        ids = encode_prompts(tokenizer, examples[i : i + chunk], max_prompt_length, truncation)
+        longest = max(longest, max(map(len, ids), default=0))
+    return longest
 
 
 def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:

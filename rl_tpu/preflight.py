@@ -1,0 +1,78 @@
+"""Preflight: the trainer runs the largest batch a step can bring once, before step 1.
+
+Why: a step's memory follows its longest batch, and RL batches change length every step, so the largest
+may come hundreds of steps into a run. An out-of-memory there costs the run; on CPU each new largest
+batch also raises the trainer's heap high-water mark (glibc keeps memory a step frees for the next one,
+`rl_tpu.devices._init_cpu`), which a long run reads as a slow leak. Run first, the worst case is paid at
+once: an out-of-memory stops the run before step 1, and the trainer's memory stays flat afterwards
+(measured in bench/RESULTS.md, session 31: trainer ranks +0.8 to +1.4 MB per 100 steps over a 1000-step
+soak without it, +0.2 to +0.3 with it).
+
+The batch: `data.batch_size x rollout.n` rows, each the data set's longest prompt followed by the whole
+response budget, with no prompt shared between rows (so packing cannot make it smaller), random token
+ids. It runs the passes a step runs: the pre-update log-probs (and the reference's, the critic's values
+where configured), then the update's forward and backward over every row in its micro-batches. No
+optimizer step is taken and the gradients are dropped (`TrainerWorker.preflight`): weights, optimizer
+state, step counters and metrics are as they were.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rl_tpu.config import Config
+from rl_tpu.types import TrainBatch
+
+
+def response_budget(cfg: Config) -> int:
+    """The most tokens after the prompt that one trained sample can hold: `rollout.max_tokens`, or for
+    multi-turn rollouts the whole trajectory's budget (`rollout.max_total_tokens`)."""
+    rc = cfg.rollout
+    if rc.env or rc.tools:
+        return rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length
+    return rc.max_tokens
+
+
+def largest_batch(
+    rows: int, prompt_len: int, response_len: int, vocab_size: int, seed: int = 0
+) -> TrainBatch:
+    """A TrainBatch of `rows` full-length rows: `prompt_len` prompt tokens, `response_len` response tokens
+    (all in the loss), random ids below `vocab_size`, random advantages (non-zero, so no row is skipped)."""
+    if min(rows, prompt_len, response_len, vocab_size) < 1:
+        raise ValueError(
+            f"preflight batch needs positive sizes, got rows={rows}, prompt_len={prompt_len}, "
+            f"response_len={response_len}, vocab_size={vocab_size}"
+        )
+    g = torch.Generator().manual_seed(seed)
+    length = prompt_len + response_len
+    zeros = torch.zeros(rows, response_len)
+    log_probs = torch.full((rows, response_len), -1.0)
+    return TrainBatch(
+        input_ids=torch.randint(0, vocab_size, (rows, length), generator=g),
+        attention_mask=torch.ones(rows, length, dtype=torch.long),
+        prompt_lens=torch.full((rows,), prompt_len, dtype=torch.long),
+        response_mask=torch.ones(rows, response_len),
+        old_log_probs=log_probs,
+        rollout_log_probs=log_probs.clone(),
+        policy_versions=zeros.clone(),
+        advantages=torch.randn(rows, response_len, generator=g).add_(0.5),
+        returns=zeros.clone(),
+        values=zeros.clone(),
+    )
+
+
+def run_preflight(cfg: Config, trainer: Any, prompt_len: int, vocab_size: int) -> float:
+    """Run the largest batch through `trainer` (a TrainerGroup) as a step would, changing nothing;
+    returns the seconds it took. An out-of-memory surfaces here as the trainer's error."""
+    t0 = time.perf_counter()
+    batch = largest_batch(cfg.data.batch_size * cfg.rollout.n, prompt_len, response_budget(cfg), vocab_size)
+    trainer.compute_log_probs(batch)
+    if cfg.trainer.reference:
+        trainer.compute_ref_log_probs(batch)
+    if cfg.trainer.critic:
+        trainer.compute_values(batch)
+    trainer.preflight(batch, cfg.algorithm)
+    return time.perf_counter() - t0

@@ -79,10 +79,6 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     cfg.logging.verbose = args.verbose = cfg.logging.verbose or args.verbose
-    if cfg.checkpoint.resume:  # before Ray: a checkpoint of another model fails once every actor started
-        from rl_tpu.checkpoint import check_resume_model
-
-        check_resume_model(cfg)
     out = train(cfg)
     final = out["final"]
     shown = {

@@ -48,7 +48,7 @@ from rl_tpu.algorithms import (
     overlong_penalty,
 )
 from rl_tpu.batching import RolloutBatch, build_rollout_batch, staleness_metrics
-from rl_tpu.checkpoint import load_state, resolve_resume, save_checkpoint
+from rl_tpu.checkpoint import check_resume_model, load_state, resolve_resume, save_checkpoint
 from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
@@ -242,6 +242,8 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
     # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops at once
+    if resume is not None:  # a checkpoint of another model would fail once every actor has started
+        check_resume_model(cfg)
     train_set, test_set = build_datasets(cfg.data)
     if cfg.data.test_files and not cfg.trainer.test_freq:
         log.warning(

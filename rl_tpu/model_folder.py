@@ -116,11 +116,23 @@ def load_tokenizer(path: str | Path, *, chat_template: bool = False, key: str = 
 
 def ensure_model(cfg: Config, run_dir: Path) -> str:
     """`model.path` (checked: a folder the trainer can build, with a tokenizer), or a tiny model built
-    (once) into the run folder."""
+    (once) into the run folder, built again when `model.arch`/`size`/`seed` changed since (a resumed
+    checkpoint of the other model is then refused by `check_resume_model`)."""
     if cfg.model.path:
         check_model_folder(cfg.model.path, trainer=True)
         return cfg.model.path
     out = run_dir / "model"
+    want = {"arch": cfg.model.arch, "size": cfg.model.size, "seed": cfg.model.seed}
+    made = out / "rl_tpu_tiny.json"
+    if (out / "model.safetensors").is_file() and made.is_file():
+        have = json.loads(made.read_text())
+        if {k: have.get(k) for k in want} != want:  # the run folder was used with another tiny model
+            logging.getLogger("rl_tpu").warning(
+                "%s holds a tiny model of %s, configured %s: building the configured one", out, have, want
+            )
+            import shutil
+
+            shutil.rmtree(out)
     if not (out / "model.safetensors").is_file():
         from rl_tpu.tiny_model import make_tiny_model
 

@@ -281,6 +281,13 @@ def test_resume_from_a_checkpoint_of_another_model_size_is_named_before_ray(
     import ray
 
     assert not ray.is_initialized()
+    # the Python API refuses it before Ray too (rl_tpu.loop.train checks what the CLI runs)
+    from rl_tpu.checkpoint import CheckpointError
+    from rl_tpu.loop import train
+
+    with pytest.raises(CheckpointError, match="was written for another model"):
+        train(load_config(None, [*args, f"--model.path={mini}", "--checkpoint.resume=auto"]))
+    assert not ray.is_initialized()
     # the model it was written with passes the check
     check_resume_model(load_config(None, [*args, f"--model.path={tiny_qwen3}", "--checkpoint.resume=auto"]))
 

@@ -99,3 +99,21 @@ def test_vllm_and_transformers_agree_greedy(arch, tmp_path):
         ]
         assert list(o.outputs[0].token_ids) == ref.tolist()
         assert len(ref) == 12
+
+
+def test_run_folders_tiny_model_is_built_again_when_its_size_changes(tmp_path):
+    """`ensure_model` reused RUN_DIR/model whatever `model.size` asked for: a run configured `mini` in a
+    folder a `tiny` run had used trained the tiny model, silently."""
+    from rl_tpu.config import load_config
+    from rl_tpu.model_folder import ensure_model
+
+    def hidden(path: str) -> int:
+        return json.loads((Path(path) / "config.json").read_text())["hidden_size"]
+
+    tiny = ensure_model(load_config(None, ["--model.size=tiny"]), tmp_path)
+    first = (Path(tiny) / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(load_config(None, ["--model.size=tiny"]), tmp_path) == tiny  # reused as it is
+    assert (Path(tiny) / "model.safetensors").stat().st_mtime_ns == first
+    mini = ensure_model(load_config(None, ["--model.size=mini"]), tmp_path)
+    assert mini == tiny and hidden(mini) > 128
+    assert json.loads((Path(mini) / "rl_tpu_tiny.json").read_text())["size"] == "mini"

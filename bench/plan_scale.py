@@ -5,7 +5,7 @@ and 64 ranks (MoE also with expert parallelism 8: the experts `Shard(0)` over `e
 `_StridedShard(0)` over the other `efsdp` ranks, as TorchTitan lays them out) into one engine of TP 1, 4
 and 8, this builds the plan the way `WeightSync.build` does on the driver:
 TorchTitan's own state-dict adapter probed for the row map (`names.hf_row_map`; the MoE expert split is
-written out here, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and every receiver's tables.
+written out in `rl_tpu/plan_shapes.py`, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and every receiver's tables.
 No weights are allocated. Engine layouts are synthetic: row-run tables written from vLLM's sharding
 conventions (`synthetic_layouts`: fused qkv / gate_up narrowed by rows, o/down narrowed by columns, KV
 heads replicated when TP exceeds them, vocab padded to 64 per rank, FusedMoE w13/w2) — the same tables a
@@ -33,68 +33,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
+from rl_tpu.plan_shapes import (
+    PUBLISHED,
+    model_shape,
+    synthetic_layouts,
+    titan_shapes,
+    to_hf_for,
+    trainer_spec,
+)
+
+# the published config.json values (rl_tpu.plan_shapes.PUBLISHED) under this bench's short names
 MODELS = {
-    "qwen3-8b": dict(
-        arch="qwen3",
-        hidden=4096,
-        layers=36,
-        heads=32,
-        kv=8,
-        head_dim=128,
-        inter=12288,
-        vocab=151936,
-        tie=False,
-    ),
-    "qwen3-32b": dict(
-        arch="qwen3",
-        hidden=5120,
-        layers=64,
-        heads=64,
-        kv=8,
-        head_dim=128,
-        inter=25600,
-        vocab=151936,
-        tie=False,
-    ),
-    "llama3-70b": dict(
-        arch="llama",
-        hidden=8192,
-        layers=80,
-        heads=64,
-        kv=8,
-        head_dim=128,
-        inter=28672,
-        vocab=128256,
-        tie=False,
-    ),
-    "qwen3-30b-a3b": dict(
-        arch="qwen3",
-        hidden=2048,
-        layers=48,
-        heads=32,
-        kv=4,
-        head_dim=128,
-        inter=6144,
-        vocab=151936,
-        tie=False,
-        experts=128,
-        moe_inter=768,
-    ),
-    "qwen3-235b-a22b": dict(
-        arch="qwen3",
-        hidden=4096,
-        layers=94,
-        heads=64,
-        kv=4,
-        head_dim=128,
-        inter=12288,
-        vocab=151936,
-        tie=False,
-        experts=128,
-        moe_inter=1536,
-    ),
+    name: model_shape(PUBLISHED[hub_id])
+    for name, hub_id in (
+        ("qwen3-8b", "Qwen/Qwen3-8B"),
+        ("qwen3-32b", "Qwen/Qwen3-32B"),
+        ("llama3-70b", "meta-llama/Meta-Llama-3-70B"),
+        ("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"),
+        ("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B"),
+    )
 }
 FSDP = (8, 64)
 TP = (1, 4, 8)
@@ -109,184 +67,7 @@ def rss_peak_mib() -> float:
     return 0.0
 
 
-# ---------------------------------------------------------------------------------------------- trainer side
-
-
-def titan_shapes(m: dict) -> dict[str, tuple[int, ...]]:
-    """TorchTitan parameter names and shapes (names from the adapters' tables)."""
-    D, hd, L = m["hidden"], m["head_dim"], m["layers"]
-    out = {"tok_embeddings.weight": (m["vocab"], D)}
-    for i in range(L):
-        p = f"layers.{i}."
-        out[p + "attention.qkv_linear.wq.weight"] = (m["heads"] * hd, D)
-        out[p + "attention.qkv_linear.wk.weight"] = (m["kv"] * hd, D)
-        out[p + "attention.qkv_linear.wv.weight"] = (m["kv"] * hd, D)
-        out[p + "attention.wo.weight"] = (D, m["heads"] * hd)
-        if m["arch"] == "qwen3":
-            out[p + "attention.q_norm.weight"] = (hd,)
-            out[p + "attention.k_norm.weight"] = (hd,)
-        out[p + "attention_norm.weight"] = (D,)
-        out[p + "ffn_norm.weight"] = (D,)
-        if "experts" in m:
-            E, F = m["experts"], m["moe_inter"]
-            out[p + "moe.router.gate.weight"] = (E, D)
-            out[p + "moe.routed_experts.inner_experts.w1_EFD"] = (E, F, D)
-            out[p + "moe.routed_experts.inner_experts.w3_EFD"] = (E, F, D)
-            out[p + "moe.routed_experts.inner_experts.w2_EDF"] = (E, D, F)
-        else:
-            out[p + "feed_forward.w1.weight"] = (m["inter"], D)
-            out[p + "feed_forward.w3.weight"] = (m["inter"], D)
-            out[p + "feed_forward.w2.weight"] = (D, m["inter"])
-    out["norm.weight"] = (D,)
-    if not m["tie"]:
-        out["lm_head.weight"] = (m["vocab"], D)
-    return out
-
-
-def to_hf_for(m: dict):
-    """TorchTitan's own adapter's `to_hf` (dense Qwen3, Llama 3); for MoE its expert split written out."""
-    if m["arch"] == "llama":
-        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-
-        attn = SimpleNamespace(n_heads=m["heads"], n_kv_heads=m["kv"], head_dim=m["head_dim"])
-        cfg = SimpleNamespace(
-            layers=[SimpleNamespace(attention=attn)], dim=m["hidden"], enable_weight_tying=m["tie"]
-        )
-        return Llama3StateDictAdapter(cfg, None).to_hf
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-
-    adapter = Qwen3StateDictAdapter(SimpleNamespace(enable_weight_tying=m["tie"], layers=[]), None)
-    if "experts" not in m:
-        return adapter.to_hf
-    hf_of = {"w1_EFD": "gate_proj", "w3_EFD": "up_proj", "w2_EDF": "down_proj"}
-
-    def to_hf(sd):  # Qwen3StateDictAdapter splits grouped experts [E, ...] into one HF tensor per expert
-        out = {}
-        for k, v in sd.items():
-            if "inner_experts" in k:
-                layer = k.split(".")[1]
-                for e in range(v.shape[0]):
-                    out[f"model.layers.{layer}.mlp.experts.{e}.{hf_of[k.rsplit('.', 1)[1]]}.weight"] = v[e]
-            else:
-                out.update(adapter.to_hf({k: v}))
-        return out
-
-    return to_hf
-
-
-# ---------------------------------------------------------------------------------------------- engine side
-
-
-def synthetic_layouts(m: dict, hf_order: list, tp: int) -> list:
-    """vLLM's loaded layout of every TP rank as row-run tables (`rows.ENGINE_COLS`), written from its
-    sharding conventions (see module docstring) without touching elements."""
-    import numpy as np
-
-    from rl_tpu.weight_sync.engine_layout import EngineLayout
-
-    idx = {n: i for i, (n, _) in enumerate(hf_order)}
-    D, hd, V = m["hidden"], m["head_dim"], m["vocab"]
-    out = []
-    for r in range(tp):
-        runs, shapes = {}, {}
-
-        def add(name, shape, rows):  # rows: (dst_row, dst_col, nrows, ncols, hf name, hf_row, hf_col)
-            runs[name] = np.array(  # noqa: B023 - called within this iteration
-                [(a, b, c, d, idx[h], e, f) for a, b, c, d, h, e, f in rows], dtype=np.int64
-            )
-            shapes[name] = shape  # noqa: B023
-
-        per = math.ceil(math.ceil(V / 64) * 64 / tp)  # vocab padded to 64, then split evenly
-        lo, hi = r * per, min((r + 1) * per, V)
-        add("model.embed_tokens.weight", (per, D), [(0, 0, hi - lo, D, "model.embed_tokens.weight", lo, 0)])
-        if not m["tie"]:
-            add("lm_head.weight", (per, D), [(0, 0, hi - lo, D, "lm_head.weight", lo, 0)])
-        add("model.norm.weight", (D,), [(0, 0, D, 1, "model.norm.weight", 0, 0)])
-        q = m["heads"] // tp * hd
-        kv_heads = max(m["kv"] // tp, 1)
-        kv_head = r * m["kv"] // tp  # first KV head of this rank; ranks share heads when kv < tp
-        k = kv_heads * hd
-        for i in range(m["layers"]):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            add(
-                a + "qkv_proj.weight",
-                (q + 2 * k, D),
-                [
-                    (0, 0, q, D, a + "q_proj.weight", r * q, 0),
-                    (q, 0, k, D, a + "k_proj.weight", kv_head * hd, 0),
-                    (q + k, 0, k, D, a + "v_proj.weight", kv_head * hd, 0),
-                ],
-            )
-            add(a + "o_proj.weight", (D, q), [(0, 0, D, q, a + "o_proj.weight", 0, r * q)])
-            if m["arch"] == "qwen3":
-                add(a + "q_norm.weight", (hd,), [(0, 0, hd, 1, a + "q_norm.weight", 0, 0)])
-                add(a + "k_norm.weight", (hd,), [(0, 0, hd, 1, a + "k_norm.weight", 0, 0)])
-            add(p + "input_layernorm.weight", (D,), [(0, 0, D, 1, p + "input_layernorm.weight", 0, 0)])
-            add(
-                p + "post_attention_layernorm.weight",
-                (D,),
-                [(0, 0, D, 1, p + "post_attention_layernorm.weight", 0, 0)],
-            )
-            if "experts" in m:
-                E, F = m["experts"], m["moe_inter"] // tp
-                add(p + "mlp.gate.weight", (E, D), [(0, 0, E, D, p + "mlp.gate.weight", 0, 0)])
-                e = p + "mlp.experts."
-                w13 = [
-                    x
-                    for j in range(E)
-                    for x in (
-                        (j * 2 * F, 0, F, D, f"{e}{j}.gate_proj.weight", r * F, 0),
-                        (j * 2 * F + F, 0, F, D, f"{e}{j}.up_proj.weight", r * F, 0),
-                    )
-                ]
-                add(p + "mlp.experts.w13_weight", (E, 2 * F, D), w13)
-                add(
-                    p + "mlp.experts.w2_weight",
-                    (E, D, F),
-                    [(j * D, 0, D, F, f"{e}{j}.down_proj.weight", 0, r * F) for j in range(E)],
-                )
-            else:
-                f = m["inter"] // tp
-                add(
-                    p + "mlp.gate_up_proj.weight",
-                    (2 * f, D),
-                    [
-                        (0, 0, f, D, p + "mlp.gate_proj.weight", r * f, 0),
-                        (f, 0, f, D, p + "mlp.up_proj.weight", r * f, 0),
-                    ],
-                )
-                add(p + "mlp.down_proj.weight", (D, f), [(0, 0, D, f, p + "mlp.down_proj.weight", 0, r * f)])
-        out.append(((0, r), EngineLayout(tp_rank=r, tp_size=tp, dtype="bfloat16", shapes=shapes, runs=runs)))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- one case
-
-
-def trainer_spec(name: str, shape: tuple[int, ...], fsdp: int, ep: int):
-    """The ParamSpec a trainer rank reports: FSDP2 `Shard(0)` over all ranks, or, for an expert tensor
-    under expert parallelism, TorchTitan's sparse mesh (`efsdp` x `ep`, row-major over the ranks)."""
-    from rl_tpu.weight_sync.specs import ParamSpec
-
-    if ep > 1 and "inner_experts" in name:
-        return ParamSpec(
-            name=name,
-            shape=shape,
-            dtype="bfloat16",
-            mesh_shape=(fsdp // ep, ep),
-            mesh_dim_names=("efsdp", "ep"),
-            placements=(f"_S(0, {ep})", "S(0)"),
-            mesh_ranks=tuple(range(fsdp)),
-        )
-    return ParamSpec(
-        name=name,
-        shape=shape,
-        dtype="bfloat16",
-        mesh_shape=(fsdp,),
-        mesh_dim_names=("fsdp",),
-        placements=("Shard(dim=0)",),
-    )
 
 
 def run_case(model: str, fsdp: int, tp: int, ep: int = 1) -> dict:

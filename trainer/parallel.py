@@ -18,6 +18,14 @@ Invariants:
   so `fully_shard` raises "DeviceMesh process groups not initialized!") train on ONE rank with plain,
   unsharded parameters: `make_parallel_dims` returns None and `build_parallel_model` skips the
   parallelize function. Compute is in the parameters' dtype (fp32): there is no FSDP mixed precision.
+- `trainer.fsdp = "simple"`: TorchTitan's SimpleFSDP (experiments/graph_trainer/simple_fsdp.py) instead
+  of FSDP2. Every parameter is again a DTensor `Shard(0)` on the `fsdp` mesh dimension (what
+  `named_parameters()`, the optimizer, checkpoints and weight sync see), but no module is an
+  `FSDPModule`: a parametrization all-gathers each parameter when a forward reads it (a DTensor
+  redistribute, so a compiled block traces the collective into its program) and its backward
+  reduce-scatters the gradient with a SUM (`Partial("sum")`), per micro-batch; `trainer.fsdp_step`
+  does not apply. Dense models without TP/EP only (TorchTitan's parallelize function is skipped: at
+  TP = EP = 1 all it does is FSDP2, compile and AC, which the trainer applies itself).
 - TorchTitan 0.3.0 facts (docs/decisions.md, stack facts): `ParallelDims` builds meshes on
   `tools.utils.device_type`, which is "cuda" on a CPU-only host, so it is pointed at the devices-table
   device; the `partial_dtensor` SPMD backend is the one that works on gloo.
@@ -106,6 +114,7 @@ def build_parallel_model(
     reshard_after_forward: str = "default",
     extra_modules: dict | None = None,
     drop_lm_head: bool = False,
+    fsdp: str = "fsdp2",
 ) -> torch.nn.Module:
     """Build `spec.config` on meta, parallelize with TorchTitan's fn, materialise on the local device.
 
@@ -126,13 +135,47 @@ def build_parallel_model(
                 f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
                 "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')"
             )
-    else:
+    elif fsdp == "simple":
+        model = _simple_fsdp(model, pdims, param_dtype, reduce_dtype)
+    elif fsdp == "fsdp2":
         model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype, reshard_after_forward)
+    else:
+        raise ValueError(f"trainer.fsdp = {fsdp!r}: expected 'fsdp2' or 'simple'")
     local = device.local_device()
     model.to_empty(device=local)
-    with torch.no_grad():
+    with torch.no_grad(), _parametrization_off(model):
         model.init_weights(buffer_device=local)
     return model
+
+
+def _simple_fsdp(model, pdims, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
+    """TorchTitan's `apply_simple_fsdp` (graph_trainer/common_utils.py) on the built model (module docstring)."""
+    from torchtitan.config import TrainingConfig
+    from torchtitan.experiments.graph_trainer.common_utils import apply_simple_fsdp
+
+    if pdims.tp != 1 or pdims.ep != 1:
+        raise ValueError(
+            f"trainer.fsdp = 'simple' shards dense models over data parallelism only (TP {pdims.tp}, "
+            f"EP {pdims.ep}): use trainer.fsdp = 'fsdp2'"
+        )
+    training = TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype)
+    return apply_simple_fsdp(model, parallel_dims=pdims, training=training)
+
+
+def uses_simple_fsdp(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__.startswith("SimpleFSDP") for m in model.modules())
+
+
+def _parametrization_off(model: torch.nn.Module):
+    """SimpleFSDP's parameters read as their DTensor shards (no all-gather) inside this context, so
+    `init_weights` writes the shards in place; a no-op context for other models."""
+    import contextlib
+
+    if not uses_simple_fsdp(model):
+        return contextlib.nullcontext()
+    from torchtitan.experiments.graph_trainer.simple_fsdp import disable_active_parametrization
+
+    return disable_active_parametrization()
 
 
 def expert_parallel_config(spec, ep: int):

@@ -1,7 +1,7 @@
 """`rl-tpu` command line. Each subcommand imports what it needs only when it runs, so `--help` and
 config errors answer in well under a second.
 
-Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo, doctor.
+Subcommands: make-tiny-model, config show, generate, train, sft, plot, demo, estimate, doctor.
 A mistake in the user's input (`rl_tpu.errors.UserError`: config, data file, reward spec, model folder,
 a damaged `--resume` checkpoint or one of another model size) exits with status 2 and one line naming the
 culprit; `--verbose` adds the traceback. Anything else is our bug and keeps its traceback.
@@ -134,6 +134,13 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
+    from rl_tpu.estimate import run
+
+    run(args.config, _split_overrides(extra), args.hardware, args.bandwidth_gbps)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rl-tpu", description="RL post-training: TorchTitan trainer, vLLM rollouts, Ray."
@@ -187,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
     s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser(
+        "estimate", help="per-device memory, weight-sync bytes and time of a recipe, and whether it fits"
+    )
+    s.add_argument("config", nargs="?", type=Path, help="recipe TOML (examples/recipes/)")
+    s.add_argument("--hardware", help="v5p, v6e, h100 or host (default: from the recipe's file name)")
+    s.add_argument("--bandwidth-gbps", type=float, default=10.0, help="GB/s per sync link (default 10)")
+    s.set_defaults(fn=cmd_estimate)
 
     s = sub.add_parser("doctor", help="which device rows and role environments are usable here, and why not")
     s.add_argument(

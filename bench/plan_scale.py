@@ -5,7 +5,8 @@ and 64 ranks (MoE also with expert parallelism 8: the experts `Shard(0)` over `e
 `_StridedShard(0)` over the other `efsdp` ranks, as TorchTitan lays them out) into one engine of TP 1, 4
 and 8, this builds the plan the way `WeightSync.build` does on the driver:
 TorchTitan's own state-dict adapter probed for the row map (`names.hf_row_map`; the MoE expert split is
-written out in `rl_tpu/plan_shapes.py`, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and every receiver's tables.
+written out in `rl_tpu/plan_shapes.py`, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and
+every receiver's tables.
 No weights are allocated. Engine layouts are synthetic: row-run tables written from vLLM's sharding
 conventions (`synthetic_layouts`: fused qkv / gate_up narrowed by rows, o/down narrowed by columns, KV
 heads replicated when TP exceeds them, vocab padded to 64 per rank, FusedMoE w13/w2) — the same tables a

@@ -342,16 +342,21 @@ def estimate(
     }
 
 
+def _size(b: float) -> str:
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
+
+
 def format_table(est: dict) -> str:
     """The human table `rl-tpu estimate` prints before its JSON line."""
-    g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
     t, e, s = est["trainer"], est["engine"], est["sync"]
+    unit, scale = ("GiB", GIB) if t["total"] >= GIB else ("MiB", 2**20)
+    g = lambda b: f"{b / scale:9.2f}"  # noqa: E731
     lines = [
         f"model {est['model']}: {est['params'] / 1e9:.3g} B parameters (shapes: {est['shapes_from']})",
         f"hardware {est['hardware']} ({est['device_bytes'] / GIB:.0f} GiB per device), {est['placement']}, "
         f"{est['devices']} devices: trainer {est['world_size']} ranks (EP {est['expert_parallel']}), "
         f"engines of TP {e['tp']}",
-        f"{'per device':<44}{'GiB':>9}",
+        f"{'per device':<44}{unit:>9}",
         f"trainer rank {t['rank']}: parameters (fp32 shards)".ljust(44) + g(t["params"]),
         "  gradients (fp32 shards)".ljust(44) + g(t["grads"]),
         "  AdamW exp_avg + exp_avg_sq + step".ljust(44) + g(t["optimizer"]),
@@ -370,9 +375,9 @@ def format_table(est: dict) -> str:
         "engine TP rank: weights".ljust(44) + g(e["weights"]),
         f"  KV cache ({e['kv_tokens']} tokens, {e['kv_seqs']} x max_model_len)".ljust(44) + g(e["kv_cache"]),
         "  engine total".ljust(44) + g(e["total"]),
-        f"sync: {s['bytes'] / 1e9:.2f} GB in {s['buckets']} buckets per sync, "
-        f"{s['seconds']:.2f} s at {s['bandwidth_gbps']:g} GB/s per link (busiest link "
-        f"{s['busiest_link_bytes'] / 1e9:.2f} GB)",
+        f"sync: {_size(s['bytes'])} in {s['buckets']} buckets per sync, "
+        f"{s['seconds']:.3g} s at {s['bandwidth_gbps']:g} GB/s per link (busiest link "
+        f"{_size(s['busiest_link_bytes'])})",
         f"fits {est['hardware']}: " + ("yes" if est["fits"] else f"NO ({est['why_not']})"),
     ]
     return "\n".join(lines)

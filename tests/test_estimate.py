@@ -146,6 +146,16 @@ def test_estimate_runs_on_every_recipe(recipe):
         assert est["hardware"] in ("v5p", "v6e", "h100"), "a recipe names its hardware in its file name"
 
 
+def test_shapes_come_from_a_local_folders_config_json(tiny_qwen3):
+    from rl_tpu.estimate import estimate
+
+    built_in = estimate(load_config(TINY))
+    local = estimate(load_config(TINY, [f"--model.path={tiny_qwen3}"]))
+    assert local["shapes_from"] == str(Path(tiny_qwen3) / "config.json")
+    assert local["params"] == built_in["params"] == 525056  # the tiny Qwen3's 0.5 M parameters
+    assert local["trainer"] == built_in["trainer"]
+
+
 def test_cli_estimate_prints_a_table_and_one_json_line_and_refuses_bad_input(tmp_path):
     cmd = [sys.executable, "-m", "rl_tpu.cli", "estimate"]
     out = subprocess.run([*cmd, str(TINY), "--bandwidth-gbps=5"], capture_output=True, text=True)

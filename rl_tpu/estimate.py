@@ -23,7 +23,7 @@ What is counted, per device (bytes; GiB = 2**30):
   v, and wo's input; the SwiGLU intermediates (4 x intermediate; MoE: each token's top_k experts'
   4 x moe_intermediate and its routed copy in and out, the router's fp32 scores); FlashAttention-style
   SDPA (no T x T matrix); plus the final norm and the log-prob head's input over the response tokens.
-  Llama 3's attention (no q/k norm) is counted as q, k after RoPE, v, output and wo's copy, unmeasured.
+  Llama 3's attention (no q/k norm) is counted as q, k after RoPE, v, output and wo's copy.
   Shared prompts (`trainer.share_prompts`) only shorten rows, so this is an upper bound for them.
   tests/test_estimate.py compares it with the saved bytes of the tiny model's real forward.
 - Engine TP rank: weights in the engine dtype from vLLM's layout per rank (`plan_shapes.synthetic_layouts`:
@@ -103,7 +103,7 @@ def _activation_elems(m: dict) -> tuple[int, int]:
     if m["arch"] == "qwen3":  # q, k through their fp32 norms: projection out, x * rstd, after RoPE; v; and
         fp32 += 4 * q + 4 * kv + m["heads"] + m["kv"]  # the attention output, wo's copy in compute dtype
         compute += q
-    else:  # Llama 3 (not measured): q, k after RoPE, v, the attention output and wo's copy
+    else:  # Llama 3: q, k after RoPE, v, the attention output and wo's copy
         compute += 3 * q + 2 * kv
     if "experts" in m:  # per token: top_k routed copies in and out, 4 x moe width each; fp32 router scores
         k = m["top_k"]

@@ -11,14 +11,20 @@ from rl_tpu.config import ConfigError, load_config
 
 ENV = """
 class Again:
-    '''Answers each assistant turn with a user message; after the third turn rewards the turns' length.'''
+    '''Answers each assistant turn with a user message; after the third turn rewards the turns' length.
+    Every fourth trajectory's environment raises after its first turn (an environment's own bug).'''
+
+    made = 0
 
     def reset(self, sample):
-        self.turns = 0
+        self.turns, self.index = 0, Again.made
+        Again.made += 1
         return list(sample["messages"])
 
     async def step(self, messages):
         self.turns += 1
+        if self.turns == 1 and self.index % 4 == 0:
+            raise RuntimeError("the environment's own bug")
         if self.turns >= 3:
             return [], sum(len(m["content"]) for m in messages if m["role"] == "assistant") / 100.0, True
         return [{"role": "user", "content": f"Try again ({self.turns})."}], None, False
@@ -91,6 +97,8 @@ def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
         (r["mismatch/kl"], r["mismatch/max_abs_logprob_diff"]) for r in rows
     ]
     assert max(r["rollout/turns_mean"] for r in rows) > 1, [r["rollout/turns_mean"] for r in rows]
+    # an environment that raised ended its trajectory (reward 0), counted; the step still trained on all 4
+    assert all(r["rollout/env_errors"] >= 1 for r in rows), [r.get("rollout/env_errors") for r in rows]
     assert all("rollout/retokenize_drift" in r and "rollout/env_reward_frac" in r for r in rows)
     inserted = 0
     for b in trained:

@@ -4,7 +4,9 @@ Invariants: rows are ordered prompt-major (all samples of prompt 0, then prompt 
 is the prompt's position in the step, so advantage estimators group a prompt's samples; a sequence's
 scalar score sits on its last response token (`token_level_scores`), as verl places it. Every response
 token carries the policy version that sampled it (`TrainBatch.policy_versions`) beside its behaviour
-log-prob (`rollout_log_probs`): a partial rollout's row mixes versions.
+log-prob (`rollout_log_probs`): a partial rollout's row mixes versions. An MoE model's engine experts
+(`Completion.routed_experts`) become `TrainBatch.routed_experts`, laid out like `input_ids`, where every
+completion has them for its whole sequence.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
     if any(c.loss_mask for c in flat):  # multi-turn: inserted tokens carry no loss
         per_token["response_mask"] = [list(c.loss_mask) or [1] * len(c.response_ids) for c in flat]
     batch = TrainBatch.from_sequences([c.prompt_ids for c in flat], responses, pad_id, **per_token)
+    batch = batch.replace(routed_experts=routed_experts(flat, batch.input_ids.shape[1]))
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
     score_t = torch.tensor(scores, dtype=torch.float32)
     token_scores = torch.zeros_like(batch.response_mask)
@@ -60,6 +63,24 @@ def build_rollout_batch(groups: list[list[Completion]], scores: list[float], pad
         response_lengths=lengths,
         policy_versions=versions,
     )
+
+
+def routed_experts(flat: list[Completion], L: int) -> torch.Tensor | None:
+    """`[B, L, layers, k]` int16 from each completion's `routed_experts` (`[prompt + response - 1, layers,
+    k]`), zero-padded (0 = no record); None unless every completion carries them for its whole sequence
+    (a dense model; completions stitched from several engine calls, as partial rollouts are)."""
+    recs = [c.routed_experts for c in flat]
+    if any(
+        r is None or r.shape[0] != len(c.prompt_ids) + len(c.response_ids) - 1 for r, c in zip(recs, flat)
+    ):
+        return None
+    if len({tuple(r.shape[1:]) for r in recs}) != 1:
+        shapes = sorted({tuple(r.shape[1:]) for r in recs})
+        raise ValueError(f"completions carry routed experts of different shapes: {shapes}")
+    out = torch.zeros(len(recs), L, *recs[0].shape[1:], dtype=torch.int16)
+    for i, r in enumerate(recs):
+        out[i, : r.shape[0]] = r
+    return out
 
 
 def staleness_metrics(batch: TrainBatch, trainer_version: int) -> dict[str, float]:

@@ -185,6 +185,12 @@ class RolloutConfig:
     tools: list[str] = F([])
     tool_timeout_s: float = F(10.0, gt=0)
     tool_workers: int = F(2, ge=1)
+    # MoE models (docs/moe.md): the trainer's routers take the experts the engine routed each token to
+    # (routing replay, "R3"; the router's probabilities of those experts still carry the gradient), so
+    # training and sampling use the same experts and the router's drift between the two cannot blow up the
+    # importance ratios. Each sample then computes its whole prompt (no prefix-cache reads). Dense models
+    # refuse it; `moe/router_agreement` is reported with or without it
+    routing_replay: bool = False
 
 
 @dataclass(kw_only=True)

@@ -259,6 +259,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # built, come while Ray starts: a failure there stops Ray again and is reported.
     if cfg.model.path:
         check_model_folder(cfg.model.path, trainer=True)
+    from rl_tpu.trainer.model import check_routing_replay
+
+    check_routing_replay(cfg)  # an MoE model, one engine call per completion (#43)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     if roles is not None:

@@ -28,6 +28,10 @@ class Completion:
     # (an environment's or tool's messages, rl_tpu/multi_turn.py); [] = every token sampled
     loss_mask: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # engine-specific details (worker id, timings)
+    # MoE models: the experts the engine routed each position to, `[len(prompt_ids) + len(response_ids) - 1,
+    # moe_layers, top_k]` int16 holding expert id + 1, 0 where the engine ran no forward of this request
+    # (a prefix-cache hit; the last sampled token is never run); None for dense models (#43)
+    routed_experts: torch.Tensor | None = None
 
     def versions(self) -> list[int]:
         """The policy version of each response token."""
@@ -56,6 +60,9 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] critic targets (GAE)
     values: torch.Tensor | None = None  # [B, T] critic values before the update
+    # [B, L, moe_layers, top_k] int16, indexed like input_ids (not by response token): the engine's experts
+    # at each position, expert id + 1, 0 = no record (padding included); MoE models only (routing replay, #43)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +94,8 @@ class TrainBatch:
                 out[k] = F.pad(v, (0, L - v.shape[1]), value=pad_id)
             elif k == "attention_mask":
                 out[k] = F.pad(v, (0, L - v.shape[1]))
+            elif k == "routed_experts":  # [B, L, layers, k]: 0 = no record
+                out[k] = F.pad(v, (0, 0, 0, 0, 0, L - v.shape[1]))
             elif k == "prompt_lens":
                 out[k] = v
             else:  # [B, T] per-token fields

@@ -11,6 +11,10 @@ Invariants:
   reproducible for the same sequence of calls on the same engine count; greedy decoding is reproducible
   everywhere. Engines with per-request seeds get `seed = f(rollout.seed, call index, prompt index)`, which
   does not depend on which engine a prompt lands on, so sampled outputs match across engine counts there.
+- MoE models: each completion carries the experts the engine routed its tokens to (`routed_experts`,
+  recorded by `worker_extension.RoutingCapture`). With `rollout.routing_replay` every request computes
+  its whole prompt itself (`skip_reading_prefix_cache`), so every position the trainer replays has a
+  record; otherwise prompt positions served from the prefix cache have none (the sampled tokens always do).
 """
 
 from __future__ import annotations
@@ -177,6 +181,8 @@ def sampling_params(
         values["seed"] = seed
     # vLLM turns each new token into text as it goes (and each log-prob's token too): stop strings need
     # that, nothing else does; without them `to_completions` decodes the finished responses in one batch
+    if rc.routing_replay:  # a prefix-cache hit would leave the prompt's experts unrecorded (module doc)
+        values["skip_reading_prefix_cache"] = True
     return SamplingParams(
         logprobs=0 if rc.calculate_log_probs else None, detokenize=bool(values["stop"]), **values
     )
@@ -212,9 +218,13 @@ def to_completions(
     policy_version: int,
     worker: int = 0,
     tokenizer: Any = None,
+    routing: dict | None = None,
 ) -> list[list[Completion]]:
     """vLLM `RequestOutput`s (one per prompt) -> per prompt, its samples ordered by sample index. With
-    `tokenizer`, outputs vLLM did not detokenize (no text, see `sampling_params`) get `response_texts`."""
+    `tokenizer`, outputs vLLM did not detokenize (no text, see `sampling_params`) get `response_texts`.
+    `routing`: what `rl_routing_take` returned for these outputs (engine request id -> experts, tokens),
+    attached to each completion as `routed_experts` (`routed_experts_of`)."""
+    by_sample = _routing_by_sample(routing)
     result = []
     for out, p in zip(outputs, prompt_indices, strict=True):
         group = []
@@ -241,10 +251,45 @@ def to_completions(
                     policy_version=policy_version,
                     token_versions=[policy_version] * len(ids),
                     extra={"worker": worker, "stop_reason": o.stop_reason},
+                    routed_experts=routed_experts_of(
+                        by_sample.get((out.request_id, o.index)), list(out.prompt_token_ids) + ids
+                    )
+                    if routing is not None
+                    else None,
                 )
             )
         result.append(group)
     return result
+
+
+def _routing_by_sample(routing: dict | None) -> dict:
+    from rl_tpu.weight_sync import vllm_compat
+
+    return {vllm_compat.request_sample(req): rec for req, rec in (routing or {}).items()}
+
+
+def routed_experts_of(record: tuple | None, seq: list[int]) -> Any:
+    """`Completion.routed_experts` for the sequence `seq` (prompt + response ids) from the engine's record
+    of its request (experts `[positions, layers, k]`, tokens `[positions]`): `[len(seq) - 1, layers, k]`
+    int16, expert id + 1, 0 where the request ran no forward at that position. Raises if a recorded
+    position's token is not `seq`'s (the record is another request's)."""
+    import torch
+
+    if record is None:
+        raise RuntimeError(f"no routed experts recorded for a completion of {len(seq)} tokens")
+    experts, tokens = record
+    n = len(seq) - 1  # the last sampled token is never run
+    if experts.shape[0] > n:
+        raise RuntimeError(
+            f"routed experts recorded at {experts.shape[0]} positions of a {n}-position sequence"
+        )
+    want = torch.tensor(seq[: experts.shape[0]], dtype=torch.int64)
+    seen = tokens >= 0
+    if not torch.equal(tokens[seen], want[seen]):
+        raise RuntimeError("routed experts recorded for another token sequence than the completion's")
+    out = torch.zeros(n, *experts.shape[1:], dtype=torch.int16)
+    out[: experts.shape[0]] = experts
+    return out
 
 
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> None:

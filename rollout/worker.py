@@ -15,6 +15,10 @@ Invariants:
   engine restarts.
 - Weights cross vLLM's process boundary (multiprocess engine core, or TP ranks in worker processes)
   as a safetensors file in /dev/shm; with an in-process single-rank engine tensors pass as they are.
+- An MoE model's engine records the experts of every token it runs from its start on (after the
+  warm-up); each `generate` takes the records of its requests into its completions (`routed_experts`).
+  Always on: a copy of `[tokens, k]` expert ids per MoE layer and step, what `moe/router_agreement`
+  needs with or without `rollout.routing_replay`.
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ class RolloutWorker(SyncReceiver):
         t = time.perf_counter()
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
+        self.moe_layers = self.llm.collective_rpc("rl_routing_start")[0]  # 0: dense, nothing recorded
         self.version = self.initial_version
         self.ws_reset()  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
         self.start_s = time.perf_counter() - t
@@ -210,8 +215,14 @@ class RolloutWorker(SyncReceiver):
             [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
         )
         dt = time.perf_counter() - t
+        routing = self.llm.collective_rpc("rl_routing_take")[0] if self.moe_layers else None
         result = to_completions(
-            outs, prompt_indices, self.version, worker=self.index, tokenizer=self.llm.get_tokenizer()
+            outs,
+            prompt_indices,
+            self.version,
+            worker=self.index,
+            tokenizer=self.llm.get_tokenizer(),
+            routing=routing,
         )
         for group in result:
             for c in group:

@@ -22,6 +22,12 @@ existing storage. `model.load_weights` alone fails on CPU because linears are re
 A layer whose tensors arrive only partly within one session is processed with garbage for the rest, so
 a session must carry every tensor of each layer it touches (full tensors per layer, any bucket split).
 Method names carry an `rl_` prefix because vLLM refuses extension attributes the worker already has.
+
+Routed experts (`RoutingCapture`, #43): `rl_routing_start()` binds a capture to every MoE layer's router
+(`vllm_compat.bind_router_capture`); each forward step then records, per request and position, the
+top-k experts of every MoE layer, and `rl_routing_take()` hands over (and forgets) what the finished
+requests recorded. A position the request did not run itself (a prefix-cache hit) has no record; the
+last sampled token of a response never runs at all.
 """
 
 from __future__ import annotations
@@ -90,6 +96,59 @@ def _read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
+class RoutingCapture:
+    """The experts each request's tokens were routed to, recorded step by step inside the forward.
+
+    `capture(layer_id, topk_ids)` is called by every MoE layer of a step, in layer order: the first MoE
+    layer opens a step record (its layout from the model runner, `vllm_compat.step_rows`), each layer
+    writes its column. `take()` assembles, per request, `[positions, moe_layers, k]` int16 holding
+    expert id + 1 (0: no record at that position), and the token id at each position (for the caller's
+    check that the record belongs to the sequence it thinks)."""
+
+    def __init__(self, worker, layers: list[int], top_k: int):
+        self.worker, self.column = worker, {layer: i for i, layer in enumerate(layers)}
+        self.first, self.top_k = layers[0], top_k
+        self.steps: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        from rl_tpu.weight_sync import vllm_compat
+
+        if layer_id == self.first:
+            req_ids, starts, positions, tokens = vllm_compat.step_rows(self.worker)
+            if not req_ids:  # a profile or dummy run: no request to record for
+                self.steps.append(None)
+                return
+            buf = torch.zeros(len(positions), len(self.column), self.top_k, dtype=torch.int16)
+            self.steps.append((req_ids, starts, positions.cpu().clone(), tokens.cpu().clone(), buf))
+        step = self.steps[-1] if self.steps else None
+        if step is not None:
+            buf = step[4]
+            buf[:, self.column[layer_id]] = topk_ids[: len(buf)].to(torch.int16) + 1
+
+    def take(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per engine request id: (experts `[positions, moe_layers, k]` int16, expert + 1 or 0; token ids
+        `[positions]` int64, -1 where unrecorded); then forget every step."""
+        pieces: dict[str, list] = {}
+        for step in self.steps:
+            if step is None:
+                continue
+            req_ids, starts, positions, tokens, buf = step
+            for r, req in enumerate(req_ids):
+                a, b = starts[r], starts[r + 1]
+                pieces.setdefault(req, []).append((positions[a:b], tokens[a:b], buf[a:b]))
+        self.steps = []
+        out = {}
+        for req, parts in pieces.items():
+            n = max((int(p.max()) + 1 for p, _, _ in parts if len(p)), default=0)
+            experts = torch.zeros(n, len(self.column), self.top_k, dtype=torch.int16)
+            tokens = torch.full((n,), -1, dtype=torch.int64)
+            for pos, tok, e in parts:  # later steps win: a recomputed (preempted) position holds its latest
+                experts[pos] = e
+                tokens[pos] = tok.to(torch.int64)
+            out[req] = (experts, tokens)
+        return out
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`).
 
@@ -153,6 +212,31 @@ class WorkerExtension:
 
     def rl_ws_leave(self) -> None:
         self._rl_ws().leave()
+
+    # -- routed experts (RoutingCapture) ------------------------------------------------------------
+    def rl_routing_start(self) -> int:
+        """Record the experts of every request from now on; returns the number of MoE layers (0: a dense
+        model, nothing recorded)."""
+        from rl_tpu.weight_sync import vllm_compat
+
+        if getattr(self, "_rl_routing", None) is not None:
+            return len(self._rl_routing.column)
+        layers = vllm_compat.moe_layers(self._rl_model())
+        if not layers:
+            return 0
+        top_k = int(self.vllm_config.model_config.get_num_experts_per_tok())
+        self._rl_routing = RoutingCapture(self, layers, top_k)
+        vllm_compat.bind_router_capture(self._rl_model(), self._rl_routing)
+        return len(layers)
+
+    def rl_routing_take(self) -> dict | None:
+        """`RoutingCapture.take()` on the first rank (every rank routes every token alike), None on others
+        and where nothing is recorded."""
+        capture = getattr(self, "_rl_routing", None)
+        if capture is None:
+            return None
+        out = capture.take()
+        return out if self.rank == 0 else None
 
     def rl_seed(self, seed: int) -> None:
         """Seed torch's default generator, which vLLM's sampler draws from when requests carry no seed of

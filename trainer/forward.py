@@ -102,7 +102,9 @@ class Forward:
             ids = packed.input_ids
             model.lm_head.rl_index = (packed.hidden_index, packed.targets)
             kwargs = {"positions": packed.positions, "attention_masks": packed.rows}
-        model.rl_micro_batch = mb  # MoE: its engine experts (routing replay, router agreement; metrics.MoeStats)
+        model.rl_micro_batch = (
+            mb  # MoE: its engine experts (routing replay, router agreement; metrics.MoeStats)
+        )
         try:
             return model(ids, **kwargs)
         finally:

@@ -181,10 +181,12 @@ class RolloutConfig:
     # tools (rl_tpu/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
     # whose calls the model writes in its template's format (<tool_call>...</tool_call>); they make a run
     # multi-turn with or without `env`. Each call runs in one of `tool_workers` processes, killed after
-    # `tool_timeout_s` (the model then reads the timeout as the tool's result)
+    # `tool_timeout_s` (the model then reads the timeout as the tool's result), under an address-space limit
+    # of `tool_memory_mb` MiB (RLIMIT_AS: a runaway allocation is that call's MemoryError; 0: none)
     tools: list[str] = F([])
     tool_timeout_s: float = F(10.0, gt=0)
     tool_workers: int = F(2, ge=1)
+    tool_memory_mb: int = F(4096, ge=0)
     # MoE models (docs/moe.md): the trainer's routers take the experts the engine routed each token to
     # (routing replay, "R3"; the router's probabilities of those experts still carry the gradient), so
     # training and sampling use the same experts and the router's drift between the two cannot blow up the

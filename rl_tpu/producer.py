@@ -124,7 +124,9 @@ class Sampler:
         rc = cfg.rollout
         self.turn_runner = self.tools = None
         if rc.tools:  # loaded here (workers started), so a bad tool fails before the first step
-            self.tools = Tools(rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers)
+            self.tools = Tools(
+                rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers, memory_mb=rc.tool_memory_mb
+            )
         if rc.env or rc.tools:  # loaded here, so a bad class fails before the first step
             self.turn_runner = MultiTurn(
                 tok,

@@ -40,8 +40,8 @@ from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
 
 logger = logging.getLogger(__name__)
 
-# each tool worker's address-space limit (RLIMIT_AS, MiB): a call allocating past it reads as a MemoryError
-# (not yet a config field: `Tools(memory_mb=...)` from Python, 0 for none)
+# each tool worker's address-space limit (RLIMIT_AS, MiB): a call allocating past it reads as a MemoryError;
+# the run's is `rollout.tool_memory_mb` (the same default), 0 for none
 MEMORY_MB = 4096
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

@@ -342,13 +342,16 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
     from rl_tpu.rollout.partial import EngineTurns
 
     args = [f'--rollout.tools=["{tools_file}:multiply"]', "--rollout.n=2", "--rollout.tool_workers=1"]
-    args += ["--rollout.max_tokens=200"]
+    args += ["--rollout.max_tokens=200", "--rollout.tool_memory_mb=2048"]
     with pytest.raises(
         ConfigError, match=r"`rollout.tools` \(multi-turn\) does not run with `rollout.partial"
     ):
         load_config(None, [*args, "--cluster.mode=async", "--rollout.partial=true"])
+    with pytest.raises(ConfigError, match="tool_memory_mb"):
+        load_config(None, [*args, "--rollout.tool_memory_mb=-1"])
     sampler = Sampler(load_config(None, args), ScriptedEngine(tok), EngineTurns(), tok)
     try:
+        assert sampler.tools.pool.memory_mb == 2048  # rollout.tool_memory_mb reaches the workers' limit
         groups, metrics = sampler.multi_turn(make_synthetic("arithmetic", 3, 1)[0])
     finally:
         sampler.close()

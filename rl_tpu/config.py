@@ -544,6 +544,16 @@ def resolved_dtype(value: str, cfg: Config) -> str:
     return cfg.model.dtype if value == "auto" else value
 
 
+def response_budget(cfg: Config) -> int:
+    """The most tokens after the prompt one trained sample can hold: `rollout.max_tokens`, or for multi-turn
+    rollouts (`rollout.env` / `rollout.tools`) the whole trajectory's, `rollout.max_total_tokens` (0: what
+    `rollout.max_model_len` leaves after `data.max_prompt_length`)."""
+    rc = cfg.rollout
+    if rc.env or rc.tools:
+        return rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length
+    return rc.max_tokens
+
+
 def engine_config(cfg: Config) -> RolloutConfig:
     """`cfg.rollout` with its dtype resolved: what `rollout.engine.build_engine` takes."""
     return dataclasses.replace(cfg.rollout, dtype=resolved_dtype(cfg.rollout.dtype, cfg))

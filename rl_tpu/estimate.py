@@ -53,7 +53,7 @@ import math
 import os
 from pathlib import Path
 
-from rl_tpu.config import Config, resolved_dtype
+from rl_tpu.config import Config, resolved_dtype, response_budget
 from rl_tpu.errors import UserError
 
 GIB = 2**30
@@ -176,10 +176,10 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
         out["fsdp_buffers"] = int(2 * compute * total * nets)
     elif ws > 1:
         out["fsdp_buffers"] = int(3 * compute * unit)
-    T = cfg.data.max_prompt_length + response_budget(cfg)
+    T = cfg.data.max_prompt_length + max(response_budget(cfg), 1)
     tokens = tc.micro_batch_size * T
     elems, fp32 = _activation_elems(m)
-    resp = tc.micro_batch_size * response_budget(cfg)
+    resp = tc.micro_batch_size * max(response_budget(cfg), 1)
     out["activations"] = int(
         tokens * m["layers"] * (elems * compute + fp32 * 4)
         + tokens * m["hidden"] * 4 * 2  # the final norm's fp32 input and x * rstd
@@ -189,13 +189,6 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
     out["resident"] = out["total"] - out["activations"] - out.get("fsdp_buffers", 0)
     out["seq_len"], out["micro_batch"] = T, tc.micro_batch_size
     return out
-
-
-def response_budget(cfg: Config) -> int:
-    r = cfg.rollout
-    if r.env or r.tools:
-        return r.max_total_tokens or max(r.max_model_len - cfg.data.max_prompt_length, 1)
-    return r.max_tokens
 
 
 # ---------------------------------------------------------------------------------------------- engine, sync

@@ -56,7 +56,7 @@ from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.multi_turn import load_env
 from rl_tpu.placement import plan_from_config
-from rl_tpu.preflight import response_budget, run_preflight
+from rl_tpu.preflight import run_preflight
 from rl_tpu.producer import Rollouts, Scored, generate_and_score, score_groups
 from rl_tpu.rewards import RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
@@ -259,7 +259,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # built, come while Ray starts: a failure there stops Ray again and is reported.
     if cfg.model.path:
         check_model_folder(cfg.model.path, trainer=True)
-    from rl_tpu.trainer.model import check_routing_replay
+    from rl_tpu.trainer.model import check_routing_replay, read_hf_config
 
     check_routing_replay(cfg)  # an MoE model, one engine call per completion (#43)
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
@@ -319,8 +319,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             step = state["step"]
             sync.push()  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
-        if cfg.trainer.preflight:
-            _preflight(cfg, trainer, model_path, tok, longest_prompt)
+        if cfg.trainer.preflight:  # the largest batch through the trainer before step 1 (rl_tpu/preflight.py)
+            vocab = read_hf_config(model_path).get("vocab_size", len(tok))
+            run_preflight(cfg, trainer, longest_prompt, min(len(tok), int(vocab)))
         rollouts = Rollouts(
             cfg,
             rollout,
@@ -440,24 +441,6 @@ def _model_and_tokenizer(cfg: Config, run_dir: Path, examples: list[Example]):
     tok = load_tokenizer(model_path, chat_template=True)
     longest = check_prompt_lengths(tok, examples, cfg.data.max_prompt_length, cfg.data.truncation)
     return model_path, tok, longest
-
-
-def _preflight(cfg: Config, trainer, model_path: str, tok, longest_prompt: int) -> None:
-    """`trainer.preflight`: the largest batch through the trainer before step 1 (rl_tpu/preflight.py).
-    A multi-turn run's prompts come from its environment, so their bound is `data.max_prompt_length`."""
-    import json
-
-    multi_turn = bool(cfg.rollout.env or cfg.rollout.tools)
-    prompt_len = cfg.data.max_prompt_length if multi_turn else longest_prompt
-    vocab = json.loads((Path(model_path) / "config.json").read_text()).get("vocab_size", len(tok))
-    seconds = run_preflight(cfg, trainer, prompt_len, min(len(tok), int(vocab)))
-    log.info(
-        "preflight: %d rows of %d + %d tokens through the trainer in %.1f s",
-        cfg.data.batch_size * cfg.rollout.n,
-        prompt_len,
-        response_budget(cfg),
-        seconds,
-    )
 
 
 def _samples(data: Scored, k: int) -> list[dict[str, Any]]:

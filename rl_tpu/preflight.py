@@ -5,8 +5,7 @@ may come hundreds of steps into a run. An out-of-memory there costs the run; on 
 batch also raises the trainer's heap high-water mark (glibc keeps memory a step frees for the next one,
 `rl_tpu.devices._init_cpu`), which a long run reads as a slow leak. Run first, the worst case is paid at
 once: an out-of-memory stops the run before step 1, and the trainer's memory stays flat afterwards
-(measured in bench/RESULTS.md, session 31: trainer ranks +0.8 to +1.4 MB per 100 steps over a 1000-step
-soak without it, +0.2 to +0.3 with it).
+(docs/decisions.md; the soaks that measured it are in bench/RESULTS.md).
 
 The batch: `data.batch_size x rollout.n` rows, each the data set's longest prompt followed by the whole
 response budget, with no prompt shared between rows (so packing cannot make it smaller), random token
@@ -18,22 +17,16 @@ state, step counters and metrics are as they were.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 
-from rl_tpu.config import Config
+from rl_tpu.config import Config, response_budget
 from rl_tpu.types import TrainBatch
 
-
-def response_budget(cfg: Config) -> int:
-    """The most tokens after the prompt that one trained sample can hold: `rollout.max_tokens`, or for
-    multi-turn rollouts the whole trajectory's budget (`rollout.max_total_tokens`)."""
-    rc = cfg.rollout
-    if rc.env or rc.tools:
-        return rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length
-    return rc.max_tokens
+log = logging.getLogger(__name__)
 
 
 def largest_batch(
@@ -64,15 +57,28 @@ def largest_batch(
     )
 
 
-def run_preflight(cfg: Config, trainer: Any, prompt_len: int, vocab_size: int) -> float:
+def run_preflight(cfg: Config, trainer: Any, longest_prompt: int, vocab_size: int) -> float:
     """Run the largest batch through `trainer` (a TrainerGroup) as a step would, changing nothing;
-    returns the seconds it took. An out-of-memory surfaces here as the trainer's error."""
+    returns the seconds it took. An out-of-memory surfaces here as the trainer's error. Its prompts are
+    `longest_prompt` tokens, the data set's longest; a multi-turn run's prompts come from its environment,
+    so their bound is `data.max_prompt_length`."""
     t0 = time.perf_counter()
-    batch = largest_batch(cfg.data.batch_size * cfg.rollout.n, prompt_len, response_budget(cfg), vocab_size)
+    multi_turn = bool(cfg.rollout.env or cfg.rollout.tools)
+    prompt_len = cfg.data.max_prompt_length if multi_turn else longest_prompt
+    rows, response_len = cfg.data.batch_size * cfg.rollout.n, response_budget(cfg)
+    batch = largest_batch(rows, prompt_len, response_len, vocab_size)
     trainer.compute_log_probs(batch)
     if cfg.trainer.reference:
         trainer.compute_ref_log_probs(batch)
     if cfg.trainer.critic:
         trainer.compute_values(batch)
     trainer.preflight(batch, cfg.algorithm)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    log.info(
+        "preflight: %d rows of %d + %d tokens through the trainer in %.1f s",
+        rows,
+        prompt_len,
+        response_len,
+        seconds,
+    )
+    return seconds

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_tpu.algorithms import keep_groups_with_variance
-from rl_tpu.config import Config
+from rl_tpu.config import Config, response_budget
 from rl_tpu.data import Example, PromptLoader, encode_prompts
 from rl_tpu.multi_turn import MultiTurn, load_env, retokenize_drift
 from rl_tpu.rewards import RewardInput, RewardPool
@@ -134,7 +134,7 @@ class Sampler:
                 lambda prompts, max_tokens: [g[0] for g in self._call(prompts, n=1, max_tokens=max_tokens)],
                 max_turns=rc.max_turns,
                 max_tokens=rc.max_tokens,
-                max_total_tokens=rc.max_total_tokens or rc.max_model_len - cfg.data.max_prompt_length,
+                max_total_tokens=response_budget(cfg),
                 tools=self.tools,
             )
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_tpu.config import load_config
+from rl_tpu.config import load_config, response_budget
 from rl_tpu.data import check_prompt_lengths, make_synthetic
-from rl_tpu.preflight import largest_batch, response_budget
+from rl_tpu.preflight import largest_batch
 
 
 def test_largest_batch_is_every_row_at_full_length_in_the_loss():

@@ -740,7 +740,7 @@ def test_preflight_changes_nothing(group2, cfg):
         group2.policy_grads(b, cfg.algorithm),
         group2.policy_version,
     )
-    assert run_preflight(cfg, group2, prompt_len=9, vocab_size=512) > 0
+    assert run_preflight(cfg, group2, longest_prompt=9, vocab_size=512) > 0
     after = group2.hf_state_dict()
     assert sorted(after) == sorted(weights) and all(torch.equal(after[k], weights[k]) for k in weights)
     again = group2.policy_grads(b, cfg.algorithm)

@@ -157,6 +157,7 @@ def ours_command(a: argparse.Namespace, model: str, side: str, run_dir: Path, co
 def run_ours(a: argparse.Namespace, model: str, side: str, work: Path) -> dict[str, Any]:
     from rl_tpu.config import to_toml
     from rl_tpu.demo import demo_config
+    from rl_tpu.metrics import read_metrics
 
     run_dir = work / f"ours-{side}"
     config = work / "demo_grpo.toml"
@@ -167,8 +168,7 @@ def run_ours(a: argparse.Namespace, model: str, side: str, work: Path) -> dict[s
         timeout=a.timeout,
         interval=None,
     )
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     if not rows:
         return {"error": f"no metrics (exit {res.returncode}); see {work / f'ours-{side}.log'}"}
     idle = [
@@ -189,10 +189,9 @@ def run_ours(a: argparse.Namespace, model: str, side: str, work: Path) -> dict[s
 
 def trl_worker(a: argparse.Namespace) -> None:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from vs_trl import make_trl_reward, trl_config_kwargs
+    from vs_trl import make_trl_reward, trl_config_kwargs, trl_dataset
 
     from rl_tpu.data import make_synthetic
     from rl_tpu.rewards.arithmetic import compute_score
@@ -201,12 +200,7 @@ def trl_worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     train, test = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
-    data = Dataset.from_list(
-        [
-            {"prompt": ex.messages, "ground_truth": str(ex.ground_truth), "data_source": ex.data_source}
-            for ex in train
-        ]
-    )
+    data = trl_dataset(train)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

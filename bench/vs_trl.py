@@ -396,9 +396,21 @@ def trl_config_kwargs(a: argparse.Namespace, vllm: bool = False) -> dict[str, An
 # TRL side: runs in its own process (`--worker trl`)
 
 
+def trl_dataset(examples: Sequence[Any]):
+    """TRL's train set from our examples: conversational prompts, with the `ground_truth` and
+    `data_source` columns its reward adapter (`make_trl_reward`) reads."""
+    from datasets import Dataset
+
+    return Dataset.from_list(
+        [
+            {"prompt": ex.messages, "ground_truth": str(ex.ground_truth), "data_source": ex.data_source}
+            for ex in examples
+        ]
+    )
+
+
 def trl_worker(a: argparse.Namespace) -> None:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -408,12 +420,7 @@ def trl_worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     train, _ = make_synthetic("arithmetic", a.train_size, 128, a.seed)
-    data = Dataset.from_list(
-        [
-            {"prompt": ex.messages, "ground_truth": str(ex.ground_truth), "data_source": ex.data_source}
-            for ex in train
-        ]
-    )
+    data = trl_dataset(train)
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     if a.trl_matmul != "aten":  # our trainer's kernel choice, for a like-for-like look (not the default)

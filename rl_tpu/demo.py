@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -188,6 +189,32 @@ def _sft_phase(
     }
 
 
+def fresh_demo_folder(out: str | Path, label: str) -> tuple[Path, Callable[[str], None]]:
+    """`out`, emptied, and a `log(msg)` printing each line with the seconds since now."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{label} {time.time() - t_start:6.0f}s] {msg}", flush=True)
+
+    return out, log
+
+
+def sft_config(cfg: Config, plan: DemoPlan) -> Config:
+    """The demo's SFT settings on top of its run config."""
+    return with_overrides(
+        cfg,
+        [
+            f"--trainer.lr={plan.sft_lr}",
+            f"--trainer.micro_batch_size={plan.sft_batch}",
+            f"--trainer.warmup_steps={plan.sft_warmup}",
+        ],
+    )
+
+
 def run_demo(
     out: str | Path = "runs/demo", quick: bool = False, plan: DemoPlan | None = None, verbose: bool = False
 ) -> dict:
@@ -200,15 +227,8 @@ def run_demo(
     from rl_tpu.tiny_model import make_tiny_model
 
     plan = plan or (DemoPlan.quick() if quick else DemoPlan())
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     t_start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[demo {time.time() - t_start:6.0f}s] {msg}", flush=True)
-
+    out, log = fresh_demo_folder(out, "demo")
     cfg = demo_config(plan, out / "logs")
     cfg.logging.verbose = verbose
     train_set, test_set = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
@@ -220,14 +240,7 @@ def run_demo(
         built = ex.submit(make_tiny_model, out / "model", "qwen3", plan.size, 0)
         start_ray(cfg)
         base = str(built.result())
-    sft_cfg = with_overrides(
-        cfg,
-        [
-            f"--trainer.lr={plan.sft_lr}",
-            f"--trainer.micro_batch_size={plan.sft_batch}",
-            f"--trainer.warmup_steps={plan.sft_warmup}",
-        ],
-    )
+    sft_cfg = sft_config(cfg, plan)
     # One trainer group and one engine, in the GRPO loop's placement, for the whole demo: SFT, GRPO
     # (`train(roles=)`), the control and every evaluation run on them, each phase restarting the trainer
     # from its checkpoint with its own optimizer settings, as a new trainer would start. Nothing starts twice.

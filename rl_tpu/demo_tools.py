@@ -23,7 +23,6 @@ runs.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -31,7 +30,17 @@ from pathlib import Path
 
 from rl_tpu.config import Config, with_overrides
 from rl_tpu.data import Example
-from rl_tpu.demo import DemoPlan, Evaluator, _grpo_curve, _secs, _sft_phase, demo_config, plot_demo
+from rl_tpu.demo import (
+    DemoPlan,
+    Evaluator,
+    _grpo_curve,
+    _secs,
+    _sft_phase,
+    demo_config,
+    fresh_demo_folder,
+    plot_demo,
+    sft_config,
+)
 
 TOOL_SPEC = "rl_tpu.demo_tools:multiply"
 
@@ -230,14 +239,8 @@ def run_tools_demo(
     from rl_tpu.tiny_model import make_tiny_model
 
     plan = plan or (ToolsDemoPlan.quick() if quick else ToolsDemoPlan())
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     t_start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[demo tools {time.time() - t_start:6.0f}s] {msg}", flush=True)
+    out, log = fresh_demo_folder(out, "demo tools")
 
     train_set, test_set = tool_examples(plan)
     write_jsonl(train_set, out / "data" / "train.jsonl")
@@ -254,14 +257,7 @@ def run_tools_demo(
         start_ray(cfg)
         base = built.result()
     _add_tools_template(base)
-    sft_cfg = with_overrides(
-        cfg,
-        [
-            f"--trainer.lr={plan.sft_lr}",
-            f"--trainer.micro_batch_size={plan.sft_batch}",
-            f"--trainer.warmup_steps={plan.sft_warmup}",
-        ],
-    )
+    sft_cfg = sft_config(cfg, plan)
     with ThreadPoolExecutor(max_workers=1) as ex:  # the tokenizer while the actors start
         tok = ex.submit(load_tokenizer, base, chat_template=True)
         roles = start_shared_roles(cfg, str(base))

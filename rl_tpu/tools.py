@@ -19,8 +19,9 @@ Invariants:
   failing tool never stops the run; the model reads the error, as real tool APIs return it.
 - Arguments are checked against the function's signature in the parent (names only); their types
   are the function's business.
-- Well-formed calls run in a `CallPool` (worker processes, `rollout.tool_timeout_s` per call, a hung
-  or crashed worker killed and replaced, an address-space limit of `MEMORY_MB` per worker). That
+- Well-formed calls run in worker processes (`rollout.tool_workers`, each a one-process `CallPool`:
+  `rollout.tool_timeout_s` per call, a hung or crashed worker killed and replaced, an address-space
+  limit of `MEMORY_MB` per worker); one trajectory's calls go to one worker, in order. That
   isolates crashes, hangs and runaway allocations; it is not a security sandbox for untrusted code.
 """
 
@@ -29,8 +30,11 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import queue
 import re
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,7 +141,10 @@ def load_tools(specs: list[str], field_name: str = "rollout.tools") -> tuple[lis
 
 
 class Tools:
-    """The functions `specs` names: their schemas (`schemas`, for `tools=`) and a pool that runs calls."""
+    """The functions `specs` names: their schemas (`schemas`, for `tools=`) and `workers` processes that
+    run calls. Each worker is its own single-process `CallPool` with a thread that drives it, so calls
+    submitted at different times (`submit`: one trajectory's calls) run side by side: a slow call holds
+    its worker only, never the calls behind it on the others."""
 
     def __init__(
         self,
@@ -151,19 +158,39 @@ class Tools:
         fns, self.schemas = load_tools(specs, field_name)
         self.names = [s["function"]["name"] for s in self.schemas]
         self._signatures = [inspect.signature(fn) for fn in fns]
-        self._logged = False
-        self.pool = CallPool(
-            specs,
-            workers=workers,
-            timeout_s=timeout_s,
-            name="tool",
-            error_type=ToolError,
-            check=tool_text,
-            memory_mb=memory_mb,
-        )
+        self._log_failure = threading.Lock()  # taken by the first failure (calls run on threads)
+        self.memory_mb = memory_mb
+        self.pools: list[CallPool] = []
+        try:  # one after another: starting a worker swaps sys.modules["__main__"] for a moment
+            for _ in range(max(1, workers)):
+                self.pools.append(
+                    CallPool(
+                        specs,
+                        workers=1,
+                        timeout_s=timeout_s,
+                        name="tool",
+                        error_type=ToolError,
+                        check=tool_text,
+                        memory_mb=memory_mb,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._free: queue.SimpleQueue[CallPool] = queue.SimpleQueue()
+        for pool in self.pools:
+            self._free.put(pool)
+        self._threads = ThreadPoolExecutor(len(self.pools), thread_name_prefix="rl_tpu-tools")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [pid for pool in self.pools for pid in pool.worker_pids]
 
     def close(self) -> None:
-        self.pool.close()
+        if hasattr(self, "_threads"):
+            self._threads.shutdown(wait=True, cancel_futures=True)
+        for pool in self.pools:
+            pool.close()
 
     def check(self, call: ToolCall) -> str | None:
         """Why `call` cannot run (malformed, unknown tool, wrong argument names), or None."""
@@ -178,7 +205,15 @@ class Tools:
         return None
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        """One result per call, in order (see the module docstring); the well-formed ones run in the pool."""
+        """One result per call, in order (see the module docstring); the well-formed ones run on the
+        workers, side by side."""
+        return [r for job in [self.submit([c]) for c in calls] for r in job.result()]
+
+    def submit(self, calls: list[ToolCall]) -> Future:
+        """Run `calls` one after another on the next free worker; a future of their results, in order."""
+        return self._threads.submit(self._run_on_a_worker, calls)
+
+    def _run_on_a_worker(self, calls: list[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
         todo = []
         for k, call in enumerate(calls):
@@ -186,7 +221,11 @@ class Tools:
                 results[k] = ToolResult(f"Error: {why}", error=True)
             else:
                 todo.append(k)
-        out = self.pool.run([(self.names.index(calls[k].name), calls[k].arguments) for k in todo])
+        pool = self._free.get()
+        try:
+            out = pool.run([(self.names.index(calls[k].name), calls[k].arguments) for k in todo])
+        finally:
+            self._free.put(pool)
         for k, r in zip(todo, out):
             if r.ok:
                 results[k] = ToolResult(r.value)
@@ -194,7 +233,7 @@ class Tools:
             results[k] = ToolResult(
                 f"Error: {calls[k].name}: {r.error}", error=not r.timeout, timeout=r.timeout
             )
-            if not self._logged:  # the first failure of the run, with its traceback; later ones are counted
-                self._logged = True
+            # the first failure, with its traceback; later ones are only counted
+            if self._log_failure.acquire(blocking=False):
                 logger.warning("tool %s failed: %s\n%s", calls[k].name, r.error, r.traceback or "")
         return results  # type: ignore[return-value]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,39 @@ def test_a_verl_rows_interaction_kwargs_reach_the_environment(tok):
         [sample]
     )
     assert (t.reward, t.finish_reason) == (1.0, "env")
+
+
+class SlowFirst(Echo):
+    """Echo whose first step on the question "slow" takes 0.8 s; logs when each step ends."""
+
+    ends: list = []
+
+    def reset(self, sample):
+        self.slow = sample["question"] == "slow"
+        return super().reset(sample)
+
+    def step(self, messages):
+        if self.slow and self.n == 0:
+            time.sleep(0.8)
+        answer = super().step(messages)
+        SlowFirst.ends.append((time.monotonic(), self.slow, self.n))
+        return answer
+
+
+@pytest.mark.parametrize("scheduling", ["independent", "lockstep"])
+def test_a_slow_environment_holds_only_its_own_trajectory(tok, scheduling):
+    SlowFirst.ends = []
+    generate, calls = _scripted(tok, ["a"])
+    mt = MultiTurn(
+        tok, SlowFirst, generate, max_turns=5, max_tokens=8, max_total_tokens=300, scheduling=scheduling
+    )
+    trajs = mt.rollout([{"question": q} for q in ("slow", "fast", "fast")])
+    assert [(t.turns, t.finish_reason, t.reward) for t in trajs] == [(3, "env", 6.0)] * 3
+    slow_first = next(at for at, slow, n in SlowFirst.ends if slow and n == 1)
+    fast_last = max(at for at, slow, n in SlowFirst.ends if not slow and n == 3)
+    if scheduling == "independent":  # the fast ones went through all their turns meanwhile
+        assert fast_last < slow_first - 0.3, SlowFirst.ends
+        assert mt.stats["generate_calls"] >= 4
+    else:
+        assert fast_last > slow_first, SlowFirst.ends
+        assert mt.stats == {"generate_calls": 3.0, "turns_per_call": 3.0} and len(calls) == 3

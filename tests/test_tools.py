@@ -177,7 +177,7 @@ def test_parsing_several_and_malformed_calls(tools):
 
 
 def test_run_answers_every_call_in_order_and_survives_a_hang(tools):
-    pids = set(tools.pool.worker_pids)
+    pids = set(tools.worker_pids)
     calls = parse_tool_calls(
         call("multiply", a=12, b=34)
         + call("sleepy", seconds=600)
@@ -204,7 +204,7 @@ def test_run_answers_every_call_in_order_and_survives_a_hang(tools):
         (True, False),
     ]
     assert elapsed < 60, f"a 1 s timeout took {elapsed:.1f} s"
-    assert pids - set(tools.pool.worker_pids), "the hung worker was replaced"
+    assert pids - set(tools.worker_pids), "the hung worker was replaced"
     assert [r.text for r in tools.run(parse_tool_calls(call("multiply", a=3, b=3)))] == ["9"]  # still usable
 
 
@@ -351,7 +351,7 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
         load_config(None, [*args, "--rollout.tool_memory_mb=-1"])
     sampler = Sampler(load_config(None, args), ScriptedEngine(tok), EngineTurns(), tok)
     try:
-        assert sampler.tools.pool.memory_mb == 2048  # rollout.tool_memory_mb reaches the workers' limit
+        assert {p.memory_mb for p in sampler.tools.pools} == {2048}  # tool_memory_mb reaches the workers
         groups, metrics = sampler.multi_turn(make_synthetic("arithmetic", 3, 1)[0])
     finally:
         sampler.close()
@@ -363,3 +363,62 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
         metrics["rollout/tool_errors"],
         metrics["rollout/tool_timeouts"],
     ) == (6, 0, 0)
+
+
+def _by_prompt(tok, log):
+    """A generate that calls `sleepy` (0.8 s) in a prompt asking "slow?", `multiply` in the others, and
+    answers once a tool response is in the prompt; logs (time, slow in the call, fast in the call)."""
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+
+    def generate(prompts, max_tokens):
+        texts = [tok.decode(p) for p in prompts]
+        out = []
+        for p, text in zip(prompts, texts):
+            if "<tool_response>" in text:
+                answer = "done"
+            else:
+                answer = call("sleepy", seconds=0.8) if "slow?" in text else call("multiply", a=2, b=3)
+            ids = tok(answer, add_special_tokens=False)["input_ids"] + [eos]
+            kw = dict(prompt_ids=list(p), response_ids=ids, logprobs=[-1.0] * len(ids), text=answer)
+            out.append(
+                Completion(prompt_index=0, sample_index=0, finish_reason="stop", policy_version=0, **kw)
+            )
+        answered = ["<tool_response>" in t for t in texts]
+        log.append(
+            (
+                time.monotonic(),
+                [a for a, t in zip(answered, texts) if "slow?" in t],
+                [a for a, t in zip(answered, texts) if "slow?" not in t],
+            )
+        )
+        return out
+
+    return generate
+
+
+@pytest.mark.parametrize("scheduling", ["independent", "lockstep"])
+def test_a_slow_tool_holds_only_its_own_trajectory(tok, tools, scheduling):
+    log = []
+    mt = MultiTurn(
+        tok,
+        None,
+        _by_prompt(tok, log),
+        max_turns=3,
+        max_tokens=200,
+        max_total_tokens=2000,
+        tools=tools,
+        scheduling=scheduling,
+    )
+    rows = [{"messages": [{"role": "user", "content": q}]} for q in ("slow?", "fast", "fast", "fast")]
+    trajs = mt.rollout(rows)
+    assert [(t.turns, t.finish_reason, t.tool_calls, t.tool_errors) for t in trajs] == [(2, "stop", 1, 0)] * 4
+    assert trajs[0].messages[2] == {"role": "tool", "content": "awake"}
+    slow_answer = next(at for at, slow, _ in log if slow == [True])  # the call with the slow one's 2nd turn
+    fast_answers = [at for at, _, fast in log if True in fast]
+    if scheduling == "independent":  # the fast ones answered while the slow tool still ran
+        assert [fast for _, slow, fast in log if slow == [True]] == [[]], log
+        assert max(fast_answers) < slow_answer - 0.4, log
+        assert mt.stats["generate_calls"] >= 3  # (a fast one held up by the load may come in a 4th)
+    else:  # every turn waited for the slow tool
+        assert [(slow, fast) for _, slow, fast in log] == [([False], [False] * 3), ([True], [True] * 3)]
+        assert mt.stats == {"generate_calls": 2.0, "turns_per_call": 4.0}

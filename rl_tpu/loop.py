@@ -60,7 +60,7 @@ from rl_tpu.preflight import run_preflight
 from rl_tpu.producer import Rollouts, Scored, generate_and_score, score_groups
 from rl_tpu.rewards import RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
-from rl_tpu.tools import load_tools
+from rl_tpu.tools import check_tools_kwargs
 from rl_tpu.weight_sync import WeightSync
 
 log = logging.getLogger("rl_tpu")
@@ -266,11 +266,12 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     if roles is not None:
         check_roles(cfg, roles, plan)
-    # A multi-turn environment class and the tools load here (the tools' workers start later).
+    # A multi-turn environment class and the tools load here (the tools' workers start later), and every
+    # row's extra_info.tools_kwargs is checked against the tools' row parameters.
     if cfg.rollout.env:
         load_env(cfg.rollout.env)
     if cfg.rollout.tools:
-        load_tools(list(cfg.rollout.tools))
+        check_tools_kwargs(list(cfg.rollout.tools), train_set + test_set)
     # The reward functions load in the pool's workers, which report a missing file or function, a
     # syntax or import error before the trainer and engines start.
     pool = RewardPool(cfg.reward)

@@ -439,7 +439,7 @@ class _Run:
             t = self.trajs[i]
             if not mt._sampled(t, out):
                 continue
-            calls = parse_tool_calls(t.last_text) if mt.tools else []
+            calls = mt.tools.bind(parse_tool_calls(t.last_text), t.sample) if mt.tools else []
             if calls and t.turns < mt.max_turns:
                 self.jobs[mt.tools.submit(calls)] = ("tools", i)
             elif calls:  # a call in the last turn allowed is not run

@@ -19,6 +19,14 @@ Invariants:
   failing tool never stops the run; the model reads the error, as real tool APIs return it.
 - Arguments are checked against the function's signature in the parent (names only); their types
   are the function's business.
+- Row arguments: a function's keyword-only parameters (after `*`) are not the model's to write. They
+  are left out of the schema the model sees, a model-written argument of that name is an unexpected
+  argument, and `Tools.bind` fills them from the dataset row's `extra_info.tools_kwargs[name]` (verl's
+  agent-loop schema: its `create_kwargs` and `execute_kwargs` merged; `calc_reward_kwargs` and
+  `release_kwargs` are ignored, as are tools the run does not have). A row whose kwargs a function does
+  not take, or that lacks one it needs (no default), is a `ToolError` naming the row and the tool:
+  `check_tools_kwargs` checks every row before Ray starts, and `bind` raises it too (never a message
+  to the model, which cannot fix the data).
 - Well-formed calls run in worker processes (`rollout.tool_workers`, each a one-process `CallPool`:
   `rollout.tool_timeout_s` per call, a hung or crashed worker killed and replaced, an address-space
   limit of `MEMORY_MB` per worker); one trajectory's calls go to one worker, in order. That
@@ -35,7 +43,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rl_tpu.call_pool import CallPool
@@ -58,8 +66,9 @@ class ToolError(UserError, ValueError):
 @dataclass
 class ToolCall:
     name: str
-    arguments: dict = field(default_factory=dict)
+    arguments: dict = field(default_factory=dict)  # what the model wrote
     error: str | None = None  # why the call is malformed (then it is not run)
+    row_kwargs: dict = field(default_factory=dict)  # the row's arguments (`Tools.bind`), not the model's
 
 
 @dataclass
@@ -110,12 +119,45 @@ def tool_text(out: Any) -> str:
         ) from None
 
 
+# verl's per-tool keys in `extra_info.tools_kwargs[name]`: those read (merged into the row's arguments)
+# and those ignored (verl gives them to a tool's calc_reward and release, which plain functions lack)
+ROW_KWARGS_READ = ("create_kwargs", "execute_kwargs")
+ROW_KWARGS_IGNORED = ("calc_reward_kwargs", "release_kwargs")
+
+
+def row_parameters(fn: Callable) -> dict[str, inspect.Parameter]:
+    """`fn`'s keyword-only parameters: the arguments that come from the dataset row, not the model."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: get_json_schema refuses it anyway
+        return {}
+    return {n: p for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _model_view(fn: Callable) -> Callable:
+    """`fn` as the model sees it, for `get_json_schema`: the same name, docstring and hints, without its
+    row parameters (which need neither a type hint nor a docstring entry)."""
+    hidden = row_parameters(fn)
+    if not hidden:
+        return fn
+    sig = inspect.signature(fn)
+
+    def view(*args, **kwargs):  # never called
+        raise NotImplementedError
+
+    view.__name__, view.__doc__, view.__wrapped__ = fn.__name__, fn.__doc__, fn  # __wrapped__: its globals
+    view.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in hidden])
+    view.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if k not in hidden}
+    return view
+
+
 def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") -> dict:
-    """`fn`'s JSON schema for the chat template's `tools=`; a `ToolError` naming it if it has none."""
+    """`fn`'s JSON schema for the chat template's `tools=` (its row parameters left out); a `ToolError`
+    naming it if it has none."""
     from transformers.utils import get_json_schema
 
     try:
-        return get_json_schema(fn)
+        return get_json_schema(_model_view(fn))
     except Exception as e:  # TypeHintParsingException, DocstringParsingException
         raise ToolError(
             f"{field_name} {spec!r}: {getattr(fn, '__name__', fn)} cannot be described as a tool: {e} "
@@ -140,6 +182,69 @@ def load_tools(specs: list[str], field_name: str = "rollout.tools") -> tuple[lis
     return fns, schemas
 
 
+def row_kwargs(params: dict[str, dict[str, inspect.Parameter]], sample: dict) -> dict[str, dict]:
+    """Per tool (`params`: each tool's row parameters, by name), the arguments `sample` (a dataset row as
+    a dict: `extra_info`, `uid`) gives it: `extra_info.tools_kwargs[name]`'s create_kwargs and
+    execute_kwargs merged. Tools it has no kwargs for are left out. A `ToolError` naming the row and the
+    tool when they do not fit the function (see the module docstring)."""
+    where = f"data row {sample.get('uid') or '?'}: extra_info.tools_kwargs"
+    given = (sample.get("extra_info") or {}).get("tools_kwargs") or {}
+    if not isinstance(given, dict):
+        raise ToolError(
+            f"{where} must be an object {{tool name: {{create_kwargs: {{...}}, execute_kwargs: {{...}}}}}}, "
+            f"got {type(given).__name__}"
+        )
+    out = {}
+    for name, accepted in params.items():
+        entry = given.get(name) or {}  # parquet fills a tool that another row names with null
+        if not isinstance(entry, dict):
+            raise ToolError(f"{where}.{name} must be an object, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - set(ROW_KWARGS_READ) - set(ROW_KWARGS_IGNORED))
+        if unknown:
+            raise ToolError(
+                f"{where}.{name} has {', '.join(map(repr, unknown))}: verl's keys are "
+                f"{' and '.join(ROW_KWARGS_READ)} (passed to the tool) and {' and '.join(ROW_KWARGS_IGNORED)} "
+                "(ignored here)"
+            )
+        kwargs: dict = {}
+        for key in ROW_KWARGS_READ:
+            part = entry.get(key) or {}
+            if not isinstance(part, dict):
+                raise ToolError(f"{where}.{name}.{key} must be an object, got {type(part).__name__}")
+            clash = [k for k in part if k in kwargs and kwargs[k] != part[k]]
+            if clash:
+                raise ToolError(
+                    f"{where}.{name}: {clash[0]!r} differs between create_kwargs and execute_kwargs"
+                )
+            kwargs.update(part)
+        extra = [k for k in kwargs if k not in accepted]
+        if extra:
+            takes = ", ".join(accepted) or "none"
+            raise ToolError(
+                f"{where}.{name} passes {', '.join(map(repr, extra))}, which {name} does not take; its row "
+                f"arguments (keyword-only parameters, after `*`) are: {takes}"
+            )
+        missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in kwargs]
+        if missing:
+            raise ToolError(
+                f"{where}.{name} does not give {', '.join(map(repr, missing))}, which {name} needs (a "
+                "keyword-only parameter without a default)"
+            )
+        if kwargs:
+            out[name] = kwargs
+    return out
+
+
+def check_tools_kwargs(specs: list[str], rows: list, field_name: str = "rollout.tools") -> None:
+    """Load the tools `specs` names and check every row's `extra_info.tools_kwargs` against them (`rows`:
+    `rl_tpu.data.Example`s): a `ToolError` naming the first row and tool that do not fit. Cheap: the
+    driver runs it before Ray starts."""
+    fns, schemas = load_tools(specs, field_name)
+    params = {s["function"]["name"]: row_parameters(fn) for fn, s in zip(fns, schemas)}
+    for row in rows:
+        row_kwargs(params, {"extra_info": row.extra_info, "uid": row.uid})
+
+
 class Tools:
     """The functions `specs` names: their schemas (`schemas`, for `tools=`) and `workers` processes that
     run calls. Each worker is its own single-process `CallPool` with a thread that drives it, so calls
@@ -157,7 +262,10 @@ class Tools:
     ):
         fns, self.schemas = load_tools(specs, field_name)
         self.names = [s["function"]["name"] for s in self.schemas]
-        self._signatures = [inspect.signature(fn) for fn in fns]
+        self._row_params = {name: row_parameters(fn) for name, fn in zip(self.names, fns)}
+        self._signatures = [  # what the model may write: the row parameters left out
+            inspect.signature(_model_view(fn)) for fn in fns
+        ]
         self._log_failure = threading.Lock()  # taken by the first failure (calls run on threads)
         self.memory_mb = memory_mb
         self.pools: list[CallPool] = []
@@ -192,8 +300,22 @@ class Tools:
         for pool in self.pools:
             pool.close()
 
+    def bind(self, calls: list[ToolCall], sample: dict) -> list[ToolCall]:
+        """`calls` (parsed from a trajectory's turn) with the row's arguments attached: each well-formed
+        call to a tool `sample`'s `extra_info.tools_kwargs` gives kwargs to carries them in `row_kwargs`.
+        `sample` is the dataset row as a dict (`extra_info`, `uid`); a `ToolError` naming the row and the
+        tool when its kwargs do not fit (see the module docstring)."""
+        if not calls:
+            return calls
+        given = row_kwargs(self._row_params, sample)
+        return [
+            replace(c, row_kwargs=dict(given[c.name])) if c.error is None and c.name in given else c
+            for c in calls
+        ]
+
     def check(self, call: ToolCall) -> str | None:
-        """Why `call` cannot run (malformed, unknown tool, wrong argument names), or None."""
+        """Why `call` cannot run (malformed, unknown tool, wrong names among the arguments the model
+        wrote, row parameters included: those are not the model's), or None."""
         if call.error:
             return call.error
         if call.name not in self.names:
@@ -223,7 +345,12 @@ class Tools:
                 todo.append(k)
         pool = self._free.get()
         try:
-            out = pool.run([(self.names.index(calls[k].name), calls[k].arguments) for k in todo])
+            out = pool.run(
+                [
+                    (self.names.index(calls[k].name), {**calls[k].arguments, **calls[k].row_kwargs})
+                    for k in todo
+                ]
+            )
         finally:
             self._free.put(pool)
         for k, r in zip(todo, out):

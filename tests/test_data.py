@@ -125,6 +125,41 @@ def test_reads_a_verl_gsm8k_style_parquet_written_by_pyarrow(tmp_path):
     assert back[0].messages == [{"role": "user", "content": "What is 1+1?"}]
 
 
+@pytest.mark.parametrize("writer", ["parquet", "jsonl"])
+def test_verl_agent_loop_rows_keep_tools_kwargs_and_interaction_kwargs(writer, tmp_path):
+    """verl's multi-turn rows (its gsm8k_tool_agent_loop preprocessing): `extra_info.tools_kwargs` and
+    `interaction_kwargs` come back as written. Parquet gives every row the keys any row has, as nulls:
+    they are dropped at every depth, so a tool gets only its own row's kwargs."""
+    extra = [
+        {
+            "index": 0,
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72", "unit": "cm"}}},
+            "interaction_kwargs": {"name": "gsm8k", "query": "q0", "ground_truth": "72"},
+        },
+        {
+            "index": 1,
+            "tools_kwargs": {
+                "search": {"create_kwargs": {"ground_truth": "10"}, "execute_kwargs": {"top_k": 3}}
+            },
+            "interaction_kwargs": {"name": "gsm8k", "ground_truth": "10"},
+        },
+    ]
+    rows = [_row(extra_info=e) for e in extra]
+    path = tmp_path / f"agent.{writer}"
+    if writer == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        # what parquet itself stores for the second row: the first row's tool and keys, as nulls
+        stored = pq.read_table(path).to_pylist()[1]["extra_info"]
+        assert (
+            stored["tools_kwargs"]["calc_gsm8k_reward"] is None
+            and stored["interaction_kwargs"]["query"] is None
+        )
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [e.extra_info for e in load_examples(path)] == extra
+
+
 def test_malformed_parquet_row_and_bad_files_are_named(tmp_path):
     rows = [_row(), _row(), _row(prompt=[])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")

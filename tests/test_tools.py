@@ -208,6 +208,184 @@ def test_run_answers_every_call_in_order_and_survives_a_hang(tools):
     assert [r.text for r in tools.run(parse_tool_calls(call("multiply", a=3, b=3)))] == ["9"]  # still usable
 
 
+ROW_TOOLS_PY = '''
+import json
+
+
+def check(answer: str, *, ground_truth, unit: str = "") -> str:
+    """Check an answer against the row's ground truth.
+
+    Args:
+        answer: The answer to check.
+    """
+    return json.dumps({"answer": answer, "ground_truth": ground_truth, "unit": unit})
+
+
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+'''
+
+
+@pytest.fixture(scope="module")
+def row_tools_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("row_tools") / "row_tools.py"
+    path.write_text(textwrap.dedent(ROW_TOOLS_PY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def row_tools(row_tools_file):
+    t = Tools([f"{row_tools_file}:check", f"{row_tools_file}:echo"], timeout_s=5.0, workers=1)
+    yield t
+    t.close()
+
+
+def test_keyword_only_parameters_are_hidden_from_the_model(row_tools):
+    """A tool's keyword-only parameters come from the row: not in the schema the model sees (they need no
+    type hint or docstring entry), and a model-written argument of that name is an unexpected one."""
+    assert row_tools.schemas[0] == {
+        "type": "function",
+        "function": {
+            "name": "check",
+            "description": "Check an answer against the row's ground truth.",
+            "parameters": {
+                "type": "object",
+                "properties": {"answer": {"type": "string", "description": "The answer to check."}},
+                "required": ["answer"],
+            },
+            "return": {"type": "string"},
+        },
+    }
+    assert row_tools.check(ToolCall("check", {"answer": "7"})) is None  # the row's part is not the model's
+    assert row_tools.check(ToolCall("check", {"answer": "7", "ground_truth": "7"})) == (
+        "wrong arguments for check: got an unexpected keyword argument 'ground_truth'"
+    )
+    assert row_tools.check(ToolCall("check", {})) == (
+        "wrong arguments for check: missing a required argument: 'answer'"
+    )
+
+
+def test_bind_gives_a_call_its_rows_tools_kwargs(row_tools):
+    """verl's `extra_info.tools_kwargs[name]`: create_kwargs and execute_kwargs merged reach the tool;
+    calc_reward_kwargs, release_kwargs and tools the run does not have are ignored."""
+    import json
+
+    sample = {
+        "uid": "rows.jsonl:3",
+        "extra_info": {
+            "tools_kwargs": {
+                "check": {
+                    "create_kwargs": {"ground_truth": "408"},
+                    "execute_kwargs": {"unit": "cm", "ground_truth": "408"},
+                    "calc_reward_kwargs": {"whatever": 1},
+                    "release_kwargs": {},
+                },
+                "search": {"create_kwargs": {"index": "wiki"}},  # a tool this run does not have
+            }
+        },
+    }
+    text = call("check", answer="408") + call("echo", text="hi") + "<tool_call>{bad</tool_call>"
+    calls = row_tools.bind(parse_tool_calls(text), sample)
+    assert [c.row_kwargs for c in calls] == [{"ground_truth": "408", "unit": "cm"}, {}, {}]
+    assert calls[0].arguments == {"answer": "408"}  # what the model wrote stays apart
+    results = [r.text for r in row_tools.run(calls)]
+    assert json.loads(results[0]) == {"answer": "408", "ground_truth": "408", "unit": "cm"}
+    assert results[1] == "hi" and results[2].startswith("Error: the tool call is not valid JSON")
+    # a row without tools_kwargs binds nothing; the tool then misses its row argument: bind says which
+    assert row_tools.bind([], {"uid": "r", "extra_info": {}}) == []
+    with pytest.raises(ToolError) as e:
+        row_tools.bind(parse_tool_calls(call("echo", text="x")), {"uid": "rows.jsonl:4", "extra_info": {}})
+    assert str(e.value) == (
+        "data row rows.jsonl:4: extra_info.tools_kwargs.check does not give 'ground_truth', which check "
+        "needs (a keyword-only parameter without a default)"
+    )
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            {"check": {"create_kwargs": {"ground_truth": "1", "tolerance": 0.1}}},
+            "extra_info.tools_kwargs.check passes 'tolerance', which check does not take; its row arguments "
+            "(keyword-only parameters, after `*`) are: ground_truth, unit",
+        ),
+        (
+            {"check": {"create_kwargs": {"ground_truth": "1"}}, "echo": {"execute_kwargs": {"loud": True}}},
+            "extra_info.tools_kwargs.echo passes 'loud', which echo does not take; its row arguments "
+            "(keyword-only parameters, after `*`) are: none",
+        ),
+        (
+            {"check": {"create_kwarg": {"ground_truth": "1"}}},
+            "extra_info.tools_kwargs.check has 'create_kwarg': verl's keys are create_kwargs and "
+            "execute_kwargs (passed to the tool) and calc_reward_kwargs and release_kwargs (ignored here)",
+        ),
+        (
+            {"check": {"create_kwargs": {"ground_truth": "1"}, "execute_kwargs": {"ground_truth": "2"}}},
+            "extra_info.tools_kwargs.check: 'ground_truth' differs between create_kwargs and execute_kwargs",
+        ),
+        (
+            {"check": {"create_kwargs": ["ground_truth"]}},
+            "extra_info.tools_kwargs.check.create_kwargs must be an object, got list",
+        ),
+        (
+            "check",
+            "extra_info.tools_kwargs must be an object {tool name: {create_kwargs: {...}, execute_kwargs: "
+            "{...}}}, got str",
+        ),
+    ],
+)
+def test_row_kwargs_a_tool_does_not_take_are_an_error_naming_row_and_tool(row_tools, given, message):
+    """The data's mistake, not the model's: an error naming the row and the tool (never a tool message)."""
+    sample = {"uid": "train.parquet:17", "extra_info": {"tools_kwargs": given}}
+    with pytest.raises(ToolError) as e:
+        row_tools.bind(parse_tool_calls(call("check", answer="1")), sample)
+    assert str(e.value) == f"data row train.parquet:17: {message}"
+
+
+def test_the_loop_checks_every_rows_tools_kwargs_before_ray_starts(tmp_path, row_tools_file, monkeypatch):
+    """`rl-tpu train` refuses a data file whose tools_kwargs do not fit the tools, naming the file's row,
+    before Ray starts (the train rows and the test rows alike)."""
+    import json
+
+    from rl_tpu.config import load_config
+    from rl_tpu.data import make_synthetic
+    from rl_tpu.data.files import write_jsonl
+    from rl_tpu.loop import train
+    from rl_tpu.tools import check_tools_kwargs
+
+    train_rows, test_rows = make_synthetic("arithmetic", 4, 2)
+    for ex in train_rows + test_rows:
+        ex.extra_info["tools_kwargs"] = {"check": {"create_kwargs": {"ground_truth": ex.ground_truth}}}
+    specs = [f"{row_tools_file}:check", f"{row_tools_file}:echo"]
+    check_tools_kwargs(specs, train_rows + test_rows)  # these fit
+    test_rows[1].extra_info["tools_kwargs"]["check"]["create_kwargs"]["tolerance"] = 1
+    write_jsonl(train_rows, tmp_path / "train.jsonl")
+    write_jsonl(test_rows, tmp_path / "test.jsonl")
+    cfg = load_config(
+        None,
+        [
+            f'--data.train_files=["{tmp_path / "train.jsonl"}"]',
+            f'--data.test_files=["{tmp_path / "test.jsonl"}"]',
+            f"--rollout.tools={json.dumps(specs)}",
+            f"--logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    started = []
+    monkeypatch.setattr("rl_tpu.loop.start_ray", lambda *a, **kw: started.append(a))
+    with pytest.raises(ToolError) as e:
+        train(cfg)
+    assert str(e.value) == (
+        "data row test.jsonl:2: extra_info.tools_kwargs.check passes 'tolerance', which check does not "
+        "take; its row arguments (keyword-only parameters, after `*`) are: ground_truth, unit"
+    )
+    assert started == []
+
+
 def _scripted(tok, texts):
     """A generate that answers prompt k of each call with texts[k] of that turn (plus the stop token)."""
     eos = tok.convert_tokens_to_ids(tok.eos_token)

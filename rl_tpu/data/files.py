@@ -12,7 +12,8 @@ Invariants:
 - `write_parquet` then `load_examples` gives back equal examples (uid aside) when the rows of one file
   share their types (one task per file); parquet cannot hold a column that is a string in one row and an
   object in another, and such a write raises `DataError` suggesting JSONL. Keys absent from some rows'
-  `extra_info` come back absent (parquet stores them as nulls; nulls are dropped on reading).
+  `extra_info` come back absent (parquet stores them as nulls; nulls are dropped on reading), and so do
+  those absent from verl's `extra_info.tools_kwargs` and `interaction_kwargs`, at any depth.
 """
 
 from __future__ import annotations
@@ -98,8 +99,24 @@ def _read_parquet(path: Path) -> list[Example]:
     for i, row in enumerate(rows):
         if isinstance(row.get("extra_info"), dict):
             row["extra_info"] = {k: v for k, v in row["extra_info"].items() if v is not None}
+            for key in NESTED_KWARGS:
+                if key in row["extra_info"]:
+                    row["extra_info"][key] = _without_nulls(row["extra_info"][key])
         out.append(example_from_row(row, f"{path} row {i}", f"{path.name}:{i}"))
     return out
+
+
+# verl's per-row settings for tools and interactions: objects whose keys differ between rows, so parquet
+# gives each row every key any row has, null where it had none; nulls are dropped at every depth
+NESTED_KWARGS = ("tools_kwargs", "interaction_kwargs")
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _read_jsonl(path: Path) -> list[Example]:

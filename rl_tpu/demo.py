@@ -7,7 +7,8 @@
    sync every step), learning from prompts and the verifier only: no answers are shown;
 4. control: from the same SFT checkpoint, more SFT on the same demonstrations for the same wall time
    as the GRPO loop took;
-5. held-out accuracy (prompts never trained on) with vLLM greedy decoding for all three;
+5. held-out accuracy (prompts never trained on) with vLLM greedy decoding for all three
+   (`rl_tpu.evaluation.Evaluator`, the loop's own evaluation);
 6. OUT/report.json, OUT/curves.png and a summary table.
 
 Why limited demonstrations and a control: with unlimited demonstrations, continued fine-tuning alone
@@ -24,9 +25,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_tpu.config import Config, load_config, with_overrides
+
+if TYPE_CHECKING:
+    from rl_tpu.evaluation import Evaluator
 
 
 @dataclass(kw_only=True)
@@ -109,28 +113,6 @@ def demo_config(plan: DemoPlan, out: Path) -> Config:
             "--checkpoint.keep_last=1",
         ],
     )
-
-
-class Evaluator:
-    """Held-out greedy accuracy of a HF model folder on the demo's engines (a `RolloutGroup` it does not own)."""
-
-    def __init__(self, cfg: Config, rollout, tok, test_set):
-        from rl_tpu.rewards import RewardPool
-
-        self.cfg, self.rollout, self.tok, self.test_set = cfg, rollout, tok, test_set
-        self.pool = RewardPool(cfg.reward)
-        self.version = 0
-
-    def accuracy(self, model_dir: str | Path | None = None) -> float:
-        from rl_tpu.loop import evaluate
-
-        if model_dir is not None:
-            self.version += 1
-            self.rollout.load_weights_full(str(Path(model_dir) / "model.safetensors"), self.version)
-        return evaluate(self.cfg, self.rollout, self.pool, self.test_set, self.tok)["eval/accuracy"]
-
-    def close(self) -> None:
-        self.pool.close()
 
 
 def _sft_phase(
@@ -220,6 +202,7 @@ def run_demo(
 ) -> dict:
     from rl_tpu.cluster import start_ray
     from rl_tpu.data import make_synthetic
+    from rl_tpu.evaluation import Evaluator
     from rl_tpu.loop import start_shared_roles, train
     from rl_tpu.metrics import read_metrics
     from rl_tpu.model_folder import load_tokenizer
@@ -337,7 +320,7 @@ def plot_demo(report: dict, path: Path) -> Path:
     curve = report["grpo_curve"]
     ax1.plot([r["step"] for r in curve], [r["reward/mean"] for r in curve], label="GRPO train reward")
     evals = [r for r in curve if "eval/accuracy" in r]
-    if evals:  # the tools demo evaluates GRPO once, at its end (the loop's evaluation is single-turn)
+    if evals:  # the tools demo evaluates GRPO once, at its end
         ax1.plot(
             [r["step"] for r in evals],
             [r["eval/accuracy"] for r in evals],

@@ -12,8 +12,10 @@ can with the `multiply` tool: it writes a call in the Qwen3 / Hermes format, rea
 4. control: more SFT on the same demonstrations for the same wall time as GRPO's steps;
 5. GRPO from the same checkpoint without the tool (the same steps), to show the tool is what it learns
    to use;
-6. held-out accuracy of each, evaluated multi-turn with the tool (greedy; without it for the no-tool
-   arm); OUT/report.json, OUT/curves.png and a table.
+6. held-out accuracy of each, evaluated as the loop evaluates (`rl_tpu.evaluation.Evaluator`: greedy,
+   multi-turn with the tool running; single-turn without it for the no-tool arm), and tool use (the
+   share of held-out prompts on which the model wrote a tool call); OUT/report.json, OUT/curves.png
+   and a table.
 
 It reuses the addition demo's machinery (rl_tpu/demo.py): the plan, the SFT phase with early stopping,
 one trainer group and one engine for the whole run, the report's curves. docs/demo.md has the measured
@@ -32,7 +34,6 @@ from rl_tpu.config import Config, with_overrides
 from rl_tpu.data import Example
 from rl_tpu.demo import (
     DemoPlan,
-    Evaluator,
     _grpo_curve,
     _secs,
     _sft_phase,
@@ -155,65 +156,9 @@ def tools_config(plan: ToolsDemoPlan, out: Path, data: Path, tools: bool = True)
             f"--rollout.tools={json.dumps([TOOL_SPEC] if tools else [])}",
             "--rollout.tool_workers=1",
             "--rollout.tool_timeout_s=5",
-            "--trainer.test_freq=0",  # the loop's evaluation is single-turn: this demo evaluates itself
+            "--trainer.test_freq=0",  # each arm is evaluated once, at its end, with the same Evaluator
         ],
     )
-
-
-class ToolEvaluator(Evaluator):
-    """Held-out greedy accuracy, multi-turn: the model's tool calls run and it answers after their
-    results, as in GRPO's rollouts (`tools=False`: one turn, no tool)."""
-
-    def __init__(self, cfg: Config, rollout, tok, test_set, tools: bool = True):
-        from rl_tpu.multi_turn import MultiTurn
-        from rl_tpu.tools import Tools
-
-        super().__init__(cfg, rollout, tok, test_set)
-        rc = cfg.rollout
-        self.tools = Tools([TOOL_SPEC], timeout_s=rc.tool_timeout_s, workers=1) if tools else None
-        self.turns = MultiTurn(
-            tok,
-            None,
-            lambda prompts, max_tokens: [
-                g[0] for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-            ],
-            max_turns=rc.max_turns,
-            max_tokens=rc.max_tokens,
-            max_total_tokens=rc.max_model_len - cfg.data.max_prompt_length,
-            tools=self.tools,
-        )
-
-    def accuracy(self, model_dir: str | Path | None = None) -> float:
-        self.last = self.evaluate(model_dir)
-        return self.last["accuracy"]
-
-    def evaluate(self, model_dir: str | Path | None = None) -> dict[str, float]:
-        """Accuracy, and the share of held-out prompts on which the model called the tool."""
-        from dataclasses import asdict as as_dict
-
-        from rl_tpu.producer import score_groups
-
-        if model_dir is not None:
-            self.version += 1
-            self.rollout.load_weights_full(str(Path(model_dir) / "model.safetensors"), self.version)
-        trajs = self.turns.rollout([as_dict(ex) for ex in self.test_set])
-        scores, _ = score_groups(
-            self.pool, self.test_set, [[t.completion(i, 0)] for i, t in enumerate(trajs)]
-        )
-        return {
-            "accuracy": sum(s >= 1.0 for s in scores) / len(scores),
-            "tool_use": sum(
-                any("<tool_call>" in m["content"] for m in t.messages if m["role"] == "assistant")
-                or "<tool_call>" in t.last_text
-                for t in trajs
-            )
-            / len(trajs),
-        }
-
-    def close(self) -> None:
-        super().close()
-        if self.tools is not None:
-            self.tools.close()
 
 
 def _add_tools_template(model_dir: Path) -> None:
@@ -232,6 +177,7 @@ def run_tools_demo(
 ) -> dict:
     from rl_tpu.cluster import start_ray
     from rl_tpu.data.files import write_jsonl
+    from rl_tpu.evaluation import Evaluator
     from rl_tpu.loop import start_shared_roles, train
     from rl_tpu.metrics import read_metrics
     from rl_tpu.model_folder import load_tokenizer
@@ -263,8 +209,9 @@ def run_tools_demo(
         roles = start_shared_roles(cfg, str(base))
     ev = ev_plain = None
     try:
-        ev = ToolEvaluator(cfg, roles.rollout, tok.result(), test_set)
-        ev_plain = ToolEvaluator(cfg, roles.rollout, tok.result(), test_set, tools=False)
+        ev = Evaluator(cfg, roles.rollout, tok.result(), test_set)
+        no_tool_cfg = tools_config(plan, out / "logs", out / "data", tools=False)
+        ev_plain = Evaluator(no_tool_cfg, roles.rollout, tok.result(), test_set)
         session = SFTSession(sft_cfg, str(base), tok.result(), trainer=roles.trainer)
         acc_base = ev.accuracy()
         log(f"untrained held-out accuracy {acc_base:.3f}")
@@ -272,9 +219,10 @@ def run_tools_demo(
         log("SFT on the demonstrations until held-out accuracy stops improving")
         sft = _sft_phase(session, demos, plan, ev, out / "sft", wall_budget=None, early_stop=True, log=log)
         acc_sft = sft["best_accuracy"]
-        sft_eval = ev.evaluate(sft["model"])
+        ev.evaluate(sft["model"])
+        tool_use_sft = ev.tool_use
         log(
-            f"SFT best held-out accuracy {acc_sft:.3f} at step {sft['best_step']}, tool use {sft_eval['tool_use']:.2f}"
+            f"SFT best held-out accuracy {acc_sft:.3f} at step {sft['best_step']}, tool use {tool_use_sft:.2f}"
         )
 
         arms = {}
@@ -291,7 +239,8 @@ def run_tools_demo(
             grpo_cfg.logging.verbose = verbose
             result = train(grpo_cfg, roles=roles)
             rows = read_metrics(out / name)
-            scores = (ev if tools else ev_plain).evaluate(result["hf"])
+            arm_ev = ev if tools else ev_plain
+            scores = {"accuracy": arm_ev.accuracy(result["hf"]), "tool_use": arm_ev.tool_use}
             arms[name] = {"rows": rows, "seconds": sum(r["time/step"] for r in rows), **scores}
             log(
                 f"GRPO {'with' if tools else 'without'} the tool: {len(rows)} steps in "
@@ -305,7 +254,7 @@ def run_tools_demo(
             session, demos, plan, ev, out / "control", wall_budget=grpo_seconds, early_stop=False, log=log
         )
         acc_control = control["curve"][-1]["accuracy"] if control["curve"] else acc_sft
-        tool_use_control = ev.last["tool_use"] if control["curve"] else sft_eval["tool_use"]
+        tool_use_control = ev.tool_use if control["curve"] else tool_use_sft
     finally:
         for e in (ev, ev_plain):
             if e is not None:
@@ -323,7 +272,7 @@ def run_tools_demo(
         "accuracy_control": acc_control,
         "rl_gain_over_sft": acc_rl - acc_sft,
         "rl_gain_over_control": acc_rl - acc_control,
-        "tool_use_sft": sft_eval["tool_use"],
+        "tool_use_sft": tool_use_sft,
         "tool_use_control": tool_use_control,
         "tool_use_rl": arms["grpo"]["tool_use"],
         "tool_use_rl_no_tool": arms["grpo_no_tool"]["tool_use"],

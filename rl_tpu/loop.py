@@ -5,7 +5,9 @@ One step reads top to bottom (`rl_step`):
     prompts -> rollout.generate (vLLM actors) -> rewards (process pool) -> advantages (pure math)
             -> trainer.train_step (TorchTitan actors) -> weight sync (the next policy version) -> eval
 
-and `train` logs it and checkpoints. Modes (`cluster.mode`):
+and `train` logs it and checkpoints. The evaluation (every `trainer.test_freq` steps and after the last)
+is greedy on the held-out prompts, multi-turn with the tools and the environment when the run has them
+(`rl_tpu.evaluation`). Modes (`cluster.mode`):
 - `sync`: strictly on-policy; the engine generates step k with the weights of step k-1.
 - `async` (runs `disaggregated`, which `cluster.placement = "auto"` picks: generation and training run at
   the same time, so they cannot take turns on shared devices): the loop is a producer and a consumer
@@ -51,13 +53,14 @@ from rl_tpu.batching import RolloutBatch, build_rollout_batch, staleness_metrics
 from rl_tpu.checkpoint import check_resume_model, load_state, resolve_resume, save_checkpoint
 from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
-from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
+from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths
+from rl_tpu.evaluation import Evaluator
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.multi_turn import load_env
 from rl_tpu.placement import plan_from_config
 from rl_tpu.preflight import run_preflight
-from rl_tpu.producer import Rollouts, Scored, generate_and_score, score_groups
+from rl_tpu.producer import Rollouts, Scored, generate_and_score
 from rl_tpu.rewards import RewardPool
 from rl_tpu.roles import Roles, check_roles, start_shared_roles, write_placement_json
 from rl_tpu.tools import check_tools_kwargs
@@ -156,19 +159,6 @@ def step_metrics(rb: RolloutBatch, trainer_version: int) -> dict[str, float]:
     } | staleness_metrics(rb.batch, trainer_version)
 
 
-def evaluate(cfg: Config, rollout, pool: RewardPool, test_set: list[Example], tok) -> dict[str, float]:
-    """Greedy decoding on the held-out prompts; accuracy = share of completions scoring >= 1."""
-    if not test_set:
-        return {}
-    prompts = encode_prompts(tok, test_set, cfg.data.max_prompt_length, cfg.data.truncation)
-    groups = rollout.generate(prompts, n=1, temperature=0.0)
-    scores, _ = score_groups(pool, test_set, groups)
-    return {
-        "eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
-        "eval/reward_mean": sum(scores) / len(scores),
-    }
-
-
 @dataclass
 class Run:
     """What every step of one run uses: its config, roles, weight sync, data and rewards."""
@@ -180,7 +170,7 @@ class Run:
     rollouts: Rollouts
     pool: RewardPool
     tok: Any
-    test_set: list[Example]
+    evaluator: Evaluator | None  # the held-out prompts' (None: `trainer.test_freq = 0` or no test set)
     colocated: bool  # trainer and engines take turns on shared devices
 
 
@@ -209,10 +199,10 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
     run.rollouts.updated(trainer.policy_version)
     timings["time/sync"] = metrics["sync/seconds"]
     # 4. evaluation
-    if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+    if run.evaluator is not None and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
         t = time.perf_counter()
         with run.rollouts.turns.exclusive():
-            metrics |= evaluate(cfg, rollout, run.pool, run.test_set, run.tok)
+            metrics |= run.evaluator.evaluate()
         timings["time/eval"] = time.perf_counter() - t  # part of time/step; benches leave it out
     metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
     timings["time/step"] = time.perf_counter() - t_step
@@ -276,7 +266,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # syntax or import error before the trainer and engines start.
     pool = RewardPool(cfg.reward)
 
-    own = trainer = sync = rollouts = logger = bar = None  # own: the roles this run starts (and ends)
+    own = trainer = sync = rollouts = evaluator = logger = bar = None  # own: the roles this run starts
     finished = False
     last: dict[str, float] = {}
     step = 0
@@ -332,7 +322,9 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             version=trainer.policy_version,
             steps=cfg.trainer.total_steps - step,
         )
-        run = Run(cfg, trainer, rollout, sync, rollouts, pool, tok, test_set, plan.placement == "colocated")
+        if cfg.trainer.test_freq and test_set:
+            evaluator = Evaluator(cfg, rollout, tok, test_set, pool=pool)
+        run = Run(cfg, trainer, rollout, sync, rollouts, pool, tok, evaluator, plan.placement == "colocated")
         logger = MetricsLogger(run_dir, cfg.logging, resume_step=step, config=to_dict(cfg))
         startup_s: float | None = time.perf_counter() - t_start  # Ray, rewards, roles, plan: ready
         log.info("ready for the first step after %.1f s", startup_s)
@@ -361,7 +353,7 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
         hf = trainer.export_hf(str(run_dir / "hf"))  # the trained policy as a Hugging Face folder
         finished = True
     finally:
-        _close_run(rollouts, bar, logger, pool, sync, own=own, failing=not finished)
+        _close_run(rollouts, evaluator, bar, logger, pool, sync, own=own, failing=not finished)
         if roles is not None:
             roles.rollout.on_restart = None  # this run's sync is closed; the caller keeps the roles
             # and an engine restarted between jobs gets this run's policy (none if the run stopped early)

@@ -1,5 +1,6 @@
 """Multi-turn rollouts in `rl-tpu train` (real Ray, a 2-rank trainer, two vLLM-CPU engines, `sync.verify`):
-an environment answers each turn, and only the tokens the policy sampled carry loss."""
+an environment answers each turn, and only the tokens the policy sampled carry loss. The held-out
+evaluation runs the environment too, and scores as training does."""
 
 import json
 import textwrap
@@ -77,18 +78,24 @@ def test_multi_turn_config_errors(tmp_path):
 @pytest.mark.usefixtures("loop_ray")
 def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
     from rl_tpu.loop import train
+    from rl_tpu.multi_turn import MultiTurn
     from rl_tpu.trainer.group import TrainerGroup
 
-    trained = []
-    original = TrainerGroup.train_step
+    trained, rollouts = [], []
+    original, rollout = TrainerGroup.train_step, MultiTurn.rollout
 
     def recording(self, batch, algo_cfg):
         trained.append(batch)
         return original(self, batch, algo_cfg)
 
+    def record_rollout(self, samples, n=1):
+        rollouts.append((n, rollout(self, samples, n)))
+        return rollouts[-1][1]
+
     monkeypatch.setattr(TrainerGroup, "train_step", recording)
+    monkeypatch.setattr(MultiTurn, "rollout", record_rollout)
     steps = 2
-    train(_cfg(tmp_path, steps))
+    train(_cfg(tmp_path, steps, "--trainer.test_freq=2", "--data.synthetic_test_size=6"))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/samples"] for r in rows] == [4] * steps
     assert all(r["sync/verified_params"] > 0 for r in rows)
@@ -111,3 +118,18 @@ def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
         assert (b.rollout_log_probs[m] < 0).all() and (b.rollout_log_probs[~m] == 0).all()
         assert (b.policy_versions[m] >= 0).all()
     assert inserted > 0  # environment messages were in the trained rows, masked out of the loss
+    # the evaluation (after step 2) ran greedy trajectories with the environment, one per test prompt,
+    # scored as training scores them: the environment's reward, else the reward function on the last turn
+    assert [n for n, _ in rollouts] == [2, 2, 1] and "eval/accuracy" not in rows[0]
+    evaluated, last = rollouts[2][1], rows[1]
+    assert len(evaluated) == 6 and all(t.sample["extra_info"]["split"] == "test" for t in evaluated)
+    assert last["eval/turns_mean"] == sum(t.turns for t in evaluated) / 6
+    assert last["eval/env_reward_frac"] == sum(t.reward is not None for t in evaluated) / 6
+    assert last["eval/env_errors"] == sum(t.env_error for t in evaluated)
+    scores = [
+        t.reward if t.reward is not None else sum(ch.isdigit() for ch in t.last_text[:64]) / 16.0
+        for t in evaluated
+    ]
+    assert last["eval/reward_mean"] == sum(scores) / 6
+    assert last["eval/accuracy"] == sum(s >= 1.0 for s in scores) / 6
+    assert "eval/tool_calls" not in last  # no tools in this run

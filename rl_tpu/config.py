@@ -92,6 +92,23 @@ class TrainerConfig:
     # shards, gathered by a parametrization in each forward, so the collectives can live in a compiled
     # graph). Weight sync reads the shards' placements from the DTensors either way
     fsdp: Literal["fsdp2", "simple"] = "fsdp2"
+    # activation checkpointing of the trained models' transformer blocks, TorchTitan's own policies
+    # (torchtitan/distributed/activation_checkpoint.py) applied in its order (after TP/EP, before compile
+    # and FSDP): "none"; "selective" (SelectiveAC: keeps the outputs of matmuls and attention, every second
+    # matmul recomputed); "full" (FullAC: keeps each block's input and recomputes the block in backward).
+    # Same loss and gradients, less activation memory for more compute (`rl-tpu estimate` counts it)
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    # move the activations saved for backward to host memory. TorchTitan 0.3.0 offers it only inside its
+    # graph trainer's compile pipeline (experiments/graph_trainer, memory_policy "sac_and_offload": a pass
+    # over its traced joint graph, with accelerator streams and pinned host memory), which this trainer
+    # does not run; on CPU the host is the device. true is refused (docs/decisions.md)
+    activation_offload: bool = False
+    # the decoders' inner attention (TorchTitan's; rl_tpu/devices/kernels.py): "sdpa" (ScaledDotProduct-
+    # Attention, packed shared-prompt rows as padded views; every device) or "flex" (FlexAttention, the
+    # packed rows' mask as a block mask; trains on CUDA only: torch has no FlexAttention backward on CPU).
+    # "auto": the device's default (cuda: flex, falling back to sdpa without Triton; others: sdpa).
+    # `rl-tpu doctor` says what each device gets
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
     # float32 matmuls of the model's linears and log-prob head on CPU (trainer/cpu_matmul.py): "auto" times
     # MKL (aten) and oneDNN on the model's shapes at start and runs each matmul on the faster (cached per
     # CPU model, torch and thread count, so a machine keeps its choice); "onednn" or "aten" (torch's
@@ -534,6 +551,44 @@ def _check_cross_fields(cfg: Config) -> None:
             f'config error: `trainer.device = "{cfg.trainer.device}"` and `rollout.device` is unset, so '
             f"the engines would run on {cfg.trainer.device!r}, where no vLLM engine runs: set "
             "--rollout.device=cpu (vLLM-CPU; --rollout.device=tpu on a TPU VM)"
+        )
+    if cfg.trainer.attention == "flex":
+        from rl_tpu.devices import DEVICES
+        from rl_tpu.devices.kernels import attention_missing
+
+        missing = attention_missing("flex", DEVICES[cfg.trainer.device], has_triton=True)
+        if missing:
+            raise ConfigError(
+                f'config error: `trainer.attention = "flex"` on trainer.device = "{cfg.trainer.device}": '
+                f'{missing}; use "sdpa" or "auto"'
+            )
+    if (
+        cfg.trainer.activation_checkpoint != "none"
+        and cfg.trainer.fsdp == "simple"
+        and cfg.trainer.mode == "compile"
+    ):
+        raise ConfigError(
+            f'config error: `trainer.activation_checkpoint = "{cfg.trainer.activation_checkpoint}"` does not '
+            'run with `trainer.fsdp = "simple"` and `trainer.mode = "compile"` together: AOTAutograd fails on '
+            "SimpleFSDP's all-gathers inside a checkpointed compiled block (it saves their DeviceMesh as a "
+            'tensor, torch 2.13); use trainer.fsdp = "fsdp2" or trainer.mode = "eager"'
+        )
+    if cfg.trainer.activation_checkpoint != "none" and cfg.trainer.mode == "graph":
+        raise ConfigError(
+            f'config error: `trainer.activation_checkpoint = "{cfg.trainer.activation_checkpoint}"` is not '
+            'verified with `trainer.mode = "graph"` (whose captured graph has its own memory policy): use '
+            '"none" there'
+        )
+    if cfg.trainer.activation_offload:
+        raise ConfigError(
+            "config error: `trainer.activation_offload = true`: "
+            + (
+                f'trainer.device = "{cfg.trainer.device}" computes in host memory, so there is no device '
+                "memory to offload activations from"
+                if cfg.trainer.device == "cpu"
+                else "TorchTitan 0.3.0 offloads activations only inside its graph trainer's compile "
+                'pipeline (memory_policy "sac_and_offload"), which this trainer does not run'
+            )
         )
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:
         raise ConfigError("config error: `algorithm.use_kl_loss = true` needs `trainer.reference = true`")

@@ -15,8 +15,12 @@ What is counted, per device (bytes; GiB = 2**30):
   model's gathered parameters and unsharded gradients in the compute dtype stay for the step; otherwise
   two gathered units (the one computing, the one prefetched) and one unsharded gradient unit.
 - Activations of one micro-batch (`trainer.micro_batch_size` rows of the longest sequence a step can bring:
-  `data.max_prompt_length` + the response budget, as trainer preflight runs it), no activation
-  checkpointing (the trainer has no such key yet). The model counts the tensors autograd keeps per token
+  `data.max_prompt_length` + the response budget, as trainer preflight runs it), under the chosen
+  `trainer.activation_checkpoint` (`_checkpointed_elems`): "full" keeps each block's input only;
+  "selective" (TorchTitan's SelectiveAC) keeps the block's input and the outputs of the ops its policy
+  saves: every other matmul (wq, wv, w1, w2 in a block's order) and attention (output and fp32
+  log-sum-exp) off CPU, where the policy's op list names the device's SDPA kernel (CPU's is
+  recomputed), the rest recomputed. Without checkpointing the model counts the tensors autograd keeps per token
   of each decoder layer (`_activation_elems`), read off what it saves in TorchTitan's Qwen3 on CPU in fp32
   and bf16: per RMSNorm its fp32 input copy and x * rstd and its output in the compute dtype; Qwen3's q
   and k in fp32 from their norms on (projection output, x * rstd, after RoPE, and the attention output),
@@ -111,6 +115,20 @@ def _activation_elems(m: dict) -> tuple[int, int]:
     return compute + 4 * m["inter"], fp32  # SwiGLU: w1 out, w3 out, silu(w1 out), their product
 
 
+def _checkpointed_elems(m: dict, policy: str, saves_attention: bool) -> tuple[int, int]:
+    """(compute-dtype, fp32) elements a checkpointed block keeps per token (module doc): "full" its input;
+    "selective" also q (wq), v (wv), w1's output and w2's (TorchTitan's SelectiveAC saves every other
+    matmul, counted in forward order) and, where its policy saves the device's attention op
+    (`saves_attention`: CUDA's flash / efficient SDPA; not CPU's `_scaled_dot_product_flash_attention_for_cpu`,
+    which it recomputes), the attention output and its per-head log-sum-exp."""
+    D, q, kv = m["hidden"], m["heads"] * m["head_dim"], m["kv"] * m["head_dim"]
+    if policy == "full":
+        return D, 0
+    if not saves_attention:
+        return D + q + kv + m["inter"] + D, 0
+    return D + q + kv + q + m["inter"] + D, m["heads"]
+
+
 # ---------------------------------------------------------------------------------------------- trainer
 
 
@@ -178,7 +196,8 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
         out["fsdp_buffers"] = int(3 * compute * unit)
     T = cfg.data.max_prompt_length + max(response_budget(cfg), 1)
     tokens = tc.micro_batch_size * T
-    elems, fp32 = _activation_elems(m)
+    ac = tc.activation_checkpoint
+    elems, fp32 = _activation_elems(m) if ac == "none" else _checkpointed_elems(m, ac, tc.device != "cpu")
     resp = tc.micro_batch_size * max(response_budget(cfg), 1)
     out["activations"] = int(
         tokens * m["layers"] * (elems * compute + fp32 * 4)
@@ -187,7 +206,7 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
     )
     out["total"] = sum(v for k, v in out.items() if k != "rank")
     out["resident"] = out["total"] - out["activations"] - out.get("fsdp_buffers", 0)
-    out["seq_len"], out["micro_batch"] = T, tc.micro_batch_size
+    out["seq_len"], out["micro_batch"], out["activation_checkpoint"] = T, tc.micro_batch_size, ac
     return out
 
 
@@ -278,6 +297,10 @@ def estimate(
             f"{m['experts']} experts over trainer.world_size = {tc.world_size} with expert parallelism: "
             "the weight-sync plan needs the experts to divide evenly over all ranks"
         )
+    if "experts" in m and tc.activation_checkpoint != "none":
+        raise EstimateError(  # as the trainer (trainer/build.py)
+            f"trainer.activation_checkpoint = {tc.activation_checkpoint!r}: not on MoE models yet"
+        )
     if "experts" not in m and tc.expert_parallel > 1:
         raise EstimateError(f"trainer.expert_parallel = {tc.expert_parallel}: the model has no experts")
     name, device_bytes = hardware_for(cfg, recipe, hardware)
@@ -363,7 +386,10 @@ def format_table(est: dict) -> str:
     if "fsdp_buffers" in t:
         lines.append("  FSDP gathered parameters / gradients".ljust(44) + g(t["fsdp_buffers"]))
     lines += [
-        f"  activations ({t['micro_batch']} x {t['seq_len']} tokens, no AC)".ljust(44) + g(t["activations"]),
+        f"  activations ({t['micro_batch']} x {t['seq_len']} tokens, AC {t['activation_checkpoint']})".ljust(
+            44
+        )
+        + g(t["activations"]),
         "  trainer total".ljust(44) + g(t["total"]),
         "engine TP rank: weights".ljust(44) + g(e["weights"]),
         f"  KV cache ({e['kv_tokens']} tokens, {e['kv_seqs']} x max_model_len)".ljust(44) + g(e["kv_cache"]),

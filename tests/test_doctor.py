@@ -184,8 +184,45 @@ def test_summary_names_the_env_a_row_is_usable_in():
         and "the env itself is not usable (version conflict: Ray 2.59.0" in got["xla"].reason
     )
     lines = format_lines(got)
-    assert len(lines) == len(got) and lines[0].split()[:2] == ["cpu", "usable"]
-    assert json.loads(to_json(got))["xla"] == {"usable": False, "reason": got["xla"].reason}
+    assert len(lines) == len(got) + len(DEVICES) and lines[0].split()[:2] == ["cpu", "usable"]
+    assert json.loads(to_json(got))["xla"] == {
+        "usable": False,
+        "reason": got["xla"].reason,
+        "kernels": got["xla"].kernels,
+    }
+    assert lines[1].startswith(" ") and "kernels: attention sdpa (cpu's default)" in lines[1]
+
+
+def test_each_device_row_says_which_kernels_it_gets():
+    """Attention at `trainer.attention = "auto"` (the devices table's default, with its fallback), the
+    log-prob head and the CPU matmuls, per device row, from the facts of the env it is judged in."""
+    gpu = env(
+        torch="2.11.0+cu130", torch_cuda="13.0", nccl=True, cuda_devices=1, triton=True, onednn_linear=True
+    )
+    got = summarize({".venv": gpu}, ".venv")
+    assert got["cuda"].usable and got["cuda"].kernels == {
+        "attention": "flex (cuda's default)",
+        "logprob_head": "chunked log-softmax (cuda matmuls)",
+        "cpu_matmul": "aten (CPU float32 only)",
+    }
+    assert got["cpu"].kernels["attention"] == "sdpa (cpu's default)"
+    assert got["cpu"].kernels["logprob_head"] == "chunked log-softmax (cpu_matmul's kernels)"
+    assert got["cpu"].kernels["cpu_matmul"].startswith("MKL or oneDNN per shape")
+    # no Triton: the CUDA default's kernel is missing, so it falls back to SDPA and says why
+    no_triton = summarize({".venv": {**gpu, "triton": False, "onednn_linear": False}}, ".venv")
+    att = no_triton["cuda"].kernels["attention"]
+    assert att.startswith("sdpa (cuda's default flex falls back: ") and "no triton" in att, att
+    assert no_triton["cpu"].kernels["cpu_matmul"] == "aten (no oneDNN linear in this torch)"
+    # rows that are not usable say what they would get with the controller's torch; env rows say nothing
+    assert got["tpu"].kernels["attention"] == "sdpa (tpu's default)"
+    with_role = summarize({".venv": CPU_ENV, ".venv-xla": XLA_ENV}, ".venv")
+    assert with_role[".venv-xla"].kernels is None
+    lines = format_lines(no_triton)
+    assert [line.split()[0] for line in lines if not line.startswith(" ")] == list(no_triton)
+    kernel_lines = [line.strip() for line in lines if line.startswith(" ")]
+    assert len(kernel_lines) == len(DEVICES) and all(
+        k.startswith("kernels: attention ") for k in kernel_lines
+    )
 
 
 @pytest.mark.timeout(300)
@@ -211,10 +248,24 @@ def test_doctor_command_on_this_machine():
     else:
         assert not got["xla"]["usable"] and ".venv-xla" not in got
     assert set(got) <= {*DEVICES, ".venv-xla", ".venv-tpu"}  # .venv-tpu: Python 3.12, never usable from 3.11
+    # which kernels: the cpu row here runs SDPA, the chunked head, and oneDNN where this torch has it
+    from rl_tpu.devices.kernels import has_triton
+    from rl_tpu.trainer import cpu_matmul
+
+    assert got["cpu"]["kernels"]["attention"] == "sdpa (cpu's default)", got["cpu"]
+    assert got["cpu"]["kernels"]["cpu_matmul"].startswith(
+        "MKL or oneDNN" if cpu_matmul.available() else "aten"
+    )
+    assert got["cuda"]["kernels"]["attention"].startswith("flex" if has_triton() else "sdpa")
     text = subprocess.run(
         [sys.executable, "-m", "rl_tpu.cli", "doctor"], cwd=ROOT, capture_output=True, text=True, timeout=280
     ).stdout.splitlines()
-    assert [line.split()[0] for line in text] == list(got)  # one line per row, same rows
+    rows = [line for line in text if not line.startswith(" ")]
+    assert [line.split()[0] for line in rows] == list(got)  # one line per row, same rows
+    # each device row's kernels on the indented line after it
+    for name in DEVICES:
+        i = text.index(next(line for line in text if line.split()[0] == name))
+        assert text[i + 1].strip().startswith("kernels: attention "), text[i : i + 2]
 
 
 TPU_ENV = ROOT / ".venv-tpu" / "bin" / "python"

@@ -10,6 +10,9 @@ Invariants:
   `trainer.seed + 1`, so every rank starts with the same value head: the value of response token j is
   read at the state that predicts it, like the log-prob. It has no log-prob head.
 - Every rank builds the same models in the same order (converting them may be collective).
+- `trainer.activation_checkpoint` wraps the blocks of the trained models (policy, critic; not the frozen
+  reference, which runs no backward) in TorchTitan's policy during the parallelize step (parallel.py):
+  after TP/EP, before FSDP, so compiled blocks trace the checkpointed block.
 - `trainer.mode = "compile"` (trainer/modes.py) compiles each model's transformer blocks last, after the
   converters, so the compiled programs trace the converted forwards; dynamic shapes unless lengths are
   padded to buckets (`seq_len_buckets`, or the device's static shapes).
@@ -45,6 +48,15 @@ class ModelBuilder:
                 "(their routers carry Python hooks, metrics.MoeStats; experts shard over EP): use "
                 "trainer.mode = 'eager', trainer.fsdp = 'fsdp2'"
             )
+        # the trained models' blocks (policy, critic); the reference runs no backward, so nothing to recompute
+        self.activation_checkpoint = tc.activation_checkpoint
+        self.checkpointed_blocks = 0  # the policy's blocks wrapped by it
+        if spec.arch == "qwen3_moe" and tc.activation_checkpoint != "none":
+            raise ValueError(
+                f"trainer.activation_checkpoint = {tc.activation_checkpoint!r} is not verified on MoE models "
+                "yet (their routers' Python hooks, metrics.MoeStats, would run again in the recompute): use "
+                "trainer.activation_checkpoint = 'none'"
+            )
         # padded lengths and full micro-batches (forward.py) compile static; anything else varies per step
         self.dynamic = not (tc.seq_len_buckets or device.static_shapes)
         self.pdims = parallel.make_parallel_dims(device, world_size, ep=tc.expert_parallel)
@@ -71,6 +83,7 @@ class ModelBuilder:
             reduce_dtype=self.reduce_dtype,
             reshard_after_forward="never" if self.replicated_step else "default",
             fsdp=self.fsdp,
+            activation_checkpoint="none" if what == "reference" else self.activation_checkpoint,
         )
         parallel.load_full_state_dict(m, state_dict)
         converters.apply(m, convs, what)
@@ -94,6 +107,7 @@ class ModelBuilder:
             m.requires_grad_(False)
             m.eval()
         else:
+            self.checkpointed_blocks = parallel.checkpointed_blocks(m)
             self.moe_stats = metrics.MoeStats(m, replay=self.routing_replay)
         return m
 
@@ -125,6 +139,8 @@ class ModelBuilder:
             "compile_dynamic": self.compiled and self.dynamic,  # compiled blocks with symbolic shapes
             # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
             "fsdp": self.fsdp,  # trainer.fsdp
+            "activation_checkpoint": self.activation_checkpoint,  # trainer.activation_checkpoint
+            "checkpointed_blocks": self.checkpointed_blocks,
             "fsdp_step": "unsharded"
             if self.pdims is None
             else "simple"

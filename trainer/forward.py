@@ -51,6 +51,7 @@ class Forward:
     max_len: int  # the model's max_position_embeddings
     buckets: list[int]  # static shapes: lengths are padded to these (empty: no padding)
     can_share_prompts: bool  # the model's attention runs shared-prompt rows, and shapes may vary
+    flex: bool = False  # the model's attention is FlexAttention: every forward passes its block mask
 
     @classmethod
     def for_model(cls, spec, device: Device, tc: TrainerConfig, rank: int, world_size: int) -> Forward:
@@ -65,6 +66,7 @@ class Forward:
             max_len=max_len,
             buckets=buckets,
             can_share_prompts=not buckets and spec.shares_prompts,
+            flex=spec.attention == "flex",
         )
 
     def shares_prompts(self, tc: TrainerConfig) -> bool:
@@ -102,6 +104,7 @@ class Forward:
             ids = packed.input_ids
             model.lm_head.rl_index = (packed.hidden_index, packed.targets)
             kwargs = {"positions": packed.positions, "attention_masks": packed.rows}
+        kwargs.update(self.flex_masks(packed.rows if packed is not None else None, ids))
         model.rl_micro_batch = (
             mb  # MoE: its engine experts (routing replay, router agreement; metrics.MoeStats)
         )
@@ -111,10 +114,19 @@ class Forward:
             model.lm_head.rl_index = None
             model.rl_micro_batch = None
 
+    def flex_masks(self, rows: ops.SharedPromptRows | None, ids: torch.Tensor) -> dict:
+        """With FlexAttention, the forward's block mask (built once, shared by every block): a packed
+        row's, or causal; nothing otherwise (SDPA reads `rows` itself, or is causal)."""
+        if not self.flex:
+            return {}
+        from rl_tpu.trainer.attention import flex_block_mask
+
+        return {"attention_masks": flex_block_mask(rows, ids.shape[1], ids.device)}
+
     def critic(self, model, mb: TrainBatch) -> torch.Tensor:
         """Values `[b, T]` of the response tokens, read at the state that predicts each."""
         ids = self.inputs(mb)
-        v = model(ids).squeeze(-1)  # [b, L]
+        v = model(ids, **self.flex_masks(None, ids)).squeeze(-1)  # [b, L]
         hidx, _ = ops.response_index(mb.prompt_lens.to(self.local), mb.response_len, ids.shape[1])
         return v.gather(1, hidx).float()
 

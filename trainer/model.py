@@ -7,8 +7,10 @@ name and layout change goes through TorchTitan's state-dict adapters (`Qwen3Stat
 
 Invariants and decisions:
 - Attention is `SharedPromptSDPA` (trainer/attention.py): TorchTitan's causal SDPA, plus one packed row
-  holding each prompt once with its group's responses; FlexAttention has no backward on CPU. Other
-  batches are right-padded, one sequence per row, starting at position 0.
+  holding each prompt once with its group's responses; or, `trainer.attention = "flex"` where it can
+  train (CUDA; FlexAttention has no backward on CPU), `SharedPromptFlex`, TorchTitan's FlexAttention
+  with the same rows as block masks. Other batches are right-padded, one sequence per row, starting at
+  position 0.
 - q/k/v stay unfused (`fuse_qkv=False`): parameter names then match the adapter's table one to one
   (`layers.{i}.attention.qkv_linear.wq.weight`), which is what weight sync and DCP read.
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit
@@ -71,6 +73,7 @@ class ModelSpec:
     adapter_cls: Any
     hf_config: dict
     shares_prompts: bool = False  # its attention runs shared-prompt rows (trainer/attention.py)
+    attention: str = "sdpa"  # its inner attention (trainer.attention, resolved by rl_tpu/devices/kernels.py)
 
 
 def read_hf_config(model_path: str | Path) -> dict:
@@ -168,8 +171,11 @@ def _rope_theta(hf: dict, where: str | Path = "config.json") -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> ModelSpec:
-    """Translate an HF `config.json` (Qwen3ForCausalLM / LlamaForCausalLM) into a TorchTitan config.
+def build_model_spec(
+    model_path: str | Path, max_seq_len: int | None = None, attention: str = "sdpa"
+) -> ModelSpec:
+    """Translate an HF `config.json` (Qwen3ForCausalLM / LlamaForCausalLM) into a TorchTitan config whose
+    inner attention is `attention` ("sdpa" or "flex", trainer/attention.py).
     On a TorchTitan without the `models.common` API (0.2.0, the newest on torch 2.9 / torch_xla),
     `titan_compat` builds the same Qwen3 under the same parameter names."""
     from rl_tpu.trainer import titan_compat
@@ -183,6 +189,10 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     vocab, eps = hf["vocab_size"], float(hf.get("rms_norm_eps", 1e-6))
     seq = int(max_seq_len or hf.get("max_position_embeddings", 4096))
     if not titan_compat.has_common_api():
+        if attention != "sdpa":
+            raise ModelError(
+                f"trainer.attention = {attention!r} needs TorchTitan >= 0.3.0 (titan_compat: SDPA)"
+            )
         if model_type in MOE_MODEL_TYPES:
             raise ModelError(
                 f"{Path(model_path) / 'config.json'}: model_type {model_type!r} needs TorchTitan's "
@@ -195,7 +205,9 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import make_gqa_config
 
-    from rl_tpu.trainer.attention import SharedPromptSDPA
+    from rl_tpu.trainer.attention import SharedPromptFlex, SharedPromptSDPA
+
+    inner = {"sdpa": SharedPromptSDPA, "flex": SharedPromptFlex}[attention]
 
     # Init functions only matter for parameters the HF checkpoint does not cover (none for the policy).
     lin_init = {"weight": torch.nn.init.zeros_}
@@ -232,7 +244,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
                 head_dim=head_dim,
                 wqkv_param_init=lin_init,
                 wo_param_init=lin_init,
-                inner_attention=SharedPromptSDPA.Config(),
+                inner_attention=inner.Config(),
                 fuse_qkv=False,
                 rope=rope,
                 **({"qk_norm": qk_norm} if qk_norm is not None else {}),
@@ -259,6 +271,7 @@ def build_model_spec(model_path: str | Path, max_seq_len: int | None = None) -> 
         adapter_cls=Adapter,
         hf_config=hf,
         shares_prompts=True,
+        attention=attention,
     )
 
 

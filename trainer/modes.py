@@ -57,6 +57,9 @@ def compile_blocks(model: torch.nn.Module, *, dynamic: bool, backend: str = "ind
     chosen by the caller, see the module docstring); returns how many blocks."""
     # TorchTitan sets this for the data-dependent shapes of token-choice MoE dispatch; harmless for dense
     torch._dynamo.config.capture_scalar_outputs = True
+    # as TorchTitan's apply_compile: an activation-checkpointed block's recompute does not replay the
+    # forward's Python side effects (RoPE cache updates), which compiled code cannot reapply
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     n = 0
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=True, dynamic=dynamic)

@@ -26,6 +26,12 @@ Invariants:
   reduce-scatters the gradient with a SUM (`Partial("sum")`), per micro-batch; `trainer.fsdp_step`
   does not apply. Dense models without TP/EP only (TorchTitan's parallelize function is skipped: at
   TP = EP = 1 all it does is FSDP2, compile and AC, which the trainer applies itself).
+- `trainer.activation_checkpoint` ("selective" / "full"): TorchTitan's own policies (`SelectiveAC` /
+  `FullAC`, torchtitan/distributed/activation_checkpoint.py) wrap each transformer block of the trained
+  models in TorchTitan's order, after TP/EP and before FSDP: with FSDP2 TorchTitan's parallelize function
+  applies them itself (`ac_config`), with SimpleFSDP `_simple_fsdp` applies them first. A wrapped block's
+  parameters are registered under `_checkpoint_wrapped_module.`: `named_parameters(model)` below gives
+  the unwrapped names everything else keys on (DCP's state dicts strip it themselves).
 - TorchTitan 0.3.0 facts (docs/decisions.md, stack facts): `ParallelDims` builds meshes on
   `tools.utils.device_type`, which is "cuda" on a CPU-only host, so it is pointed at the devices-table
   device; the `partial_dtensor` SPMD backend is the one that works on gloo.
@@ -115,13 +121,16 @@ def build_parallel_model(
     extra_modules: dict | None = None,
     drop_lm_head: bool = False,
     fsdp: str = "fsdp2",
+    activation_checkpoint: str = "none",
 ) -> torch.nn.Module:
     """Build `spec.config` on meta, parallelize with TorchTitan's fn, materialise on the local device.
 
     `extra_modules` (name -> TorchTitan Module) are attached to the root before FSDP, so they are
     sharded with the root unit (used for the critic's value head). Weights are uninitialised until
-    `load_full_state_dict`; buffers (RoPE caches) are initialised here.
+    `load_full_state_dict`; buffers (RoPE caches) are initialised here. `activation_checkpoint` wraps the
+    transformer blocks in TorchTitan's policy of that name (module docstring).
     """
+    ac = ac_config(activation_checkpoint)
     config = spec.config if pdims is None or pdims.ep == 1 else expert_parallel_config(spec, pdims.ep)
     with torch.device("meta"):
         model = config.build()
@@ -135,10 +144,12 @@ def build_parallel_model(
                 f"trainer.param_dtype = {param_dtype!r}: {device.name!r} trains without FSDP2 mixed "
                 "precision, in the parameters' float32 (set trainer.param_dtype = 'float32')"
             )
+        if ac is not None:
+            ac.build().apply(model)
     elif fsdp == "simple":
-        model = _simple_fsdp(model, pdims, param_dtype, reduce_dtype)
+        model = _simple_fsdp(model, pdims, param_dtype, reduce_dtype, ac)
     elif fsdp == "fsdp2":
-        model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype, reshard_after_forward)
+        model = _parallelize(spec, model, pdims, param_dtype, reduce_dtype, reshard_after_forward, ac)
     else:
         raise ValueError(f"trainer.fsdp = {fsdp!r}: expected 'fsdp2' or 'simple'")
     local = device.local_device()
@@ -148,8 +159,40 @@ def build_parallel_model(
     return model
 
 
-def _simple_fsdp(model, pdims, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
-    """TorchTitan's `apply_simple_fsdp` (graph_trainer/common_utils.py) on the built model (module docstring)."""
+AC_POLICIES = ("none", "selective", "full")  # trainer.activation_checkpoint
+
+
+def ac_config(name: str):
+    """TorchTitan's activation-checkpointing config for `trainer.activation_checkpoint` (None: "none")."""
+    if name not in AC_POLICIES:
+        raise ValueError(f"trainer.activation_checkpoint = {name!r}: expected one of {AC_POLICIES}")
+    if name == "none":
+        return None
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return SelectiveAC.Config() if name == "selective" else FullAC.Config()
+
+
+def checkpointed_blocks(model: torch.nn.Module) -> int:
+    """How many of `model`'s modules an activation-checkpointing policy wrapped."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return sum(isinstance(m, ActivationWrapper) for m in model.modules())
+
+
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def named_parameters(model: torch.nn.Module):
+    """`model.named_parameters()` under the names of the unwrapped model: an activation-checkpointed
+    block registers its module as `_checkpoint_wrapped_module` (torch's checkpoint_wrapper)."""
+    for name, p in model.named_parameters():
+        yield name.replace(_AC_PREFIX, ""), p
+
+
+def _simple_fsdp(model, pdims, param_dtype: str, reduce_dtype: str, ac=None) -> torch.nn.Module:
+    """TorchTitan's `apply_simple_fsdp` (graph_trainer/common_utils.py) on the built model (module
+    docstring), after activation checkpointing `ac` (TorchTitan's order: AC, then FSDP)."""
     from torchtitan.config import TrainingConfig
     from torchtitan.experiments.graph_trainer.common_utils import apply_simple_fsdp
 
@@ -158,6 +201,8 @@ def _simple_fsdp(model, pdims, param_dtype: str, reduce_dtype: str) -> torch.nn.
             f"trainer.fsdp = 'simple' shards dense models over data parallelism only (TP {pdims.tp}, "
             f"EP {pdims.ep}): use trainer.fsdp = 'fsdp2'"
         )
+    if ac is not None:
+        ac.build().apply(model)
     training = TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype)
     return apply_simple_fsdp(model, parallel_dims=pdims, training=training)
 
@@ -202,7 +247,7 @@ def expert_parallel_config(spec, ep: int):
 
 
 def _parallelize(
-    spec, model, pdims, param_dtype: str, reduce_dtype: str, reshard_after_forward: str
+    spec, model, pdims, param_dtype: str, reduce_dtype: str, reshard_after_forward: str, ac=None
 ) -> torch.nn.Module:
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -222,7 +267,7 @@ def _parallelize(
             fsdp_reshard_after_forward=reshard_after_forward,
         ),
         compile_config=CompileConfig(enable=False),
-        ac_config=None,
+        ac_config=ac,  # applied after TP/EP, before FSDP
         dump_folder="",
     )
     for m in model.modules():
@@ -259,7 +304,7 @@ def load_full_state_dict(
 ) -> None:
     """Copy full (unsharded) tensors into the model's DTensor shards; no communication (every rank
     holds the full tensor, so each takes its own slice)."""
-    params = dict(model.named_parameters())
+    params = dict(named_parameters(model))
     missing = sorted(set(params) - set(full_sd))
     unexpected = sorted(set(full_sd) - set(params))
     if strict and (missing or unexpected):
@@ -284,7 +329,7 @@ def load_full_state_dict(
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameters on CPU (collective: every rank must call it)."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         t = p.detach()
         if isinstance(t, DTensor):
             t = t.full_tensor()

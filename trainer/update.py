@@ -120,7 +120,7 @@ class Updater:
         if skip:
             out_metrics["actor/skipped_frac"] = 1 - len(run) / max(len(rows), 1)
         out = {}
-        for n, p in model.named_parameters():
+        for n, p in parallel.named_parameters(model):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
         optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
-from rl_tpu.devices import get_device
+from rl_tpu.devices import get_device, kernels
 from rl_tpu.trainer import checkpoint, modes, parallel
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer.build import ModelBuilder
@@ -59,7 +59,10 @@ class TrainerWorker(SyncSender):
         self.device.seed(tc.seed)
         self.local = self.device.local_device()
 
-        self.spec = tmodel.build_model_spec(model_path)
+        attention, self.attention_why = kernels.resolve_attention(
+            tc.attention, self.device, kernels.has_triton()
+        )
+        self.spec = tmodel.build_model_spec(model_path, attention=attention)
         self.fwd = Forward.for_model(self.spec, self.device, tc, rank, world_size)
         self.pad_id = self.fwd.pad_id
         titan_sd = tmodel.hf_to_titan(self.spec, tmodel.load_hf_state_dict(model_path))
@@ -105,6 +108,8 @@ class TrainerWorker(SyncSender):
             "world_size": self.world_size,
             "arch": self.spec.arch,
             "params": sum(p.numel() for p in self.model.parameters()),
+            "attention": self.spec.attention,  # trainer.attention, resolved (rl_tpu/devices/kernels.py)
+            "attention_why": self.attention_why,
             **self.builder.summary(),  # fsdp_step, matmul, matmul_table, matmul_cached
             **self.device.bind(set_local_rank=False).record(),  # the device Ray assigned this rank
         }
@@ -206,7 +211,7 @@ class TrainerWorker(SyncSender):
     # ------------------------------------------------------------------ weight-sync surface
 
     def param_specs(self) -> list[ParamSpec]:
-        return [ParamSpec.from_tensor(n, p) for n, p in self.model.named_parameters()]
+        return [ParamSpec.from_tensor(n, p) for n, p in parallel.named_parameters(self.model)]
 
     def ws_name_maps(self):
         """HF names, shapes and rows of this model through its own TorchTitan adapter (`NameMaps`): the

@@ -184,7 +184,8 @@ def fsdp_local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p.detach()
-        out[name] = t.to_local() if hasattr(t, "to_local") else t
+        # an activation-checkpointed block's wrapper adds this to its parameters' names (trainer/parallel.py)
+        out[name.replace("_checkpoint_wrapped_module.", "")] = t.to_local() if hasattr(t, "to_local") else t
     return out
 
 

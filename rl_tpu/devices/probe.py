@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -79,6 +80,12 @@ def probe() -> dict:
         import torch.distributed as dist
 
         facts["nccl"] = bool(dist.is_available() and dist.is_nccl_available())
+        # kernels (rl_tpu/devices/kernels.py): FlexAttention's CUDA kernels are Triton programs; the CPU
+        # matmuls may run on oneDNN's linear (trainer/cpu_matmul.py)
+        facts["triton"] = importlib.util.find_spec("triton") is not None
+        facts["onednn_linear"] = bool(
+            torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
         # the trainer builds its models through TorchTitan's model API (rl_tpu/trainer/model.py): an env
         # where that module does not import (TorchTitan absent, too old, or not for this torch) cannot
         # host the trainer, whatever the device

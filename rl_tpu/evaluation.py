@@ -25,7 +25,7 @@ from pathlib import Path
 from rl_tpu.config import Config, response_budget
 from rl_tpu.data import Example, encode_prompts
 from rl_tpu.multi_turn import MultiTurn, load_env
-from rl_tpu.producer import score_groups
+from rl_tpu.producer import score_groups, turn_metrics, with_env_rewards
 from rl_tpu.rewards import RewardPool
 from rl_tpu.tools import Tools
 from rl_tpu.types import Completion
@@ -47,16 +47,20 @@ class Evaluator:
             self.tools = Tools(
                 rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers, memory_mb=rc.tool_memory_mb
             )
-        if rc.env or rc.tools:
-            self.turns = MultiTurn(
-                tok,
-                load_env(rc.env) if rc.env else None,
-                self._greedy,
-                max_turns=rc.max_turns,
-                max_tokens=rc.max_tokens,
-                max_total_tokens=response_budget(cfg),
-                tools=self.tools,
-            )
+        try:
+            if rc.env or rc.tools:
+                self.turns = MultiTurn(
+                    tok,
+                    load_env(rc.env) if rc.env else None,
+                    self._greedy,
+                    max_turns=rc.max_turns,
+                    max_tokens=rc.max_tokens,
+                    max_total_tokens=response_budget(cfg),
+                    tools=self.tools,
+                )
+        except BaseException:  # e.g. a chat template multi-turn cannot use: the workers are not left behind
+            self.close()
+            raise
 
     def _greedy(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
         return [g[0] for g in self.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
@@ -81,21 +85,11 @@ class Evaluator:
             groups = [[t.completion(i, 0)] for i, t in enumerate(trajs)]
             # a call the model wrote was answered (counted), or it is in the last turn, which runs none
             self.wrote_tool_call = [t.tool_calls > 0 or "<tool_call>" in t.last_text for t in trajs]
-            n = len(trajs)
-            metrics = {
-                "eval/turns_mean": sum(t.turns for t in trajs) / n,
-                "eval/env_reward_frac": sum(t.reward is not None for t in trajs) / n,
-                "eval/env_errors": float(sum(t.env_error for t in trajs)),
-            }
+            metrics = turn_metrics(trajs, "eval/", self.tools is not None)
             if self.tools is not None:
-                metrics["eval/tool_calls"] = float(sum(t.tool_calls for t in trajs))
-                metrics["eval/tool_errors"] = float(sum(t.tool_errors for t in trajs))
-                metrics["eval/tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))
                 metrics["eval/tool_use"] = self.tool_use
         scores, _ = score_groups(self.pool, self.test_set, groups)
-        # an environment's own reward wins over the reward functions' score, as in training
-        env = [g[0].extra.get("env_reward") for g in groups]
-        scores = [s if e is None else e for s, e in zip(scores, env)]
+        scores = with_env_rewards(groups, scores)  # as in training
         return {
             "eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
             "eval/reward_mean": sum(scores) / len(scores),

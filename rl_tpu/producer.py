@@ -18,13 +18,21 @@ import torch
 from rl_tpu.algorithms import keep_groups_with_variance
 from rl_tpu.config import Config, response_budget
 from rl_tpu.data import Example, PromptLoader, encode_prompts
-from rl_tpu.multi_turn import MultiTurn, load_env, retokenize_drift
+from rl_tpu.multi_turn import MultiTurn, Trajectory, load_env, retokenize_drift
 from rl_tpu.rewards import RewardInput, RewardPool
 from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
 from rl_tpu.tools import Tools
 from rl_tpu.types import Completion
 
-__all__ = ["Rollouts", "Sampler", "Scored", "generate_and_score", "score_groups"]
+__all__ = [
+    "Rollouts",
+    "Sampler",
+    "Scored",
+    "generate_and_score",
+    "score_groups",
+    "turn_metrics",
+    "with_env_rewards",
+]
 
 
 @dataclass
@@ -53,6 +61,28 @@ def score_groups(
     return result.scores, result.metrics()
 
 
+def with_env_rewards(groups: list[list[Completion]], scores: list[float]) -> list[float]:
+    """`scores` (the reward functions', flat over `groups`) with an environment's own reward in place of
+    the score of its trajectory's final answer, where the environment gave one."""
+    flat = [c for g in groups for c in g]
+    return [s if c.extra.get("env_reward") is None else c.extra["env_reward"] for c, s in zip(flat, scores)]
+
+
+def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str, float]:
+    """Multi-turn trajectories' metrics under `prefix` ("rollout/" per step, "eval/"): turns_mean,
+    env_reward_frac, env_errors and, with `tools`, tool_calls, tool_errors, tool_timeouts (sums)."""
+    metrics = {
+        f"{prefix}turns_mean": sum(t.turns for t in trajs) / len(trajs),
+        f"{prefix}env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
+        f"{prefix}env_errors": float(sum(t.env_error for t in trajs)),
+    }
+    if tools:
+        metrics[f"{prefix}tool_calls"] = float(sum(t.tool_calls for t in trajs))
+        metrics[f"{prefix}tool_errors"] = float(sum(t.tool_errors for t in trajs))
+        metrics[f"{prefix}tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))
+    return metrics
+
+
 def generate_and_score(
     cfg: Config, rollout, pool: RewardPool, loader: PromptLoader, tok
 ) -> tuple[Scored, dict]:
@@ -78,11 +108,7 @@ def generate_and_score(
         t = time.perf_counter()
         scores, metrics = score_groups(pool, examples, groups)
         metrics.update(turn_metrics)
-        # an environment's own reward wins over the reward functions' score of the final answer
-        flat = [c for g in groups for c in g]
-        scores = [
-            s if c.extra.get("env_reward") is None else c.extra["env_reward"] for c, s in zip(flat, scores)
-        ]
+        scores = with_env_rewards(groups, scores)
         timings["time/reward"] += time.perf_counter() - t
         if not kept.metrics:
             kept.metrics = metrics  # reward metrics describe what the policy produced, before filtering
@@ -166,19 +192,11 @@ class Sampler:
         n = self.cfg.rollout.n
         trajs = self.turn_runner.rollout([dataclasses.asdict(ex) for ex in examples], n=n)
         groups = [[trajs[i * n + j].completion(i, j) for j in range(n)] for i in range(len(examples))]
-        metrics = {
-            "rollout/turns_mean": sum(t.turns for t in trajs) / len(trajs),
-            "rollout/env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
-            "rollout/env_errors": float(sum(t.env_error for t in trajs)),
+        return groups, turn_metrics(trajs, "rollout/", self.tools is not None) | {
             "rollout/retokenize_drift": float(sum(retokenize_drift(self.tok, t) for t in trajs)),
             "rollout/turn_calls": self.turn_runner.stats["generate_calls"],
             "rollout/turns_per_call": self.turn_runner.stats["turns_per_call"],
         }
-        if self.tools is not None:  # per step, over all trajectories
-            metrics["rollout/tool_calls"] = float(sum(t.tool_calls for t in trajs))
-            metrics["rollout/tool_errors"] = float(sum(t.tool_errors for t in trajs))
-            metrics["rollout/tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))
-        return groups, metrics
 
 
 class Rollouts:

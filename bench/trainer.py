@@ -24,14 +24,15 @@ hits every variant alike; each variant's ratio is against the same transformers 
         --response-len 256 --response-len-min 16 --lengths-by-group \
         --variant balanced="--trainer.balance_tokens=true" --variant blocks="--trainer.balance_tokens=false"
 
-`--modes eager,compile` (trainer.mode, #46) is a shorthand for one variant per execution mode (added to
-any `--variant` overrides, e.g. `--param-dtype bfloat16`). Each mode's first step (the warm-up) includes
+`--modes eager,compile,graph` (trainer.mode, #46) is a shorthand for one variant per execution mode (added
+to any `--variant` overrides, e.g. `--param-dtype bfloat16`; graph mode with `--trainer.fsdp=simple`, which
+it needs, the others with the variant's own FSDP). Each mode's first step (the warm-up) includes
 its compile; `compile_s` is that step's wall time less the mode's steady step time, reported apart from
 the tokens/s, which count the steady steps only. The last line then has `speedup_<mode>` = that mode's
 tokens/s / eager's, and `payback_steps` = compile_s / (eager s/step - mode s/step): the steps a run
 needs before compiling has paid for itself (none when the mode is not faster). For example
     bench/trainer.py --world-size 2 --batch 64 --group-size 8 --prompt-len 36 --micro-batch-size 16 \
-        --skip-hf --modes eager,compile --steps 6
+        --skip-hf --modes eager,compile,graph --steps 6
 
 `--old-log-probs` also times the loop's separate old-log-prob pass before each step (what several
 mini-batches or epochs need), over the rows the loop asks for (`loop.old_log_prob_rows`), e.g. the
@@ -131,7 +132,7 @@ def hf_train(model_path: str, batch, cfg, steps: int, warmup: int, threads: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--size", default="small", choices=["tiny", "mini", "small", "medium"])
     ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per trainer rank")
@@ -194,8 +195,10 @@ def main() -> None:
         if modes[0] != "eager":
             modes = ["eager"] + [m for m in modes if m != "eager"]  # speedups are against eager
         base_variants = variants or {"": ""}
+        # graph mode captures SimpleFSDP's collectives (FSDP2's hooks cannot be captured)
+        fsdp = {"graph": " --trainer.fsdp=simple"}
         variants = {
-            (f"{name}/{mode}" if name else mode): f"{extra} --trainer.mode={mode}".strip()
+            (f"{name}/{mode}" if name else mode): f"{extra} --trainer.mode={mode}{fsdp.get(mode, '')}".strip()
             for name, extra in base_variants.items()
             for mode in modes
         }

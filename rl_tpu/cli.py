@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("make-tiny-model", help="write a tiny Hugging Face model folder built locally")
     s.add_argument("out")
     s.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe"], default="qwen3")
-    s.add_argument("--size", choices=["tiny", "mini", "small"], default="tiny")
+    s.add_argument("--size", choices=["tiny", "mini", "small", "medium"], default="tiny")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_make_tiny_model)
 

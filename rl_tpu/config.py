@@ -44,7 +44,8 @@ def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a vali
 class ModelConfig:
     path: str = ""  # a Hugging Face model folder; empty: build a tiny model into the run folder
     arch: Literal["qwen3", "llama"] = "qwen3"  # used when path is empty
-    size: Literal["tiny", "mini", "small"] = "tiny"  # used when path is empty (rl_tpu.tiny_model.SIZES)
+    # used when path is empty (rl_tpu.tiny_model.SIZES; "medium", ~100 M, is a benchmark shape)
+    size: Literal["tiny", "mini", "small", "medium"] = "tiny"
     seed: int = 0  # weights seed of the built tiny model
     # the precision switch for both roles (each role's "auto" follows it): bfloat16 = the trainer computes
     # in bf16 over fp32 master weights and reduces gradients in `trainer.reduce_dtype`; the engine runs bf16
@@ -84,9 +85,12 @@ class TrainerConfig:
     # how the decoders execute (trainer/modes.py): "eager"; "compile": each TorchTitan transformer block one
     # torch.compile program (inductor; TorchTitan's apply_compile), shapes dynamic unless seq_len_buckets
     # pads them, cpu_matmul kernels then only outside the blocks (inductor cannot lower oneDNN's linear
-    # with trainable weights); "graph" (TorchTitan's graph trainer) is refused on this trainer for now
-    # (docs/decisions.md says what of it runs on CPU)
+    # with trainable weights); "graph": each micro-batch's forward, loss and backward captured as one graph
+    # by TorchTitan's graph trainer (trainer/graph.py; needs fsdp = "simple", lengths padded to buckets,
+    # one graph per bucket), compiled by `graph_compile`: "inductor" (the whole graph) or "none" (the
+    # captured ATen graph run as is)
     mode: Literal["eager", "compile", "graph"] = "eager"
+    graph_compile: Literal["inductor", "none"] = "inductor"
     # parameter sharding (trainer/parallel.py): "fsdp2" (torch's fully_shard, TorchTitan's default) or
     # "simple" (TorchTitan's SimpleFSDP, experiments/graph_trainer/simple_fsdp.py: parameters stay DTensor
     # shards, gathered by a parametrization in each forward, so the collectives can live in a compiled
@@ -530,6 +534,11 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             "config error: `rollout.partial = true` generates in chunks, and a stop string can span two "
             "chunks: use `rollout.stop_token_ids`, or no partial rollouts"
+        )
+    if cfg.trainer.mode == "graph" and cfg.trainer.fsdp != "simple":
+        raise ConfigError(
+            'config error: `trainer.mode = "graph"` captures the collectives of SimpleFSDP in its graph, and '
+            'those of FSDP2 (hooks) cannot be captured: set `trainer.fsdp = "simple"`'
         )
     for key in ("trainer_resources", "rollout_resources"):
         reserved = sorted(

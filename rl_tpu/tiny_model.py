@@ -62,6 +62,15 @@ SIZES = {
         intermediate_size=1024,
         vocab_size=512,
     ),
+    # ~100 M parameters: a trainer shape for benchmarks (bench/trainer.py), not for the demos
+    "medium": dict(
+        hidden_size=768,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=512,
+    ),
 }
 
 _WORDS = (

@@ -47,10 +47,8 @@ def test_modes_and_kernels_outside_compiled_blocks():
     linears outside `model.layers` (inductor cannot lower oneDNN's linear with trainable weights)."""
     from rl_tpu.trainer import converters, cpu_matmul, modes
 
-    modes.check("eager")
-    modes.check("compile")
-    with pytest.raises(NotImplementedError, match="graph"):
-        modes.check("graph")
+    for mode in ("eager", "compile", "graph"):
+        modes.check(mode)
     with pytest.raises(ValueError, match="expected one of"):
         modes.check("jit")
     if not cpu_matmul.available():
@@ -154,6 +152,40 @@ def test_simple_fsdp_equals_fsdp2_with_the_same_shards(ray_session, tiny_qwen3):
         simple.shutdown()
 
 
+def test_graph_mode_equals_eager_and_captures_once_per_shape(ray_session, tiny_qwen3):
+    """`trainer.mode = "graph"`: each micro-batch's forward, RL loss (with a KL term against the reference,
+    whose forward runs before the graph, and an entropy bonus) and backward, SimpleFSDP's collectives
+    included, as one captured graph: the same loss, metrics and gradients as eager on the same batch (fp32,
+    2 ranks); later steps of other lengths in the same buckets replay the graphs they captured."""
+    kl = ["--trainer.fsdp=simple", "--trainer.reference=true", "--algorithm.use_kl_loss=true"]
+    kl += ["--algorithm.entropy_coeff=0.01"]
+    eager = _group(tiny_qwen3, *kl)
+    graph = _group(tiny_qwen3, *kl, "--trainer.mode=graph", "--trainer.graph_compile=none")
+    try:
+        assert [(i["mode"], i["graph_compile"], i["matmul"]) for i in graph.info] == [
+            ("graph", "none", "aten")
+        ] * 2
+        algo = load_config(None, OVERRIDES + kl).algorithm
+        b = _grpo_batch(0)
+        b = b.replace(old_log_probs=eager.compute_log_probs(b) - 0.3 * b.response_mask)  # some ratios clip
+        want, m_want = eager.policy_grads(b, algo, with_metrics=True)
+        got, m_got = graph.policy_grads(b, algo, with_metrics=True)
+        _assert_close(got, want)
+        for k in ("loss/total", "loss/policy", "loss/kl", "actor/entropy", "actor/clipfrac"):
+            assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]) + 1e-12, (k, m_got[k], m_want[k])
+        assert m_want["actor/clipfrac"] > 0  # (the KL is 0: the policy is still the reference)
+        captured = []
+        for seed in (1, 2, 3):
+            b = _grpo_batch(seed)
+            m_g, m_e = graph.train_step(b, algo), eager.train_step(b, algo)
+            assert abs(m_g["loss/total"] - m_e["loss/total"]) <= 1e-4 * abs(m_e["loss/total"])
+            captured.append(m_g["perf/compiles"])
+        assert captured[0] >= 1 and captured[1:] == captured[:1] * 2, captured
+    finally:
+        eager.shutdown()
+        graph.shutdown()
+
+
 REWARD = """
 def by_length(data_source, solution_str, ground_truth, extra_info=None, **kw):
     return (len(solution_str) % 5) / 4.0
@@ -214,6 +246,16 @@ def test_simple_fsdp_compiled_loop_is_verified_bit_exact(ray_session, tmp_path):
     _assert_verified_steps(rows)
     compiles = [r["perf/compiles"] for r in rows]
     assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles
+
+
+def test_graph_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
+    """The issue's command: `--trainer.mode=graph --trainer.fsdp=simple --sync.verify=true`, the graphs
+    compiled by inductor (the default): bit-exact engines after every step, the engine's log-probs equal
+    to the trainer's, and no graph captured after the first step (its buckets are the run's)."""
+    rows = _train(tmp_path, "graph", "--trainer.mode=graph", "--trainer.fsdp=simple")
+    _assert_verified_steps(rows)
+    captured = [r["perf/compiles"] for r in rows]
+    assert captured[0] >= 1 and captured[1:] == captured[:1] * 2, captured
 
 
 # the RL loss with every term the checkpointed blocks feed: clipped surrogate through the chunked log-prob

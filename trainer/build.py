@@ -26,7 +26,7 @@ import torch
 
 from rl_tpu.config import Config, resolved_dtype
 from rl_tpu.devices import Device
-from rl_tpu.trainer import converters, cpu_matmul, metrics, modes, parallel
+from rl_tpu.trainer import converters, cpu_matmul, graph, metrics, modes, parallel
 
 
 class ModelBuilder:
@@ -42,6 +42,12 @@ class ModelBuilder:
         modes.check(tc.mode)
         self.mode = tc.mode
         self.compiled = modes.compiles_blocks(tc.mode)
+        self.graph_compile = tc.graph_compile if tc.mode == "graph" else None
+        if self.graph_compile and (tc.fsdp != "simple" or spec.arch == "qwen3_moe"):
+            raise ValueError(
+                "trainer.mode = 'graph' needs trainer.fsdp = 'simple' (FSDP2's hooks resize parameter "
+                "storage outside autograd, which a captured graph cannot replay) and a dense model"
+            )
         if spec.arch == "qwen3_moe" and (self.compiled or tc.fsdp != "fsdp2"):
             raise ValueError(
                 "trainer.mode = 'compile' and trainer.fsdp = 'simple' are not verified on MoE models yet "
@@ -69,6 +75,7 @@ class ModelBuilder:
             and device.local_device().type == "cpu"
             and cpu_matmul.available()
             and self.param_dtype == "float32"
+            and not self.graph_compile  # inductor cannot lower oneDNN's linear with trainable weights
         )
         self.matmuls = converters.MatmulTable(tc.cpu_matmul, rank, world_size)
         self.moe_stats: metrics.MoeStats | None = None  # the policy's expert load (`moe/*` metrics)
@@ -89,6 +96,8 @@ class ModelBuilder:
         converters.apply(m, convs, what)
         if self.compiled:
             modes.compile_blocks(m, dynamic=self.dynamic)
+        if self.graph_compile and what != "reference":  # the reference runs no backward: eager
+            m.rl_graph = graph.GraphSteps(m, self.graph_compile)
         return m
 
     def policy(self, titan_sd: dict[str, torch.Tensor], frozen: bool = False) -> torch.nn.Module:
@@ -137,6 +146,7 @@ class ModelBuilder:
         return {
             "mode": self.mode,  # trainer.mode
             "compile_dynamic": self.compiled and self.dynamic,  # compiled blocks with symbolic shapes
+            "graph_compile": self.graph_compile,  # trainer.mode = "graph": the captured graphs' compiler
             # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
             "fsdp": self.fsdp,  # trainer.fsdp
             "activation_checkpoint": self.activation_checkpoint,  # trainer.activation_checkpoint

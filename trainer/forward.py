@@ -56,8 +56,9 @@ class Forward:
     @classmethod
     def for_model(cls, spec, device: Device, tc: TrainerConfig, rank: int, world_size: int) -> Forward:
         max_len = int(spec.hf_config.get("max_position_embeddings", 4096))
-        # the configured list wins over the device default
-        buckets = list(tc.seq_len_buckets) or (ops.static_buckets(max_len) if device.static_shapes else [])
+        # the configured list wins over the device default; graph mode captures one graph per shape
+        static = device.static_shapes or tc.mode == "graph"
+        buckets = list(tc.seq_len_buckets) or (ops.static_buckets(max_len) if static else [])
         return cls(
             rank=rank,
             world_size=world_size,

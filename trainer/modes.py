@@ -1,7 +1,8 @@
 """`trainer.mode`: how a trainer rank executes its decoders. "eager" runs TorchTitan's modules as they are;
 "compile" makes each TorchTitan transformer block one `torch.compile` program, as TorchTitan's own
 `apply_compile` (torchtitan/distributed/compile.py) does: `block.compile(fullgraph=True)`, so the
-blocks, which share one forward, share the compiled code.
+blocks, which share one forward, share the compiled code; "graph" captures each micro-batch's whole
+forward, loss and backward as one graph (trainer/graph.py). The invariants below are compile mode's.
 
 Invariants:
 - Only the transformer blocks are compiled. The embedding, the final norm and the heads (the chunked
@@ -33,19 +34,11 @@ import torch
 
 MODES = ("eager", "compile", "graph")
 
-# Why `trainer.mode = "graph"` is refused (docs/decisions.md has the investigation).
-GRAPH_UNSUPPORTED = (
-    "trainer.mode = 'graph' (TorchTitan's experiments/graph_trainer, the whole step as one captured "
-    "graph) is not available in this trainer yet; use 'eager' or 'compile' (docs/decisions.md, #46)"
-)
-
 
 def check(mode: str) -> None:
     """Raise for a mode this trainer cannot run."""
     if mode not in MODES:
         raise ValueError(f"trainer.mode = {mode!r}: expected one of {MODES}")
-    if mode == "graph":
-        raise NotImplementedError(GRAPH_UNSUPPORTED)
 
 
 def compiles_blocks(mode: str) -> bool:

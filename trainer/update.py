@@ -138,15 +138,19 @@ class Updater:
         def dev(t):
             return None if t is None else t.to(local)
 
+        def with_ref(mb: TrainBatch) -> TrainBatch:
+            if mb.ref_log_probs is None and algo.use_kl_loss and ref is not None:
+                with torch.no_grad():  # the reference's forward in the same call: the batch crosses once
+                    return mb.replace(ref_log_probs=self.fwd.policy(ref, mb, tc)[0])
+            return mb
+
         def loss(mb: TrainBatch, g_tok: float, g_seq: float):
+            mb = with_ref(mb)
             lp, ent = self.fwd.policy(model, mb, tc)
             # on-policy (one epoch, one mini-batch): the pre-update log-probs are this very forward's, so
             # the loop skips its separate pass and the ratio is exactly 1 (the clip cannot bind)
             old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
             ref_lp = mb.ref_log_probs
-            if ref_lp is None and algo.use_kl_loss and ref is not None:
-                with torch.no_grad():  # the reference's forward in the same call: the batch crosses once
-                    ref_lp = self.fwd.policy(ref, mb, tc)[0]
             return compute_policy_loss(
                 algo,
                 lp,
@@ -160,6 +164,7 @@ class Updater:
                 global_seqs=g_seq,
             )
 
+        loss.prepare = with_ref  # graph mode runs it before the captured graph (trainer/graph.py)
         return loss
 
     def value_loss(self, algo: AlgorithmConfig, critic) -> LossFn:
@@ -224,8 +229,11 @@ class Updater:
                     model.set_requires_gradient_sync(last)
                     model.set_reshard_after_backward(last)
                 mb = padded.select(idx)
-                loss, mb_metrics = loss_fn(mb, g_tok, g_seq)
-                loss.backward()
+                if getattr(model, "rl_graph", None) is not None:  # trainer.mode = "graph": one captured step
+                    loss, mb_metrics = model.rl_graph.run(loss_fn, mb, g_tok, g_seq)
+                else:
+                    loss, mb_metrics = loss_fn(mb, g_tok, g_seq)
+                    loss.backward()
                 w = float(mb.response_mask.sum())  # host tensor
                 weight += w
                 for k, v in mb_metrics.items():

@@ -149,6 +149,8 @@ class TrainerWorker(SyncSender):
         compiles = self.device.compile_count()
         if compiles is None and self.builder.compiled:  # trainer.mode = "compile": dynamo's programs
             compiles = modes.compiled_programs()
+        if compiles is None and self.builder.graph_compile:  # trainer.mode = "graph": graphs captured
+            compiles = sum(m.rl_graph.traces for m in (self.model, self.critic) if m is not None)
         if compiles is not None:
             out["perf/compiles"] = float(compiles)
         return out

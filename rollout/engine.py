@@ -46,6 +46,9 @@ class EngineTraits:
     kv_cache_from_gb: bool  # size the KV cache in bytes (rollout.kv_cache_gb), not a memory fraction
     bind_threads_per_rank: bool  # CPU TP ranks need their own cores (VLLM_CPU_OMP_THREADS_BIND)
     aot_cache_loads: bool = True  # a compiled engine (enforce_eager=false) can reload vLLM's AOT artifact
+    # the engine's linears build (and keep, in oneDNN's primitive cache) a matmul kernel for each row count
+    # they meet: `RolloutWorker` builds every decode batch size's at start, so a young engine does not grow
+    row_count_kernels: bool = False
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
@@ -57,6 +60,7 @@ ENGINE_TRAITS: dict[str, EngineTraits] = {
         kv_cache_from_gb=True,
         bind_threads_per_rank=True,
         aot_cache_loads=False,
+        row_count_kernels=True,
     ),
     "vllm": EngineTraits(
         per_request_seed=True, sleep_mode=True, kv_cache_from_gb=False, bind_threads_per_rank=False

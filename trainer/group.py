@@ -41,12 +41,14 @@ class TrainerError(RuntimeError):
 
     def __init__(self, rank: int, method: str, cause: BaseException):
         self.rank, self.method, self.cause = rank, method, cause
-        died = type(cause).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-        what, detail = ("died", actor_death_summary(cause)) if died else ("failed", cause)
+        self.died = type(cause).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+        what, detail = ("died", actor_death_summary(cause)) if self.died else ("failed", cause)
         super().__init__(f"trainer rank {rank} {what} in {method}(): {detail}")
 
 
 _PORT_ATTEMPTS = 3
+# after a rank's error, how long the others get to show whether one of them died (the cause to name)
+DEATH_GRACE_S = 10.0
 RESOURCE_WAIT_S = 60.0  # how long a group outside the loop's placement waits for Ray to reserve its ranks
 
 
@@ -149,8 +151,26 @@ class TrainerGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
-                    raise TrainerError(rank, method, e) from e
+                    raise self._root_cause(TrainerError(rank, method, e), pending, rank_of) from e
         return [results[r] for r in ranks]
+
+    @staticmethod
+    def _root_cause(error: TrainerError, pending: list, rank_of: dict) -> TrainerError:
+        """`error`, or a dead rank's when another rank died: a rank whose peer died fails in the collective
+        it shared with it, often before Ray reports the death, and the dead rank is what to name."""
+        import ray
+
+        if error.died or not pending:
+            return error
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - only a death replaces the first error
+                died = TrainerError(rank_of[ref.hex()], error.method, e)
+                if died.died:
+                    return died
+        return error
 
     def _put(self, batch: TrainBatch):
         import ray

@@ -70,13 +70,16 @@ def with_env_rewards(groups: list[list[Completion]], scores: list[float]) -> lis
 
 def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str, float]:
     """Multi-turn trajectories' metrics under `prefix` ("rollout/" per step, "eval/"): turns_mean,
-    env_reward_frac, env_errors and, with `tools`, tool_calls, tool_errors, tool_timeouts (sums)."""
+    env_reward_frac, env_errors, truncated (stopped by `max_turns` or `max_total_tokens`) and, with
+    `tools`, tool_calls, tool_errors, tool_timeouts (sums) and tool_calls_mean (per trajectory)."""
     metrics = {
         f"{prefix}turns_mean": sum(t.turns for t in trajs) / len(trajs),
         f"{prefix}env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
         f"{prefix}env_errors": float(sum(t.env_error for t in trajs)),
+        f"{prefix}truncated": float(sum(t.finish_reason in ("max_turns", "max_total_tokens") for t in trajs)),
     }
     if tools:
+        metrics[f"{prefix}tool_calls_mean"] = sum(t.tool_calls for t in trajs) / len(trajs)
         metrics[f"{prefix}tool_calls"] = float(sum(t.tool_calls for t in trajs))
         metrics[f"{prefix}tool_errors"] = float(sum(t.tool_errors for t in trajs))
         metrics[f"{prefix}tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))

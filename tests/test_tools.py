@@ -490,6 +490,9 @@ def test_with_an_environment_tool_calls_are_answered_first(tok, tools):
         tok, Judge, generate, max_turns=1, max_tokens=200, max_total_tokens=2000, tools=tools
     ).rollout([{}])
     assert (t.turns, t.finish_reason, t.tool_calls, Judge.steps) == (1, "max_turns", 0, 1)
+    from rl_tpu.producer import turn_metrics
+
+    assert turn_metrics([t], "rollout/", tools=True)["rollout/truncated"] == 1.0
 
 
 class ScriptedEngine:
@@ -536,6 +539,7 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
     assert [len(g) for g in groups] == [2, 2, 2]
     assert all(c.extra["turns"] == 2 and c.text == "42" and 0 in c.loss_mask for g in groups for c in g)
     assert metrics["rollout/turns_mean"] == 2.0
+    assert (metrics["rollout/tool_calls_mean"], metrics["rollout/truncated"]) == (1.0, 0.0)
     assert (
         metrics["rollout/tool_calls"],
         metrics["rollout/tool_errors"],

@@ -251,7 +251,8 @@ def test_simple_fsdp_compiled_loop_is_verified_bit_exact(ray_session, tmp_path):
 def test_graph_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
     """The issue's command: `--trainer.mode=graph --trainer.fsdp=simple --sync.verify=true`, the graphs
     compiled by inductor (the default): bit-exact engines after every step, the engine's log-probs equal
-    to the trainer's, and no graph captured after the first step (its buckets are the run's)."""
+    to the trainer's, and no graph compiled after the first step (AOTAutograd's own count; its buckets
+    are the run's)."""
     rows = _train(tmp_path, "graph", "--trainer.mode=graph", "--trainer.fsdp=simple")
     _assert_verified_steps(rows)
     captured = [r["perf/compiles"] for r in rows]

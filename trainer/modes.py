@@ -65,3 +65,11 @@ def compiled_programs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def aot_compiles() -> int:
+    """Graphs AOTAutograd has compiled in this process so far (its own `total` counter): in graph mode with
+    inductor, one per captured graph (TorchTitan's regional inductor compiles through it)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["total"])

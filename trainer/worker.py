@@ -17,7 +17,8 @@ Invariants:
   a restart): the host copy lazy devices sync from is then dropped.
 - Lazy-tensor devices (XLA): loaded weights and optimizer state become device data before step 1;
   `perf/compiles` counts the programs compiled by this rank so far; so it does with
-  `trainer.mode = "compile"` (dynamo's count, trainer/modes.py).
+  `trainer.mode = "compile"` (dynamo's count, trainer/modes.py) and `"graph"` (AOTAutograd's count with
+  inductor; the graphs captured with `graph_compile = "none"`).
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ class TrainerWorker(SyncSender):
         compiles = self.device.compile_count()
         if compiles is None and self.builder.compiled:  # trainer.mode = "compile": dynamo's programs
             compiles = modes.compiled_programs()
-        if compiles is None and self.builder.graph_compile:  # trainer.mode = "graph": graphs captured
+        if compiles is None and self.builder.graph_compile == "inductor":  # trainer.mode = "graph"
+            compiles = modes.aot_compiles()  # the compiler's own count of the graphs it built
+        elif compiles is None and self.builder.graph_compile:  # graphs captured, run as they are
             compiles = sum(m.rl_graph.traces for m in (self.model, self.critic) if m is not None)
         if compiles is not None:
             out["perf/compiles"] = float(compiles)

@@ -269,17 +269,23 @@ class MultiTurn:
         self.scheduling = scheduling
         self.stats: dict[str, float] = {}
 
-    def start(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[Trajectory, Any]:
-        """A trajectory's prompt: the environment's `reset`, or without one the row's own messages."""
+    def opening(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], Any]:
+        """A trajectory's opening messages and its environment: the environment's `reset`, or without one
+        the row's own messages."""
         env = self.env_cls() if self.env_cls is not None else None
-        if env is not None:
-            messages = _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset")
-        else:
-            messages = list(sample["messages"])
+        if env is None:
+            return list(sample["messages"]), None
+        return _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset"), env
+
+    def start(self, sample: dict, messages: list[dict]) -> Trajectory:
+        """The trajectory of `messages`: their rendering with the tools, tokenized once. Called on the
+        rollout's own thread, never on the environments': Hugging Face tokenizers do not promise thread
+        safety (a fast tokenizer raises "Already borrowed" when threads change its truncation or padding
+        at once), so every tokenization of a rollout stays on one thread."""
         ids = self.tok.apply_chat_template(
             messages, tools=self.schemas, tokenize=True, add_generation_prompt=True, return_dict=False
         )
-        return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages)), env
+        return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages))
 
     def rollout(self, samples: Sequence[dict], n: int = 1) -> list[Trajectory]:
         """`n` trajectories per sample, in order (sample 0's n, then sample 1's, ...)."""
@@ -364,15 +370,12 @@ class _Run:
     def run(self) -> list[Trajectory]:
         self.loop_thread.start()
         try:
-            started = [
-                self.envs_pool.submit(self.mt.start, s, self.loop)
-                for s in self.samples
-                for _ in range(self.n)
-            ]
+            samples = [s for s in self.samples for _ in range(self.n)]
+            opened = [self.envs_pool.submit(self.mt.opening, s, self.loop) for s in samples]
             self.trajs, self.envs = [], []
-            for job in started:
-                t, env = job.result()
-                self.trajs.append(t)
+            for s, job in zip(samples, opened):
+                messages, env = job.result()
+                self.trajs.append(self.mt.start(s, messages))  # tokenized here, not on the env threads
                 self.envs.append(env)
             self.ready = list(range(len(self.trajs)))
             while True:

@@ -230,8 +230,8 @@ def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
 
 class MultiTurn:
     """Runs trajectories turn by turn: a trajectory's assistant turn comes from `generate` (called with
-    the turns of every trajectory ready for one), its tool calls go to `Tools.run` (with whatever other
-    calls are waiting) or its environment's `step` answers it, and it is ready again. `env_cls` may be
+    the turns of every trajectory ready for one), its tool calls go to the next free tool worker
+    (`Tools.submit`) or its environment's `step` answers it, and it is ready again. `env_cls` may be
     None when `tools` are given (see the module docstring for the rule).
 
     `scheduling`: "independent" (trajectories waiting on a tool or an environment do not hold up the

@@ -269,6 +269,7 @@ class Tools:
         self._log_failure = threading.Lock()  # taken by the first failure (calls run on threads)
         self.memory_mb = memory_mb
         self.pools: list[CallPool] = []
+        self._threads = ThreadPoolExecutor(max(1, workers), thread_name_prefix="rl_tpu-tools")
         try:  # one after another: starting a worker swaps sys.modules["__main__"] for a moment
             for _ in range(max(1, workers)):
                 self.pools.append(
@@ -288,15 +289,13 @@ class Tools:
         self._free: queue.SimpleQueue[CallPool] = queue.SimpleQueue()
         for pool in self.pools:
             self._free.put(pool)
-        self._threads = ThreadPoolExecutor(len(self.pools), thread_name_prefix="rl_tpu-tools")
 
     @property
     def worker_pids(self) -> list[int]:
         return [pid for pool in self.pools for pid in pool.worker_pids]
 
     def close(self) -> None:
-        if hasattr(self, "_threads"):
-            self._threads.shutdown(wait=True, cancel_futures=True)
+        self._threads.shutdown(wait=True, cancel_futures=True)
         for pool in self.pools:
             pool.close()
 

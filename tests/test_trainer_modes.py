@@ -94,6 +94,23 @@ def _assert_close(got: dict, want: dict, rel: float = REL) -> None:
         assert (got[k] - want[k]).abs().max().item() <= rel * scale, (k, (got[k] - want[k]).abs().max())
 
 
+def _steps_against_eager(group, eager, algo) -> tuple[list[float], dict]:
+    """Three updates whose batches differ in every length, on `group` and on `eager`: their losses agree,
+    and `group`'s `perf/compiles` after each (and eager's last metrics) come back."""
+    compiles = []
+    for seed in (1, 2, 3):
+        b = _grpo_batch(seed)
+        m_g, m_e = group.train_step(b, algo), eager.train_step(b, algo)
+        assert abs(m_g["loss/total"] - m_e["loss/total"]) <= 1e-4 * abs(m_e["loss/total"])
+        compiles.append(m_g["perf/compiles"])
+    return compiles, m_e
+
+
+def _assert_compiled_once(compiles: list[float]) -> None:
+    """The first step compiled (or captured) something, and no later step compiled anything more."""
+    assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * (len(compiles) - 1), compiles
+
+
 def test_compile_equals_eager_and_does_not_recompile(ray_session, tiny_qwen3):
     eager = _group(tiny_qwen3)
     compiled = _group(tiny_qwen3, "--trainer.mode=compile")
@@ -109,13 +126,8 @@ def test_compile_equals_eager_and_does_not_recompile(ray_session, tiny_qwen3):
         for k in ("loss/total", "loss/policy", "actor/entropy"):
             assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
         # three updates whose batches differ in every length: the first compiles, the others reuse it
-        compiles = []
-        for seed in (1, 2, 3):
-            b = _grpo_batch(seed)
-            m_c, m_e = compiled.train_step(b, algo), eager.train_step(b, algo)
-            assert abs(m_c["loss/total"] - m_e["loss/total"]) <= 1e-4 * abs(m_e["loss/total"])
-            compiles.append(m_c["perf/compiles"])
-        assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles
+        compiles, m_e = _steps_against_eager(compiled, eager, algo)
+        _assert_compiled_once(compiles)
         assert "perf/compiles" not in m_e  # eager compiles nothing
     finally:
         eager.shutdown()
@@ -174,13 +186,7 @@ def test_graph_mode_equals_eager_and_captures_once_per_shape(ray_session, tiny_q
         for k in ("loss/total", "loss/policy", "loss/kl", "actor/entropy", "actor/clipfrac"):
             assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]) + 1e-12, (k, m_got[k], m_want[k])
         assert m_want["actor/clipfrac"] > 0  # (the KL is 0: the policy is still the reference)
-        captured = []
-        for seed in (1, 2, 3):
-            b = _grpo_batch(seed)
-            m_g, m_e = graph.train_step(b, algo), eager.train_step(b, algo)
-            assert abs(m_g["loss/total"] - m_e["loss/total"]) <= 1e-4 * abs(m_e["loss/total"])
-            captured.append(m_g["perf/compiles"])
-        assert captured[0] >= 1 and captured[1:] == captured[:1] * 2, captured
+        _assert_compiled_once(_steps_against_eager(graph, eager, algo)[0])
     finally:
         eager.shutdown()
         graph.shutdown()
@@ -234,9 +240,8 @@ def _assert_verified_steps(rows: list[dict]) -> None:
 def test_compile_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
     rows = _train(tmp_path, "compile", "--trainer.mode=compile")
     _assert_verified_steps(rows)
-    compiles = [r["perf/compiles"] for r in rows]
     # the first step compiles the training program (dynamic shapes); later steps, other lengths, reuse it
-    assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles
+    _assert_compiled_once([r["perf/compiles"] for r in rows])
 
 
 def test_simple_fsdp_compiled_loop_is_verified_bit_exact(ray_session, tmp_path):
@@ -244,8 +249,7 @@ def test_simple_fsdp_compiled_loop_is_verified_bit_exact(ray_session, tmp_path):
     each rank's `Shard(0)` and verify is bit-exact after every step."""
     rows = _train(tmp_path, "simple", "--trainer.mode=compile", "--trainer.fsdp=simple")
     _assert_verified_steps(rows)
-    compiles = [r["perf/compiles"] for r in rows]
-    assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2, compiles
+    _assert_compiled_once([r["perf/compiles"] for r in rows])
 
 
 def test_graph_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
@@ -255,8 +259,7 @@ def test_graph_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
     are the run's)."""
     rows = _train(tmp_path, "graph", "--trainer.mode=graph", "--trainer.fsdp=simple")
     _assert_verified_steps(rows)
-    captured = [r["perf/compiles"] for r in rows]
-    assert captured[0] >= 1 and captured[1:] == captured[:1] * 2, captured
+    _assert_compiled_once([r["perf/compiles"] for r in rows])
 
 
 # the RL loss with every term the checkpointed blocks feed: clipped surrogate through the chunked log-prob

@@ -42,16 +42,12 @@ class ModelBuilder:
         modes.check(tc.mode)
         self.mode = tc.mode
         self.compiled = modes.compiles_blocks(tc.mode)
+        # trainer.mode = "graph" needs trainer.fsdp = "simple": a config error (rl_tpu.config) otherwise
         self.graph_compile = tc.graph_compile if tc.mode == "graph" else None
-        if self.graph_compile and (tc.fsdp != "simple" or spec.arch == "qwen3_moe"):
+        if spec.arch == "qwen3_moe" and (self.compiled or self.graph_compile or tc.fsdp != "fsdp2"):
             raise ValueError(
-                "trainer.mode = 'graph' needs trainer.fsdp = 'simple' (FSDP2's hooks resize parameter "
-                "storage outside autograd, which a captured graph cannot replay) and a dense model"
-            )
-        if spec.arch == "qwen3_moe" and (self.compiled or tc.fsdp != "fsdp2"):
-            raise ValueError(
-                "trainer.mode = 'compile' and trainer.fsdp = 'simple' are not verified on MoE models yet "
-                "(their routers carry Python hooks, metrics.MoeStats; experts shard over EP): use "
+                "trainer.mode = 'compile' or 'graph' and trainer.fsdp = 'simple' are not verified on MoE "
+                "models yet (their routers carry Python hooks, metrics.MoeStats; experts shard over EP): use "
                 "trainer.mode = 'eager', trainer.fsdp = 'fsdp2'"
             )
         # the trained models' blocks (policy, critic); the reference runs no backward, so nothing to recompute

@@ -62,7 +62,6 @@ class GraphSteps:
             raise ValueError(f"trainer.graph_compile = {compiler!r}: expected one of {COMPILERS}")
         self.model, self.compiler = model, compiler
         self.graphs: dict[tuple, object] = {}
-        self.trace_s = 0.0  # tracing and compiling, over the run
 
     @property
     def traces(self) -> int:
@@ -106,7 +105,6 @@ class GraphSteps:
         if self.compiler == "inductor":
             graph.gm = _inductor_pass(graph.gm, graph.example_inputs)
         dt = time.perf_counter() - t
-        self.trace_s += dt
         log.info(
             "trainer.mode = graph: captured a step of shape %s in %.1f s",
             tuple(fields["input_ids"].shape),

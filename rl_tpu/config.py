@@ -100,12 +100,15 @@ class TrainerConfig:
     # (torchtitan/distributed/activation_checkpoint.py) applied in its order (after TP/EP, before compile
     # and FSDP): "none"; "selective" (SelectiveAC: keeps the outputs of matmuls and attention, every second
     # matmul recomputed); "full" (FullAC: keeps each block's input and recomputes the block in backward).
-    # Same loss and gradients, less activation memory for more compute (`rl-tpu estimate` counts it)
+    # Same loss and gradients, less activation memory for more compute (`rl-tpu estimate` counts it). In
+    # trainer.mode = "graph" the same two policies are the graph trainer's passes over the captured graph
+    # (trainer/graph.py)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     # move the activations saved for backward to host memory. TorchTitan 0.3.0 offers it only inside its
     # graph trainer's compile pipeline (experiments/graph_trainer, memory_policy "sac_and_offload": a pass
-    # over its traced joint graph, with accelerator streams and pinned host memory), which this trainer
-    # does not run; on CPU the host is the device. true is refused (docs/decisions.md)
+    # over its traced joint graph, with accelerator streams and pinned host memory), which trainer.mode =
+    # "graph" does not apply (unverified without a GPU); on CPU the host is the device. true is refused
+    # (docs/decisions.md)
     activation_offload: bool = False
     # the decoders' inner attention (TorchTitan's; rl_tpu/devices/kernels.py): "sdpa" (ScaledDotProduct-
     # Attention, packed shared-prompt rows as padded views; every device) or "flex" (FlexAttention, the
@@ -582,12 +585,6 @@ def _check_cross_fields(cfg: Config) -> None:
             "SimpleFSDP's all-gathers inside a checkpointed compiled block (it saves their DeviceMesh as a "
             'tensor, torch 2.13); use trainer.fsdp = "fsdp2" or trainer.mode = "eager"'
         )
-    if cfg.trainer.activation_checkpoint != "none" and cfg.trainer.mode == "graph":
-        raise ConfigError(
-            f'config error: `trainer.activation_checkpoint = "{cfg.trainer.activation_checkpoint}"` is not '
-            'verified with `trainer.mode = "graph"` (whose captured graph has its own memory policy): use '
-            '"none" there'
-        )
     if cfg.trainer.activation_offload:
         raise ConfigError(
             "config error: `trainer.activation_offload = true`: "
@@ -596,7 +593,8 @@ def _check_cross_fields(cfg: Config) -> None:
                 "memory to offload activations from"
                 if cfg.trainer.device == "cpu"
                 else "TorchTitan 0.3.0 offloads activations only inside its graph trainer's compile "
-                'pipeline (memory_policy "sac_and_offload"), which this trainer does not run'
+                'pipeline (memory_policy "sac_and_offload", with CUDA streams and pinned host memory), '
+                'which trainer.mode = "graph" does not apply: unverified without a GPU'
             )
         )
     if cfg.algorithm.use_kl_loss and not cfg.trainer.reference:

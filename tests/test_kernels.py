@@ -53,10 +53,6 @@ def test_attention_defaults_per_device_and_fallback():
             "only inside its graph trainer",
         ),
         (
-            ["--trainer.activation_checkpoint=full", "--trainer.mode=graph", "--trainer.fsdp=simple"],
-            "trainer.activation_checkpoint",
-        ),
-        (
             ["--trainer.activation_checkpoint=full", "--trainer.fsdp=simple", "--trainer.mode=compile"],
             "trainer.activation_checkpoint",
         ),

@@ -86,14 +86,17 @@ class ModelBuilder:
             reduce_dtype=self.reduce_dtype,
             reshard_after_forward="never" if self.replicated_step else "default",
             fsdp=self.fsdp,
-            activation_checkpoint="none" if what == "reference" else self.activation_checkpoint,
+            # graph mode checkpoints by a pass over its captured graph (graph.py), not block wrappers
+            activation_checkpoint="none"
+            if what == "reference" or self.graph_compile
+            else self.activation_checkpoint,
         )
         parallel.load_full_state_dict(m, state_dict)
         converters.apply(m, convs, what)
         if self.compiled:
             modes.compile_blocks(m, dynamic=self.dynamic)
         if self.graph_compile and what != "reference":  # the reference runs no backward: eager
-            m.rl_graph = graph.GraphSteps(m, self.graph_compile)
+            m.rl_graph = graph.GraphSteps(m, self.graph_compile, self.activation_checkpoint)
         return m
 
     def policy(self, titan_sd: dict[str, torch.Tensor], frozen: bool = False) -> torch.nn.Module:

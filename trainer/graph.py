@@ -19,6 +19,14 @@ Invariants:
   every step.
 - Needs SimpleFSDP (`trainer.fsdp = "simple"`): FSDP2's hooks resize parameter storage outside
   autograd, which a trace cannot replay. Dense models only.
+- `trainer.activation_checkpoint` is a pass over the captured graph, not a wrapper around the blocks (a
+  checkpoint wrapper's own recompute would be traced as forward ops): the graph trainer's memory
+  policies tag each forward node of the transformer blocks save or recompute (`tag_sac_policy`:
+  "selective" = its "eager" policy, the same alternation of matmuls as TorchTitan's eager SelectiveAC;
+  "full" = only each block's output saved), and `selective_activation_remat_pass` moves the recomputed
+  nodes in front of their first backward use. The blocks' nodes carry their module names
+  (`annotate_module_fqns`, applied once per model) for that. The log-prob head and the loss are never
+  recomputed (the pass leaves `lm_head.*` and `loss` alone).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from rl_tpu.types import TrainBatch
 log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "none")
+MEMORY_POLICIES = ("none", "selective", "full")  # trainer.activation_checkpoint
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -54,14 +63,59 @@ def _inductor_pass(gm: torch.fx.GraphModule, example_inputs: tuple) -> torch.fx.
     return regional_inductor_pass(gm, example_inputs)
 
 
+def _memory_policy_pass(gm: torch.fx.GraphModule, policy: str) -> int:
+    """Recompute in backward what `policy` does not save (TorchTitan's graph-trainer passes); returns how
+    many forward nodes of the blocks were recomputed."""
+    from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
+    from torchtitan.experiments.graph_trainer import memory_policy
+    from torchtitan.experiments.graph_trainer.selective_activation_remat import (
+        selective_activation_remat_pass,
+    )
+
+    if policy == "selective":
+        # CPU's attention kernel is not in TorchTitan's list of attention ops to save, and it is tagged
+        # random (its dropout), which the remat pass cannot replay: saved, as SelectiveAC means to
+        save = _get_default_save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+        policy_fn = memory_policy._make_eager_memory_policy(save)
+    else:
+        policy_fn = memory_policy._make_full_memory_policy()  # saves random ops by itself
+    memory_policy.tag_sac_policy(gm, policy_fn=policy_fn)
+    selective_activation_remat_pass(gm)
+    return sum(n.name.endswith("_recomputed") for n in gm.graph.nodes)
+
+
+def saved_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of the forward values the backward reads: the activations a step keeps between them."""
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get("autograd_backward", False):
+            continue
+        if not any(u.meta.get("autograd_backward", False) for u in n.users):
+            continue
+        for v in torch.utils._pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
 class GraphSteps:
     """The captured micro-batch steps of one model. `run` replaces `loss_fn(mb, ...)` + `loss.backward()`."""
 
-    def __init__(self, model: torch.nn.Module, compiler: str):
+    def __init__(self, model: torch.nn.Module, compiler: str, memory_policy: str = "none"):
         if compiler not in COMPILERS:
             raise ValueError(f"trainer.graph_compile = {compiler!r}: expected one of {COMPILERS}")
-        self.model, self.compiler = model, compiler
+        if memory_policy not in MEMORY_POLICIES:
+            raise ValueError(
+                f"trainer.activation_checkpoint = {memory_policy!r}: expected one of {MEMORY_POLICIES}"
+            )
+        self.model, self.compiler, self.memory_policy = model, compiler, memory_policy
         self.graphs: dict[tuple, object] = {}
+        self.recomputed = 0  # forward nodes recomputed in backward, in the latest captured graph
+        self.saved = 0  # its activations kept from forward to backward, bytes (`saved_bytes`)
+        if memory_policy != "none":
+            from torchtitan.experiments.graph_trainer.common_utils import annotate_module_fqns
+
+            annotate_module_fqns(model)
 
     @property
     def traces(self) -> int:
@@ -102,12 +156,16 @@ class GraphSteps:
 
         t = time.perf_counter()
         graph = minimal_fx_tracer(step, module=model)(fields, norms)
+        if self.memory_policy != "none":
+            self.recomputed = _memory_policy_pass(graph.gm, self.memory_policy)
+        self.saved = saved_bytes(graph.gm)
         if self.compiler == "inductor":
             graph.gm = _inductor_pass(graph.gm, graph.example_inputs)
         dt = time.perf_counter() - t
         log.info(
-            "trainer.mode = graph: captured a step of shape %s in %.1f s",
+            "trainer.mode = graph: captured a step of shape %s in %.1f s (%d forward nodes recomputed)",
             tuple(fields["input_ids"].shape),
             dt,
+            self.recomputed,
         )
         return graph

@@ -156,6 +156,9 @@ class TrainerWorker(SyncSender):
             compiles = sum(m.rl_graph.traces for m in (self.model, self.critic) if m is not None)
         if compiles is not None:
             out["perf/compiles"] = float(compiles)
+        if self.builder.graph_compile:  # the latest captured graph's (graph.py)
+            out["perf/graph_saved_mb"] = self.model.rl_graph.saved / 2**20
+            out["perf/recomputed_nodes"] = float(self.model.rl_graph.recomputed)
         return out
 
     def policy_grads(

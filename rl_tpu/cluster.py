@@ -40,6 +40,18 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
         # toward ~330 MB (bench/RESULTS.md, 2026-12-05). Nothing here reads them; 0 turns the recording off
         # in every process of a cluster we start (set the variable, e.g. to 1000, to have them back).
         os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
+        # Ray's log monitor (ray/_private/log_monitor.py), which streams the workers' stdout/stderr files
+        # to the driver, keeps a file open once it has had lines and learns that a worker died only when it
+        # closes all of its files, which it does only when RAY_LOG_MONITOR_MAX_OPEN_FILES (200) are open:
+        # every engine restart kept the dead worker's two files (worker-*.out/.err) open, +2 fds a restart
+        # up to 200 (bench/RESULTS.md). With 2 it closes them as soon as a second file has new lines (a
+        # dead worker's are then moved to logs/old), so it holds at most 2 log files. Each is read to its
+        # end before it is closed; a worker's lines written in the few ms between that read and its death
+        # can stay in its file unsent (as at Ray's 200). The monitor reads at most
+        # RAY_LOG_MONITOR_NUM_LINES_TO_READ lines of a file per pass (1000) and reopens a closed file only
+        # once it grows, so a longer burst's rest would wait for the worker's next line: 100,000.
+        os.environ.setdefault("RAY_LOG_MONITOR_MAX_OPEN_FILES", "2")
+        os.environ.setdefault("RAY_LOG_MONITOR_NUM_LINES_TO_READ", "100000")
     for attempt in range(attempts):
         try:
             ray.init(**kwargs)
@@ -83,8 +95,10 @@ def _ray_logs_dir() -> str | None:
 
 
 def _worker_log(pid: int, logs_dir: str | None) -> Path | None:
-    """The stderr log Ray keeps for worker process `pid` (`worker-<id>-<job>-<pid>.err`), if on this node."""
-    logs = sorted(Path(logs_dir).glob(f"worker-*-{pid}.err")) if logs_dir else []
+    """The stderr log Ray keeps for worker process `pid` (`worker-<id>-<job>-<pid>.err`), if on this node;
+    in `old/` once Ray's log monitor has closed a dead worker's files (init_ray: promptly)."""
+    name = f"worker-*-{pid}.err"
+    logs = sorted(Path(logs_dir).glob(name)) + sorted(Path(logs_dir).glob(f"old/{name}")) if logs_dir else []
     return logs[-1] if logs else None
 
 

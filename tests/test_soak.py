@@ -162,10 +162,10 @@ def test_step_tail_reads_only_new_complete_lines(tmp_path):
     assert tail.new_steps() == []
 
 
-def test_init_ray_turns_task_events_off_for_a_cluster_it_starts(monkeypatch):
+def test_init_ray_sets_ray_env_for_a_cluster_it_starts(monkeypatch):
     """rl_tpu.cluster.init_ray: Ray's task-event recording (the GCS's per-task history, which grew the GCS
-    by ~4.5 MB per 100 soak steps) is off in a cluster it starts, unless the user set the variable; a
-    cluster it joins is left as it is."""
+    by ~4.5 MB per 100 soak steps) is off, and Ray's log monitor holds at most 2 log files, in a cluster it
+    starts, unless the user set the variable; a cluster it joins is left as it is."""
     import ray
 
     from rl_tpu import cluster
@@ -173,13 +173,21 @@ def test_init_ray_turns_task_events_off_for_a_cluster_it_starts(monkeypatch):
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    for var in ("RAY_task_events_report_interval_ms", "RAY_prestart_worker_first_driver"):
+    ours = {
+        "RAY_task_events_report_interval_ms": "0",
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_LOG_MONITOR_MAX_OPEN_FILES": "2",
+        "RAY_LOG_MONITOR_NUM_LINES_TO_READ": "100000",
+    }
+    for var in ours:
         monkeypatch.delenv(var, raising=False)
     assert cluster.init_ray(address="ray://x:1") is True
-    assert "RAY_task_events_report_interval_ms" not in os.environ
+    assert not any(var in os.environ for var in ours)
     assert cluster.init_ray(num_cpus=1) is True
-    assert os.environ["RAY_task_events_report_interval_ms"] == "0"
+    assert {var: os.environ.get(var) for var in ours} == ours
     monkeypatch.setenv("RAY_task_events_report_interval_ms", "1000")
+    monkeypatch.setenv("RAY_LOG_MONITOR_MAX_OPEN_FILES", "200")
     cluster.init_ray(num_cpus=1)
     assert os.environ["RAY_task_events_report_interval_ms"] == "1000"
+    assert os.environ["RAY_LOG_MONITOR_MAX_OPEN_FILES"] == "200"
     assert calls == [{"address": "ray://x:1"}, {"num_cpus": 1}, {"num_cpus": 1}]

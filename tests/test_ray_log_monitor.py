@@ -119,3 +119,19 @@ def test_dead_workers_logs_are_closed_and_lines_reach_the_driver(tmp_path):
         dead = set(pids[:i])
         assert not [name for pid, name in r["open"] if pid in dead], rounds
     assert rounds[-1]["fds"] <= rounds[0]["fds"] + 2, rounds
+
+
+def test_actor_death_summary_finds_the_log_the_monitor_moved_to_old(tmp_path):
+    """Ray's log monitor moves a dead worker's log to logs/old once it closes it, which init_ray's setting
+    makes prompt: the actor-death summary still names it and its crash line."""
+    from rl_tpu.cluster import actor_death_summary
+
+    death = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: RolloutWorker\n\tpid: 23972\n"
+    )
+    (tmp_path / "old").mkdir()
+    log = tmp_path / "old" / "worker-60a9-01000000-23972.err"
+    log.write_text("Loading weights\n*** SIGSEGV received at time=1796400424 on cpu 0 ***\n")
+    (tmp_path / "worker-60a9-01000000-23973.err").write_text("a live worker's log\n")
+    short = actor_death_summary(RuntimeError(death), str(tmp_path))
+    assert short.endswith(f"; its log: {log} (*** SIGSEGV received)"), short

@@ -73,6 +73,13 @@ class TrainerConfig:
     ppo_mini_batches: int = F(1, ge=1)  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = F(8, ge=1)  # sequences per forward/backward on one rank
     logprob_chunk_size: int = F(2048, ge=1)  # vocabulary chunk for log-softmax
+    # the policy's (and reference's) final projection + log-softmax over the response tokens
+    # (trainer/converters.py): "chunked" (`logprob_chunk_size` vocabulary rows at a time, the logits never
+    # whole, recomputed in backward: memory O(tokens x chunk)) or "full" (the whole logits, autograd's
+    # backward: no recompute, memory O(tokens x vocab)). TorchTitan's ChunkedLossWrapper, which chunks
+    # the sequence and runs each chunk's loss and backward inside the loss call, cannot host a loss that
+    # needs a whole sequence's log-probs (docs/decisions.md)
+    logprob_head: Literal["chunked", "full"] = "chunked"
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # FSDP2 compute dtype; auto: model.dtype
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # FSDP2 (world_size > 1) within one optimizer step. "sharded": TorchTitan's default (each layer gathered

@@ -203,6 +203,8 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
         tokens * m["layers"] * (elems * compute + fp32 * 4)
         + tokens * m["hidden"] * 4 * 2  # the final norm's fp32 input and x * rstd
         + resp * (m["hidden"] * compute + 16)  # log-prob head: its input, fp32 lse / E[z] / targets
+        # "full": the fp32 log-softmax and its exp (the entropy's), kept for backward
+        + (resp * m["vocab"] * 8 if tc.logprob_head == "full" else 0)
     )
     out["total"] = sum(v for k, v in out.items() if k != "rank")
     out["resident"] = out["total"] - out["activations"] - out.get("fsdp_buffers", 0)

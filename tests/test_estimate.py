@@ -142,10 +142,17 @@ def _rank(rank: int, model_path: str, port: int, out_dir: str, overrides: list[s
 
 
 @pytest.mark.parametrize(
-    "dtype,ac", [("float32", "none"), ("bfloat16", "none"), ("float32", "selective"), ("bfloat16", "full")]
+    "dtype,ac,head",
+    [
+        ("float32", "none", "chunked"),
+        ("bfloat16", "none", "chunked"),
+        ("float32", "selective", "chunked"),
+        ("bfloat16", "full", "chunked"),
+        ("float32", "none", "full"),
+    ],
 )
 def test_estimate_equals_the_trainers_shards_and_activations_within_30_percent(
-    tiny_qwen3, tmp_path, dtype, ac
+    tiny_qwen3, tmp_path, dtype, ac, head
 ):
     import socket
 
@@ -157,7 +164,12 @@ def test_estimate_equals_the_trainers_shards_and_activations_within_30_percent(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # trainer.param_dtype "auto" follows model.dtype
-    overrides = [*OVERRIDES, f"--model.dtype={dtype}", f"--trainer.activation_checkpoint={ac}"]
+    overrides = [
+        *OVERRIDES,
+        f"--model.dtype={dtype}",
+        f"--trainer.activation_checkpoint={ac}",
+        f"--trainer.logprob_head={head}",
+    ]
     mp.spawn(_rank, args=(tiny_qwen3, port, str(tmp_path), overrides), nprocs=2, join=True)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     est = estimate(load_config(TINY, overrides))

@@ -36,6 +36,7 @@ def test_attention_defaults_per_device_and_fallback():
     # what doctor reports for the other kernels
     assert logprob_head(cuda, onednn=True) == "chunked log-softmax (cuda matmuls)"
     assert logprob_head(cpu, onednn=True) == "chunked log-softmax (cpu_matmul's kernels)"
+    assert logprob_head(cpu, onednn=True, kind="full") == "full log-softmax (cpu matmul)"
     assert cpu_matmul(cpu, onednn=False) == "aten (no oneDNN linear in this torch)"
     assert cpu_matmul(cpu, onednn=True).startswith("MKL or oneDNN per shape")
     assert cpu_matmul(tpu, onednn=True) == "aten (CPU float32 only)"

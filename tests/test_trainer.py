@@ -157,6 +157,26 @@ def test_chunked_log_probs_values_and_grads_match_full_softmax():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+def test_full_log_prob_head_equals_the_chunked_one_in_values_and_grads():
+    """`trainer.logprob_head = "full"` (whole logits, autograd's backward) and "chunked" (vocabulary
+    chunks, its own backward that recomputes the logits) on [b, T, D] hidden states, fp32."""
+    from rl_tpu.trainer.ops import chunked_log_probs, full_log_probs
+
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (3, 5))
+    g1, g2 = torch.randn(3, 5), torch.randn(3, 5)
+    outs = {}
+    for name, fn in (("full", full_log_probs), ("chunked", lambda h, w, t: chunked_log_probs(h, w, t, 7))):
+        lp, ent = fn(h, w, t)
+        assert lp.shape == ent.shape == (3, 5) and lp._base is None and ent._base is None  # no views
+        outs[name] = (lp, ent, *torch.autograd.grad((lp * g1 + ent * g2).sum(), (h, w)))
+    for a, b in zip(outs["full"], outs["chunked"]):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=0)
+
+
 def test_model_converters_are_declared_from_config_and_applied_in_order():
     """The policy gets CPU kernels (when they apply) then the log-prob head, whose chunk shape the kernel
     table resolves with the linears; the critic only the kernels; `apply` returns what it applied."""

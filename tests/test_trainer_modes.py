@@ -358,3 +358,28 @@ def test_graph_mode_checkpointing_recomputes_with_the_same_loss_and_gradients(
     finally:
         plain.shutdown()
         ckpt.shutdown()
+
+
+def test_full_log_prob_head_gives_the_chunked_heads_loss_and_gradients(ray_session, tiny_qwen3):
+    """`trainer.logprob_head = "full"` against the default "chunked" head in the trainer itself (2 ranks,
+    fp32, packed shared-prompt rows, KL and entropy terms): same loss terms and gradients within 1e-5."""
+    chunked = _group(tiny_qwen3, *AC)
+    full = _group(tiny_qwen3, *AC, "--trainer.logprob_head=full")
+    try:
+        assert [i["logprob_head"] for i in full.info] == ["full", "full"]
+        algo = load_config(None, OVERRIDES + AC).algorithm
+        b = _grpo_batch(7)
+        mask = b.response_mask
+        b = b.replace(
+            old_log_probs=chunked.compute_log_probs(b) - 0.1 * mask,
+            ref_log_probs=chunked.compute_ref_log_probs(b) + 0.05 * mask,
+        )
+        want, m_want = chunked.policy_grads(b, algo, with_metrics=True)
+        got, m_got = full.policy_grads(b, algo, with_metrics=True)
+        _assert_close(got, want)
+        for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "actor/entropy"):
+            assert m_want[k] != 0, k
+            assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
+    finally:
+        chunked.shutdown()
+        full.shutdown()

@@ -38,6 +38,7 @@ class ModelBuilder:
         self.param_dtype = resolved_dtype(tc.param_dtype, cfg)
         self.reduce_dtype = tc.reduce_dtype
         self.logprob_chunk = tc.logprob_chunk_size
+        self.logprob_head = tc.logprob_head
         self.seed = tc.seed
         modes.check(tc.mode)
         self.mode = tc.mode
@@ -109,6 +110,7 @@ class ModelBuilder:
             hidden=int(hf["hidden_size"]),
             vocab=int(hf["vocab_size"]),
             compiled_blocks=self.compiled,
+            head_kind=self.logprob_head,
         )
         m = self._build(self.spec, titan_sd, convs, "reference" if frozen else "policy")
         if frozen:
@@ -148,6 +150,7 @@ class ModelBuilder:
             "graph_compile": self.graph_compile,  # trainer.mode = "graph": the captured graphs' compiler
             # what `trainer.fsdp_step` resolved to; devices without FSDP2 (xla) train unsharded
             "fsdp": self.fsdp,  # trainer.fsdp
+            "logprob_head": self.logprob_head,  # trainer.logprob_head
             "activation_checkpoint": self.activation_checkpoint,  # trainer.activation_checkpoint
             "checkpointed_blocks": self.checkpointed_blocks,
             "fsdp_step": "unsharded"

@@ -104,27 +104,38 @@ class CpuMatmuls:
 @dataclass
 class LogProbHead:
     """The lm_head returns (log-probs, entropy) `[b, T]` of the response tokens instead of logits
-    (`install_logprob_head`), with the table's kernels for its `[.., hidden] -> [.., chunk]` matmuls."""
+    (`install_logprob_head`), with the table's kernels for its `[.., hidden] -> [.., chunk]` matmuls
+    (`kind = "chunked"`) or the whole logits at once under autograd (`"full"`)."""
 
     chunk: int
     table: MatmulTable
     shape: tuple[int, int]
+    kind: str = "chunked"  # trainer.logprob_head
     name: str = "logprob_head"
 
     def convert(self, model: torch.nn.Module) -> None:
-        install_logprob_head(model.lm_head, self.chunk, self.table.matmuls(*self.shape))
+        install_logprob_head(model.lm_head, self.chunk, self.table.matmuls(*self.shape), self.kind)
 
 
-def install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm: ops.Matmuls = ops.Matmuls()) -> None:
-    """Make the lm_head return (log-probs, entropy) `[b, T]` of the response tokens instead of logits.
+HEADS = ("chunked", "full")  # trainer.logprob_head
+
+
+def install_logprob_head(
+    lm_head: torch.nn.Module, chunk: int, mm: ops.Matmuls = ops.Matmuls(), kind: str = "chunked"
+) -> None:
+    """Make the lm_head return (log-probs, entropy) `[b, T]` of the response tokens instead of logits:
+    `kind = "chunked"` (`ops.chunked_log_probs`, `chunk` vocabulary rows at a time, the logits recomputed
+    in backward) or `"full"` (`ops.full_log_probs`, the `[b, T, V]` logits at once, aten's matmul).
 
     The decoder calls it inside its own forward (so FSDP's grouped norm+lm_head unit unshards the weight
     and reduce-scatters its gradient as for logits, and logits `[b, L, V]` are never materialised); which
     positions and targets to score is set on `lm_head.rl_index` just before, the sampling temperature on
     `lm_head.rl_temperature`.
     """
+    if kind not in HEADS:
+        raise ValueError(f"trainer.logprob_head = {kind!r}: expected one of {HEADS}")
     if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("chunked log-probs assume an lm_head without bias")
+        raise ValueError("the log-prob head assumes an lm_head without bias")
 
     def forward(h: torch.Tensor):
         hidx, targets = lm_head.rl_index  # hidx: [b, T] flat indices into h's [B * L] positions
@@ -132,6 +143,8 @@ def install_logprob_head(lm_head: torch.nn.Module, chunk: int, mm: ops.Matmuls =
         # verl scores tokens at the sampling temperature (logits / t); (h / t) @ W.T is the same thing
         if lm_head.rl_temperature != 1.0:
             hs = hs / lm_head.rl_temperature
+        if kind == "full":
+            return ops.full_log_probs(hs, lm_head.weight, targets)
         return ops.chunked_log_probs(hs, lm_head.weight, targets, chunk, mm)  # [b, T] each, not views
 
     lm_head.rl_index = None
@@ -146,16 +159,18 @@ def model_converters(
     hidden: int = 0,
     vocab: int = 0,
     compiled_blocks: bool = False,
+    head_kind: str = "chunked",
 ) -> list[ModelConverter]:
     """The converters of one model: CPU kernels from `table` when `cpu_kernels` (float32 on CPU, not
     `trainer.cpu_matmul = "aten"`; outside the blocks only when `compiled_blocks`), the log-prob head when
-    `logprob_chunk` is given (policy and reference; the critic's head stays a plain `Linear(hidden, 1)`)."""
+    `logprob_chunk` is given, of `head_kind` (policy and reference; the critic's head stays a plain
+    `Linear(hidden, 1)`)."""
     head = (hidden, min(logprob_chunk, vocab)) if logprob_chunk else None
     out: list[ModelConverter] = []
     if cpu_kernels:
         out.append(CpuMatmuls(table, (head,) if head else (), outside_blocks=compiled_blocks))
     if head:
-        out.append(LogProbHead(logprob_chunk, table, head))
+        out.append(LogProbHead(logprob_chunk, table, head, head_kind))
     return out
 
 

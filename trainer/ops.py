@@ -102,6 +102,15 @@ def chunked_log_probs(
     return _ChunkedLogProbs.apply(h, w, targets, int(chunk), mm)
 
 
+def full_log_probs(h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """`chunked_log_probs` with the whole `[..., V]` logits at once, differentiated by autograd: no
+    recompute of the head's matmul in backward, for O(N * V) memory (log-softmax keeps its output)."""
+    acc = torch.promote_types(h.dtype, torch.float32)  # bf16 logits reduce in fp32, as the chunked head
+    logp = torch.log_softmax((h @ w.T).to(acc), dim=-1)
+    # new tensors, not views of `logp`: FSDP2 warns about views among a module's outputs
+    return logp.gather(-1, targets[..., None])[..., 0] * 1.0, -(logp.exp() * logp).sum(dim=-1)
+
+
 def response_index(prompt_lens: Tensor, T: int, L: int) -> tuple[Tensor, Tensor]:
     """Positions `[B, T]` of the hidden state predicting response token j (prompt_len + j - 1) and of
     the token itself (prompt_len + j), clamped into `[0, L)` (out-of-range ones are masked anyway)."""

@@ -57,9 +57,12 @@ def resolve_attention(choice: str, device, has_triton: bool) -> tuple[str, str]:
     return choice, "trainer.attention"
 
 
-def logprob_head(device, onednn: bool) -> str:
-    """The log-prob head every device runs (trainer/ops.py: `trainer.logprob_chunk_size` vocabulary rows
-    at a time, logits never whole), and its matmuls' kernels."""
+def logprob_head(device, onednn: bool, kind: str = "chunked") -> str:
+    """The log-prob head `device` runs for `trainer.logprob_head = kind` (trainer/ops.py: "chunked",
+    `trainer.logprob_chunk_size` vocabulary rows at a time, logits never whole; "full", the whole logits
+    under autograd), and its matmuls' kernels."""
+    if kind == "full":
+        return f"full log-softmax ({device.torch_device} matmul)"
     mm = (
         "cpu_matmul's kernels"
         if device.torch_device == "cpu" and onednn

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 # Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
 # config.json's model_type and fails with a message about sentencepiece.
+# the Hugging Face classes of the model types the trainer builds (trainer/model.py MODEL_TYPES), which
+# vLLM serves natively
+SERVED_TRAINER_ARCHS = {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -119,7 +122,12 @@ def ensure_model(cfg: Config, run_dir: Path) -> str:
     (once) into the run folder, built again when `model.arch`/`size`/`seed` changed since (a resumed
     checkpoint of the other model is then refused by `check_resume_model`)."""
     if cfg.model.path:
-        check_model_folder(cfg.model.path, trainer=True)
+        hf = check_model_folder(cfg.model.path, trainer=True)
+        names = hf.get("architectures") or []
+        # the engines run vLLM of this environment unless rollout.python names another; the classes the
+        # trainer's model types come as are served, so only another class costs vLLM's import here
+        if not cfg.rollout.python and not set(names) <= SERVED_TRAINER_ARCHS:
+            check_engine_architecture(hf, Path(cfg.model.path) / "config.json")
         return cfg.model.path
     out = run_dir / "model"
     want = {"arch": cfg.model.arch, "size": cfg.model.size, "seed": cfg.model.seed}

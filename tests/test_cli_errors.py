@@ -223,15 +223,17 @@ def test_xla_trainer_without_rollout_device_names_the_fix(command, files, tiny_q
     assert not ray.is_initialized()
 
 
-def test_generate_names_an_architecture_vllm_does_not_serve(files, tiny_qwen3):
-    """Before, vLLM's pydantic validation error and its traceback. A process of its own: importing vLLM
-    (which the check does) logs notes to stderr in a fresh process, and the line must stand alone."""
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_an_architecture_vllm_does_not_serve_is_named_before_ray(command, files, tiny_qwen3):
+    """Before, vLLM's pydantic validation error and its traceback (`train`: from inside the engine actor,
+    the trainer having accepted the folder's model_type). A process of its own: importing vLLM (which the
+    check does) logs notes to stderr in a fresh process, and the line must stand alone."""
     r = subprocess.run(
         [
             sys.executable,
             "-m",
             "rl_tpu.cli",
-            "generate",
+            command,
             *_common(files, tiny_qwen3),
             f"--model.path={files / 'unserved_arch'}",
         ],

@@ -25,8 +25,11 @@ step (the run is shutting down then). Reported per process: the least-squares sl
 MB (2^20 bytes) per 100 steps over its samples after a warm-up (`--warmup-steps`, 10: steps <= 10, or for
 a process started later, e.g. a restarted engine, its first 10 steps), with its standard error, and the
 PSS slope over the later half of those samples alone (a cache filling up flattens there, a leak does
-not); fds at the first and last sample after the warm-up; and for the tree: fd growth (sum over
-processes) and /dev/shm growth between those two samples. The JSON line carries the largest RSS and PSS
+not); its RSS change over its life (the median of its last 5 samples less that of its first 5: a
+restarted engine lives ~20 samples, too few for a steady slope); fds at the first and last sample after
+the warm-up, and the most it had; and for the tree: fd growth (sum over processes) and /dev/shm growth
+between those two samples, and the tree's largest fd sum over the samples less its first (a count that
+rises and falls between the two samples shows there). The JSON line carries the largest RSS and PSS
 slopes with their processes (`rss_slope_mb_per_100_steps`, `rss_slope_role`, `pss_...`), `fd_growth`,
 `shm_growth_mb` and `per_process`.
 """
@@ -38,6 +41,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -277,7 +281,12 @@ def fit_series(series: Series, warmup: int, first_step: int) -> dict:
         "pss_slope": pss * per100,
         "pss_slope_se": pss_se * per100,
         "pss_slope_late": pss_late * per100,
+        "rss_life_mb": (statistics.median(p[1] for p in pts[-5:]) - statistics.median(p[1] for p in pts[:5]))
+        / MB
+        if len(pts) >= 10
+        else math.nan,
         "fds": [pts[0][3], pts[-1][3]] if pts else None,
+        "fds_max": max(p[3] for p in pts) if pts else None,
     }
 
 
@@ -307,6 +316,7 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
         top = max(fitted, key=lambda r: r[key])
         return top[key], top["role"]
 
+    fd_sums = [sum(p[3] for p in s.procs.values()) for s in after]
     rss, rss_role = largest("rss_slope")
     pss, pss_role = largest("pss_slope")
     return {
@@ -316,11 +326,10 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
         "rss_slope_role": rss_role,
         "pss_slope_mb_per_100_steps": pss,
         "pss_slope_role": pss_role,
-        "fd_start": sum(p[3] for p in after[0].procs.values()) if after else None,
-        "fd_end": sum(p[3] for p in after[-1].procs.values()) if after else None,
-        "fd_growth": sum(p[3] for p in after[-1].procs.values()) - sum(p[3] for p in after[0].procs.values())
-        if after
-        else None,
+        "fd_start": fd_sums[0] if after else None,
+        "fd_end": fd_sums[-1] if after else None,
+        "fd_growth": fd_sums[-1] - fd_sums[0] if after else None,
+        "fd_max_growth": max(fd_sums) - fd_sums[0] if after else None,
         "shm_mb_start": after[0].shm / MB if after else None,
         "shm_mb_end": after[-1].shm / MB if after else None,
         "shm_growth_mb": (after[-1].shm - after[0].shm) / MB if after else None,
@@ -337,16 +346,18 @@ def _pm(x: float, se: float) -> str:
 def format_table(summary: dict) -> str:
     lines = [
         f"{'process':<34} {'pid':>7} {'n':>3}  {'RSS MB first->last':>19} {'RSS MB/100 steps':>17}  "
-        f"{'PSS MB first->last':>19} {'PSS MB/100 steps':>17} {'late':>6}  {'fds':>9}"
+        f"{'PSS MB first->last':>19} {'PSS MB/100 steps':>17} {'late':>6}  {'RSS life':>8}  {'fds':>9} {'max':>4}"
     ]
     for r in summary["per_process"]:
         rss = f"{r['rss_mb'][0]:8.1f}->{r['rss_mb'][1]:8.1f}" if r["rss_mb"] else "-"
         pss = f"{r['pss_mb'][0]:8.1f}->{r['pss_mb'][1]:8.1f}" if r["pss_mb"] else "-"
         fds = f"{r['fds'][0]}->{r['fds'][1]}" if r["fds"] else "-"
+        life = f"{r['rss_life_mb']:+8.1f}" if math.isfinite(r["rss_life_mb"]) else "-"
         lines.append(
             f"{r['role'][:34]:<34} {r['pid']:>7} {r['samples']:>3}  {rss:>19} "
             f"{_pm(r['rss_slope'], r['rss_slope_se']):>17}  {pss:>19} "
-            f"{_pm(r['pss_slope'], r['pss_slope_se']):>17} {_pm(r['pss_slope_late'], math.nan):>6}  {fds:>9}"
+            f"{_pm(r['pss_slope'], r['pss_slope_se']):>17} {_pm(r['pss_slope_late'], math.nan):>6}  "
+            f"{life:>8}  {fds:>9} {r['fds_max'] if r['fds_max'] is not None else '-':>4}"
         )
     return "\n".join(lines)
 
@@ -566,13 +577,14 @@ def main() -> None:
             f"\nper process, sampled every {a.sample_every} steps, slopes fitted by least squares over steps "
             f"{leak['sampled_steps'][0]}-{leak['sampled_steps'][1]} (warm-up: steps <= {a.warmup_steps} "
             f"left out); MB = 2^20 bytes, ± one standard error; late: the PSS slope over the later half of "
-            "the samples alone:"
+            "the samples alone; RSS life: median of the last 5 samples less the first 5 (MB); fds: first->last, max:"
         )
         print(format_table(leak))
         print(
             f"largest slopes: RSS {leak['rss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['rss_slope_role']}), "
             f"PSS {leak['pss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['pss_slope_role']}); "
-            f"fds {leak['fd_start']} -> {leak['fd_end']} (growth {leak['fd_growth']}); /dev/shm in use "
+            f"fds {leak['fd_start']} -> {leak['fd_end']} (growth {leak['fd_growth']}, at most "
+            f"{leak['fd_max_growth']:+d} between); /dev/shm in use "
             f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB (growth {leak['shm_growth_mb']:+.1f})\n"
         )
     else:

@@ -115,7 +115,7 @@ def test_summarize_slopes_warmup_restart_fds_and_shm():
     samples = []
     for step in range(5, 205, 5):
         procs = {
-            1: ("driver", 500 * MB, 300 * MB, 40),
+            1: ("driver", 500 * MB, 300 * MB, 42 if step == 120 else 40),  # a file open for a while
             # grows 3 MB per 100 steps, plus a warm-up jump the fit must leave out
             2: ("gcs_server", (50 + (20 if step <= 10 else 0)) * MB + int(0.03 * MB * step), 45 * MB, 64),
         }
@@ -138,7 +138,10 @@ def test_summarize_slopes_warmup_restart_fds_and_shm():
     assert (per[3]["role"], per[4]["role"]) == ("engine 0 (pid 3)", "engine 0 (pid 4)")
     assert s["rss_slope_mb_per_100_steps"] == pytest.approx(3.0, abs=1e-3)
     assert s["rss_slope_role"] == "gcs_server"
-    assert s["fd_growth"] == 0 and s["fd_start"] == 40 + 64 + 98
+    assert s["fd_growth"] == 0 and s["fd_start"] == 40 + 64 + 98 and s["fd_max_growth"] == 2
+    assert per[1]["fds"] == [40, 40] and per[1]["fds_max"] == 42
+    assert per[2]["rss_life_mb"] == pytest.approx(0.03 * (190 - 25), abs=0.01)  # medians: steps 25, 190
+    assert per[4]["rss_life_mb"] == pytest.approx(0.01 * (190 - 125), abs=0.01) and per[4]["fds_max"] == 98
     assert s["shm_growth_mb"] == pytest.approx(1.0)
     assert "gcs_server" in soak.format_table(s)
     line = json.loads(_common.json_line(s))  # NaN-free, one line

@@ -267,6 +267,26 @@ def test_graph_mode_loop_is_verified_bit_exact(ray_session, tmp_path):
 AC = ["--trainer.reference=true", "--algorithm.use_kl_loss=true", "--algorithm.entropy_coeff=0.01"]
 
 
+def _assert_same_rl_loss_and_gradients(got_group, want_group, seed: int = 5) -> tuple[TrainBatch, object]:
+    """Both groups (built with `AC`) give the same RL loss, its KL and entropy terms and every gradient
+    on one GRPO batch, within `REL`; returns the batch and the algorithm config."""
+    algo = load_config(None, OVERRIDES + AC).algorithm
+    b = _grpo_batch(seed)
+    mask = b.response_mask
+    # ratios != 1 and a reference that differs from the policy, so every term has a gradient
+    b = b.replace(
+        old_log_probs=want_group.compute_log_probs(b) - 0.1 * mask,
+        ref_log_probs=want_group.compute_ref_log_probs(b) + 0.05 * mask,
+    )
+    want, m_want = want_group.policy_grads(b, algo, with_metrics=True)
+    got, m_got = got_group.policy_grads(b, algo, with_metrics=True)
+    _assert_close(got, want)
+    for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "actor/entropy"):
+        assert m_want[k] != 0, k
+        assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
+    return b, algo
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -288,20 +308,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(ray_session,
             (extra[0].split("=")[1], layers)
         ] * 2
         assert [i["checkpointed_blocks"] for i in plain.info] == [0, 0]
-        algo = load_config(None, OVERRIDES + AC).algorithm
-        b = _grpo_batch(5)
-        mask = b.response_mask
-        # ratios != 1 and a reference that differs from the policy, so every term has a gradient
-        b = b.replace(
-            old_log_probs=plain.compute_log_probs(b) - 0.1 * mask,
-            ref_log_probs=plain.compute_ref_log_probs(b) + 0.05 * mask,
-        )
-        want, m_want = plain.policy_grads(b, algo, with_metrics=True)
-        got, m_got = ckpt.policy_grads(b, algo, with_metrics=True)
-        _assert_close(got, want)
-        for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "actor/entropy"):
-            assert m_want[k] != 0, k
-            assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
+        _assert_same_rl_loss_and_gradients(ckpt, plain)
     finally:
         plain.shutdown()
         ckpt.shutdown()
@@ -338,19 +345,7 @@ def test_graph_mode_checkpointing_recomputes_with_the_same_loss_and_gradients(
     plain = _group(tiny_qwen3, *graph)
     ckpt = _group(tiny_qwen3, *graph, f"--trainer.activation_checkpoint={policy}")
     try:
-        algo = load_config(None, OVERRIDES + AC).algorithm
-        b = _grpo_batch(5)
-        mask = b.response_mask
-        b = b.replace(
-            old_log_probs=plain.compute_log_probs(b) - 0.1 * mask,
-            ref_log_probs=plain.compute_ref_log_probs(b) + 0.05 * mask,
-        )
-        want, m_want = plain.policy_grads(b, algo, with_metrics=True)
-        got, m_got = ckpt.policy_grads(b, algo, with_metrics=True)
-        _assert_close(got, want)
-        for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "actor/entropy"):
-            assert m_want[k] != 0, k
-            assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
+        b, algo = _assert_same_rl_loss_and_gradients(ckpt, plain)
         s_plain, s_ckpt = plain.train_step(b, algo), ckpt.train_step(b, algo)
         assert s_plain["perf/recomputed_nodes"] == 0 and s_ckpt["perf/recomputed_nodes"] > 0
         assert 0 < s_ckpt["perf/graph_saved_mb"] < s_plain["perf/graph_saved_mb"], (s_ckpt, s_plain)
@@ -367,19 +362,7 @@ def test_full_log_prob_head_gives_the_chunked_heads_loss_and_gradients(ray_sessi
     full = _group(tiny_qwen3, *AC, "--trainer.logprob_head=full")
     try:
         assert [i["logprob_head"] for i in full.info] == ["full", "full"]
-        algo = load_config(None, OVERRIDES + AC).algorithm
-        b = _grpo_batch(7)
-        mask = b.response_mask
-        b = b.replace(
-            old_log_probs=chunked.compute_log_probs(b) - 0.1 * mask,
-            ref_log_probs=chunked.compute_ref_log_probs(b) + 0.05 * mask,
-        )
-        want, m_want = chunked.policy_grads(b, algo, with_metrics=True)
-        got, m_got = full.policy_grads(b, algo, with_metrics=True)
-        _assert_close(got, want)
-        for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "actor/entropy"):
-            assert m_want[k] != 0, k
-            assert abs(m_got[k] - m_want[k]) <= REL * abs(m_want[k]), (k, m_got[k], m_want[k])
+        _assert_same_rl_loss_and_gradients(full, chunked, seed=7)
     finally:
         chunked.shutdown()
         full.shutdown()

@@ -39,6 +39,10 @@ Ray processes against TRL's one, so the default is 5 s and 0 turns it off. Secon
 median over steps 2..N (step 1 is warm-up); ours reads `RUN_DIR/metrics.jsonl` (`time/step`, `time/rollout`,
 `response/length_mean`), TRL's side times the interval between optimizer steps and its `generate` calls.
 Generated tokens/s is given twice: per second of generation, and per second of a whole step.
+Where each side's step goes is printed and kept in the JSON's `phases` (medians over steps 2..N): ours
+its `time/*` metrics (rollout, generate, train, sync, trainer_idle, ...), TRL's its `generate` calls and
+the rest of the step (its update, log-probs and bookkeeping). `--size` takes every `make_tiny_model` size
+(`medium`, ~100 M, for a generation-heavier comparison).
 
 Order: ours (sync, then async), then TRL, one at a time; the 1-minute load average before and after
 each side is printed, with a warning when other work shared the cores. `--rounds R` repeats that order R
@@ -239,6 +243,30 @@ def summarize(
         "gen_tok_s": sum(t) / sum(g) if s and sum(g) > 0 else float("nan"),
         "step_tok_s": sum(t) / sum(s) if s and sum(s) > 0 else float("nan"),
         "tokens_per_step": sum(t) / len(t) if t else float("nan"),
+    }
+
+
+PHASES = (
+    "time/step",
+    "time/rollout",
+    "time/generate",
+    "time/reward",
+    "time/train",
+    "time/sync",
+    "time/trainer_idle",
+    "time/engine_idle",
+)
+
+
+def phase_medians(rows: Sequence[dict[str, Any]], warmup: int = 1) -> dict[str, float]:
+    """Where our step goes: the median of each `time/*` metric of PHASES over steps warmup+1..N (all
+    steps if that would leave none). In async mode `time/rollout` overlaps the previous step's update, so
+    the phases do not add up to `time/step`; `time/trainer_idle` is what the update waited for."""
+    kept = list(rows[warmup:]) if len(rows) > warmup else list(rows)
+    return {
+        k.removeprefix("time/"): median([r[k] for r in kept])
+        for k in PHASES
+        if any(k in r for r in kept) and all(k in r for r in kept)
     }
 
 
@@ -566,6 +594,12 @@ def run_trl(a: argparse.Namespace, model: str, work: Path, vllm: bool = False) -
         except ValueError:  # unexpected call pattern: spread the total evenly rather than fail the report
             gen_s = [sum(out["gen_s"]) / len(step_s)] * len(step_s)
         figures = summarize(step_s, gen_s, out["gen_tokens"])
+        kept = slice(1, None) if len(step_s) > 1 else slice(None)
+        figures["phases"] = {
+            "step": median(step_s[kept]),
+            "generate": median(gen_s[kept]),
+            "rest": median([s - g for s, g in zip(step_s[kept], gen_s[kept])]),
+        }
     why = failure_reason(res, len(step_s), 1 if vllm else a.steps)
     gen = "vLLM colocate" if vllm else "transformers generate"
     return _row(
@@ -605,6 +639,7 @@ def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[s
             [r["response/length_mean"] * a.prompts * a.n for r in rows],
             warmup=1,
         )
+        figures["phases"] = phase_medians(rows)
     return _row(
         f"ours_{mode}",
         f"ours ({mode})",
@@ -655,6 +690,17 @@ def count_params(model_dir: str) -> int:
     return total
 
 
+def widen_size_choices(p: argparse.ArgumentParser) -> None:
+    """`--size` takes every `make_tiny_model` size here (the shared flag offers tiny and small): a
+    generation-bound comparison wants the larger ones too (medium, ~100 M)."""
+    from rl_tpu.tiny_model import SIZES
+
+    for action in p._actions:
+        if action.dest == "size":
+            action.choices = list(SIZES)
+            action.help = f"make_tiny_model size: {', '.join(SIZES)} (default small, ~13M)"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -687,6 +733,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ours-override=--trainer.share_prompts=false",
     )
     p.add_argument("--skip-ours", action="store_true")
+    widen_size_choices(p)
     p.add_argument(
         "--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step"
     )
@@ -798,6 +845,12 @@ def main(argv: list[str] | None = None) -> int:
         f"reward actors), sampled every {a.memory_interval:g} s (0: not sampled); RSS counts shared pages once "
         "per process, PSS splits them"
     )
+    for r in rows:
+        if r.get("phases"):
+            print(
+                f"{r['side']} phases, median s over steps 2..N: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+            )
     print(
         "gen tok/s = generated tokens / generation seconds; tok/s per step = generated tokens / step seconds; "
         "both over steps 2..N"
@@ -853,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         "trl_peak_pss_gib": val("trl", "peak_pss_gib"),
         "ours_sync_peak_pss_gib": val("ours_sync", "peak_pss_gib"),
         "ours_async_peak_pss_gib": val("ours_async", "peak_pss_gib"),
+        "phases": {r["side"]: r["phases"] for r in rows if r.get("phases")} or None,
         "errors": {r["side"]: r["error"] for r in rows if r["error"]} or None,
         "trl_vllm_colocate_error": vllm_error,
         "load_avg": {k: [round(x, 2) for x in v] for k, v in loads.items()},

@@ -160,6 +160,20 @@ def test_verl_agent_loop_rows_keep_tools_kwargs_and_interaction_kwargs(writer, t
     assert [e.extra_info for e in load_examples(path)] == extra
 
 
+def test_write_parquet_stores_empty_tool_kwargs_objects(tmp_path):
+    """Parquet cannot store a struct with no fields: `"execute_kwargs": {}` (verl rows write it) failed in
+    pyarrow. It is written as null and read back absent, the same for a tool (nothing to merge)."""
+    kwargs = {"multiply": {"create_kwargs": {"a": 1}, "execute_kwargs": {}}, "noop": {}}
+    ex = Example(
+        data_source="a",
+        messages=[{"role": "user", "content": "x"}],
+        ground_truth="1",
+        extra_info={"tools_kwargs": kwargs},
+    )
+    back = load_examples(write_parquet([ex], tmp_path / "t.parquet"))[0]
+    assert back.extra_info == {"tools_kwargs": {"multiply": {"create_kwargs": {"a": 1}}}}
+
+
 def test_malformed_parquet_row_and_bad_files_are_named(tmp_path):
     rows = [_row(), _row(), _row(prompt=[])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")

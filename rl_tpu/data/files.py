@@ -13,7 +13,9 @@ Invariants:
   share their types (one task per file); parquet cannot hold a column that is a string in one row and an
   object in another, and such a write raises `DataError` suggesting JSONL. Keys absent from some rows'
   `extra_info` come back absent (parquet stores them as nulls; nulls are dropped on reading), and so do
-  those absent from verl's `extra_info.tools_kwargs` and `interaction_kwargs`, at any depth.
+  those absent from verl's `extra_info.tools_kwargs` and `interaction_kwargs`, at any depth; an empty
+  object there (`"execute_kwargs": {}`, which parquet cannot store) is written as null and comes back
+  absent too, which a tool reads the same way (nothing to merge).
 """
 
 from __future__ import annotations
@@ -119,6 +121,14 @@ def _without_nulls(value):
     return value
 
 
+def _empty_as_null(value):
+    if isinstance(value, dict):
+        return {k: _empty_as_null(v) for k, v in value.items()} or None
+    if isinstance(value, list):
+        return [_empty_as_null(v) for v in value]
+    return value
+
+
 def _read_jsonl(path: Path) -> list[Example]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -160,6 +170,10 @@ def write_parquet(examples: Iterable[Example], path: str | Path) -> Path:
     if not any(r["extra_info"] for r in rows):
         for r in rows:  # parquet cannot store a struct with no fields
             r["extra_info"] = None
+    for r in rows:  # nor one deeper down: an empty kwargs object is written as null, read back absent
+        for key in NESTED_KWARGS:
+            if isinstance(r["extra_info"], dict) and key in r["extra_info"]:
+                r["extra_info"][key] = _empty_as_null(r["extra_info"][key])
     columns = {}
     for key in rows[0]:
         try:

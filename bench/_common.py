@@ -200,11 +200,13 @@ def load_average() -> float:
 def add_workload_args(p: argparse.ArgumentParser, *, threads_help: str, engine_help: str) -> None:
     """The GRPO workload flags bench/vs_trl.py and bench/overhead.py share: one place, so the two
     scripts' defaults (and so their numbers) cannot drift apart."""
+    from rl_tpu.tiny_model import SIZES
+
     p.add_argument(
         "--size",
-        choices=["tiny", "small"],
+        choices=list(SIZES),
         default="small",
-        help="make_tiny_model size (default small, ~13M)",
+        help=f"make_tiny_model size: {', '.join(SIZES)} (default small, ~13M; medium ~100M)",
     )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (data.batch_size)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (rollout.n = num_generations)")

@@ -690,17 +690,6 @@ def count_params(model_dir: str) -> int:
     return total
 
 
-def widen_size_choices(p: argparse.ArgumentParser) -> None:
-    """`--size` takes every `make_tiny_model` size here (the shared flag offers tiny and small): a
-    generation-bound comparison wants the larger ones too (medium, ~100 M)."""
-    from rl_tpu.tiny_model import SIZES
-
-    for action in p._actions:
-        if action.dest == "size":
-            action.choices = list(SIZES)
-            action.help = f"make_tiny_model size: {', '.join(SIZES)} (default small, ~13M)"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -733,7 +722,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ours-override=--trainer.share_prompts=false",
     )
     p.add_argument("--skip-ours", action="store_true")
-    widen_size_choices(p)
     p.add_argument(
         "--trl-vllm-check", action="store_true", help="also try TRL's vLLM colocate mode for one step"
     )

@@ -19,11 +19,11 @@ from rl_tpu.errors import ModelError
 if TYPE_CHECKING:
     from rl_tpu.config import Config
 
-# Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
-# config.json's model_type and fails with a message about sentencepiece.
 # the Hugging Face classes of the model types the trainer builds (trainer/model.py MODEL_TYPES), which
 # vLLM serves natively
 SERVED_TRAINER_ARCHS = {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"}
+# Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
+# config.json's model_type and fails with a message about sentencepiece.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 

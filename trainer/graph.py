@@ -37,12 +37,12 @@ from collections.abc import Callable
 
 import torch
 
+from rl_tpu.trainer.parallel import AC_POLICIES
 from rl_tpu.types import TrainBatch
 
 log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "none")
-MEMORY_POLICIES = ("none", "selective", "full")  # trainer.activation_checkpoint
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -104,9 +104,9 @@ class GraphSteps:
     def __init__(self, model: torch.nn.Module, compiler: str, memory_policy: str = "none"):
         if compiler not in COMPILERS:
             raise ValueError(f"trainer.graph_compile = {compiler!r}: expected one of {COMPILERS}")
-        if memory_policy not in MEMORY_POLICIES:
+        if memory_policy not in AC_POLICIES:
             raise ValueError(
-                f"trainer.activation_checkpoint = {memory_policy!r}: expected one of {MEMORY_POLICIES}"
+                f"trainer.activation_checkpoint = {memory_policy!r}: expected one of {AC_POLICIES}"
             )
         self.model, self.compiler, self.memory_policy = model, compiler, memory_policy
         self.graphs: dict[tuple, object] = {}

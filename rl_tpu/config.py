@@ -199,8 +199,9 @@ class RolloutConfig:
     # (no vLLM engine runs on `xla`: `cpu` on the PJRT CPU device, `tpu` on a TPU; docs/devices.md)
     device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
     # async mode: generate in chunks of `partial_chunk_tokens` tokens; a weight update waiting for the
-    # engines goes between two chunks, and unfinished sequences continue on the new weights (their prompt
-    # and sampled tokens prefilled again), so an update never waits for a whole batch (rl_tpu.rollout.partial)
+    # engines goes between two chunks, and unfinished sequences continue on the new weights (the engines
+    # hold them between chunks; an update recomputes their KV), so an update never waits for a whole batch
+    # (rl_tpu.rollout.partial)
     partial: bool = False
     partial_chunk_tokens: int = F(8, ge=1)
     # multi-turn (rl_tpu/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment

@@ -3,7 +3,8 @@
 `sync` mode makes a step's batch when the step asks for it; `async` mode makes batches ahead in a
 thread while the trainer trains, within `algorithm.max_staleness` (see `Rollouts`). The engines take
 turns between generation calls and the loop's weight syncs (`rl_tpu.rollout.partial.EngineTurns`);
-`Sampler` is what generation goes through: one call per turn, in chunks under `rollout.partial`.
+`Sampler` is what generation goes through: one call per turn, in chunks under `rollout.partial` (the
+engines hold unfinished sequences between chunks, `rl_tpu.rollout.held`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rl_tpu.config import Config, response_budget
 from rl_tpu.data import Example, PromptLoader, encode_prompts
 from rl_tpu.multi_turn import MultiTurn, Trajectory, load_env, retokenize_drift
 from rl_tpu.rewards import RewardInput, RewardPool
-from rl_tpu.rollout.partial import EngineTurns, generate_in_chunks
+from rl_tpu.rollout.partial import EngineTurns, generate_held
 from rl_tpu.tools import Tools
 from rl_tpu.types import Completion
 
@@ -180,14 +181,11 @@ class Sampler:
         rc = self.cfg.rollout
         if not rc.partial:
             return self._call(prompts)
-        return generate_in_chunks(
-            self._call,
-            prompts,
-            n=rc.n,
-            max_tokens=rc.max_tokens,
-            chunk=rc.partial_chunk_tokens,
-            tokenizer=self.tok,
-        )
+        return generate_held(self._chunk, prompts, n=rc.n, tokenizer=self.tok)
+
+    def _chunk(self, seqs: list[Completion]) -> list:
+        with self.turns.generating():
+            return self.rollout.generate_chunk(seqs, self.cfg.rollout.partial_chunk_tokens)
 
     def multi_turn(self, examples: list[Example]) -> tuple[list[list[Completion]], dict[str, float]]:
         """`rollout.n` multi-turn trajectories per example (`rollout.env`, `rollout.tools`), and their

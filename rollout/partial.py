@@ -5,19 +5,22 @@ Invariants:
   weight sync, an evaluation). An exclusive turn that is waiting goes before the next generation call, so
   with chunked generation an update waits for at most one chunk, never for a whole batch. Weights never
   change during a generation call, so never in the middle of a token's forward.
-- `generate_in_chunks`: a group's first chunk is one request with `n` samples (they share the prompt's
-  KV blocks); each later chunk continues every unfinished sequence as its own request whose prompt is
-  the original prompt plus the tokens sampled so far, prefilled again under the weights the engine holds
-  then (the engine resets its prefix cache at every install, so no KV computed under older weights is
-  reused). Each token keeps the log-prob and the policy version of the call that sampled it. A sequence
-  is unfinished when its chunk ended on the token budget (`length`) below `max_tokens`; since every
-  continued sequence gets the same budget, one call per chunk serves them all.
+- `generate_held`: a rollout grows by chunk calls (`RolloutGroup.generate_chunk`), each one engine
+  turn that takes every unfinished sequence `rollout.partial_chunk_tokens` tokens further (or to its
+  end). The engines keep the unfinished sequences, KV included, between calls (`rl_tpu.rollout.held`), so
+  a continuation costs no prefill and the `n` samples of a prompt keep sharing its prompt's KV blocks;
+  the driver keeps its own copy of every sequence, from which an engine that lost its sequences
+  (restarted, or parked for an evaluation) adds them back. A weight install between two calls recomputes
+  the held sequences' KV under the new weights (`reset_kv`), so no KV computed under older weights is
+  reused, as before. Each token keeps the log-prob and the policy version of the call that sampled it;
+  a sequence's `policy_version` is its first token's. `max_tokens` is each sequence's whole budget,
+  enforced by the engine; a sequence is unfinished until the engine finishes it.
 
 Where this departs from vLLM's own pause (`AsyncLLM.pause_generation(mode="keep")`, vLLM >= 0.11): that
-keeps requests and their KV cache inside the engine across the update (the prefix's KV stays the old
-policy's) but needs the async engine and a concurrent actor; here the engines stay synchronous
-`LLM.generate` calls in a single-threaded actor (see `RolloutGroup`), and the cost is one extra prefill
-per chunk.
+keeps the prefix's KV computed under the old policy across the update, and needs the async engine and a
+concurrent actor; here the engines stay synchronous `LLMEngine.step` loops in a single-threaded actor
+(see `RolloutGroup`), and an update costs one prefill of every held sequence (the recompute), not one
+per chunk as the first form of partial rollouts (each chunk a new request) did.
 """
 
 from __future__ import annotations
@@ -73,50 +76,51 @@ class EngineTurns:
                 self._cv.notify_all()
 
 
-Generate = Callable[..., list[list[Completion]]]  # RolloutGroup.generate's signature
+ChunkCall = Callable[[list[Completion]], list[Any]]  # RolloutGroup.generate_chunk's: a `held.Piece` each
 
 
-def generate_in_chunks(
-    generate: Generate,
-    prompts: list[list[int]],
-    *,
-    n: int,
-    max_tokens: int,
-    chunk: int,
-    tokenizer: Any = None,
+def generate_held(
+    call: ChunkCall, prompts: list[list[int]], *, n: int, tokenizer: Any = None
 ) -> list[list[Completion]]:
-    """Per prompt, its `n` completions, sampled `chunk` tokens per `generate` call (each call a chance
-    for a weight update between chunks). With `tokenizer`, a continued completion's text is decoded from
-    its whole response (as `rollout.engine.response_texts`: chunk texts do not simply concatenate)."""
-    groups = generate(prompts, n=n, max_tokens=min(chunk, max_tokens))
-    done = min(chunk, max_tokens)
-    active = [c for g in groups for c in g if _unfinished(c, min(chunk, max_tokens))]
-    continued: set[int] = set()
-    while active and done < max_tokens:
-        budget = min(chunk, max_tokens - done)
-        more = generate([c.prompt_ids + c.response_ids for c in active], n=1, max_tokens=budget)
-        still = []
-        for c, (k,) in zip(active, more, strict=True):
-            c.token_versions = c.versions() + k.versions()
-            c.response_ids += k.response_ids
-            c.logprobs += k.logprobs
-            c.finish_reason = k.finish_reason
-            c.extra["stop_reason"] = k.extra.get("stop_reason")
-            c.extra["generate_s"] = c.extra.get("generate_s", 0.0) + k.extra.get("generate_s", 0.0)
-            continued.add(id(c))
-            if _unfinished(k, budget):
-                still.append(c)
-        active, done = still, done + budget
+    """Per prompt, its `n` completions, grown by `call(unfinished)` (one engine turn each, each a chance
+    for a weight update between two) until every one finished; the engines hold the unfinished ones
+    between calls (`rl_tpu.rollout.held`). Each token keeps the version of the call that sampled it;
+    `policy_version` is the first token's. With `tokenizer`, texts are decoded from whole responses."""
+    groups = [
+        [
+            Completion(
+                prompt_index=i,
+                sample_index=j,
+                prompt_ids=list(p),
+                response_ids=[],
+                logprobs=[],
+                finish_reason="",
+                text="",
+                policy_version=-1,
+                extra={"generate_s": 0.0},
+            )
+            for j in range(n)
+        ]
+        for i, p in enumerate(prompts)
+    ]
+    active = [c for g in groups for c in g]
+    while active:
+        pieces = call(active)
+        for c, p in zip(active, pieces, strict=True):
+            if not c.response_ids:
+                c.policy_version = p.policy_version
+            c.response_ids += p.token_ids
+            c.logprobs += p.logprobs
+            c.token_versions += [p.policy_version] * len(p.token_ids)
+            c.finish_reason = p.finish_reason or "length"
+            c.extra.update(worker=p.worker, stop_reason=p.stop_reason)
+            c.extra["generate_s"] += p.generate_s
+        active = [c for c, p in zip(active, pieces) if p.finish_reason is None]
     if tokenizer is not None:
         from rl_tpu.rollout.engine import response_texts
 
         for g in groups:
             for c in g:
-                if id(c) in continued:
-                    out = SimpleNamespace(token_ids=c.response_ids, finish_reason=c.finish_reason)
-                    (c.text,) = response_texts(tokenizer, c.prompt_ids, [out])
+                out = SimpleNamespace(token_ids=c.response_ids, finish_reason=c.finish_reason)
+                (c.text,) = response_texts(tokenizer, c.prompt_ids, [out])
     return groups
-
-
-def _unfinished(c: Completion, budget: int) -> bool:
-    return c.finish_reason == "length" and len(c.response_ids) >= budget

@@ -8,8 +8,10 @@ Invariants:
   engine (bad input -> WeightsRejected, a ValueError; engine untouched). If the install itself fails,
   the engine is restarted from the model folder (policy version back to its initial value) before the
   error is re-raised: a half-installed model, or a TP rank with a queued error, must never serve rollouts.
-- After every install the engine's prefix cache is reset, so no KV block computed under old weights
-  can be reused.
+- After every install the engine's prefix cache is reset (`reset_kv`), so no KV block computed under old
+  weights can be reused; a partial rollout's sequences held in the engine between chunk calls
+  (`generate_chunk`, `rl_tpu.rollout.held`) are recomputed under the new weights. Any other use of the
+  engine (`generate`, `sleep`) parks them first (the driver adds them again from its copy).
 - `version` is the policy version this engine serves, the one its completions carry: set only when an
   install completes (the weight sync's `ws_sync`, or `load_weights`), back to the initial one when the
   engine restarts.
@@ -47,10 +49,11 @@ from rl_tpu.rollout.engine import (
     sampling_params,
     to_completions,
 )
+from rl_tpu.rollout.held import HeldRequests, Key, Piece
 from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
-from rl_tpu.weight_sync.receiver import SyncReceiver, fault_hook
+from rl_tpu.weight_sync.receiver import SyncReceiver, fault_hook, reset_kv
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +157,9 @@ class RolloutWorker(SyncReceiver):
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
         self.moe_layers = self.llm.collective_rpc("rl_routing_start")[0]  # 0: dense, nothing recorded
+        self.held = HeldRequests(self.llm)
+        # with async scheduling a step may still be in flight when a chunk call returns: hold nothing then
+        self.hold = not self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         self.version = self.initial_version
         self.ws_reset()  # a new engine holds no weight-sync tables: WeightSync.replace_receiver gives them
         self.start_s = time.perf_counter() - t
@@ -236,6 +242,7 @@ class RolloutWorker(SyncReceiver):
             "pid": os.getpid(),
             "policy_version": self.version,
             "engine": self.llm is not None,
+            "held": len(self.held.held) if self.llm is not None else 0,  # partial-rollout sequences it keeps
         }
 
     def policy_version(self) -> int:
@@ -254,6 +261,7 @@ class RolloutWorker(SyncReceiver):
             return []
         check_prompts(prompt_token_ids)
         fault_hook("generate", self.index, self.version)  # test-only, see weight_sync.receiver
+        self.held.park()  # LLM.generate runs the engine until it is empty: held sequences must not be in it
         if seeds is not None and self.traits.per_request_seed:
             params = [sampling_params(self.cfg.rollout, self.device, seed=s, **sampling) for s in seeds]
         else:
@@ -283,6 +291,37 @@ class RolloutWorker(SyncReceiver):
         trim_heap()
         return result
 
+    def generate_chunk(
+        self,
+        seqs: list[tuple[Key, list[int], list[int]]],
+        sampling: dict,
+        chunk: int,
+        seeds: list[int] | None = None,
+    ) -> list[Piece]:
+        """One chunk of a partial rollout: each `(key, prompt_ids, response_ids so far)` `chunk` tokens
+        further (`HeldRequests.chunk`), the unfinished ones kept in the engine for the next call.
+        `sampling`: overrides for `sampling_params` (`max_tokens`: the whole response's); `seeds`: one per
+        sequence (reseeding the engine from the first where requests cannot carry one, as `generate`)."""
+        if not seqs:
+            return []
+        check_prompts([p for _, p, _ in seqs])
+        fault_hook("generate", self.index, self.version)  # test-only, see weight_sync.receiver
+        params = sampling_params(self.cfg.rollout, self.device, **{**sampling, "n": 1})
+        per_request = seeds is not None and self.traits.per_request_seed
+        if seeds is not None and not per_request:
+            self.llm.collective_rpc("rl_seed", args=(seeds[0],))
+        t = time.perf_counter()
+        pieces = self.held.chunk(seqs, params, chunk, seeds if per_request else None)
+        dt = time.perf_counter() - t
+        if not self.hold:
+            self.held.park()
+        if self.moe_layers:  # a stitched sequence has no routing record of its whole length (batching)
+            self.llm.collective_rpc("rl_routing_take")
+        for p in pieces:
+            p.policy_version, p.worker, p.generate_s = self.version, self.index, dt
+        trim_heap()
+        return pieces
+
     def load_weights(self, payload: Any, version: int, full: bool = True, keep: bool = False) -> dict:
         """Install HF-named full tensors (pairs, a dict, safetensors bytes or a path), reset the prefix
         cache and record `version`. Returns timing and counts. `keep`: verify mode (`ws_verify`)."""
@@ -304,7 +343,7 @@ class RolloutWorker(SyncReceiver):
         finally:
             if path is not None:
                 os.unlink(path)
-        self.llm.reset_prefix_cache()
+        reset_kv(self.llm)
         self.version = version
         return {"tensors": len(shapes), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
 
@@ -343,6 +382,7 @@ class RolloutWorker(SyncReceiver):
         if not self.traits.sleep_mode:
             self._report_no_sleep()
             return False
+        self.held.park()
         self.llm.sleep(level=level)
         return True
 

@@ -53,8 +53,9 @@ def test_whole_rollouts_have_no_partial_tokens():
 
 
 class _Engines:
-    """`generate` like RolloutGroup's: token t of a sequence is `len(prompt) + t`, log-prob -version; a
-    sequence stops (EOS) once its prompt plus response reaches `stop_at`. `version` is what it serves."""
+    """`generate` and `generate_chunk` like RolloutGroup's: token t of a sequence is `len(prompt) + t`,
+    log-prob -version; a sequence stops (EOS) once its prompt plus response reaches `stop_at`. `version`
+    is what it serves."""
 
     def __init__(self, stop_at=None):
         self.version, self.stop_at, self.calls = 0, stop_at or {}, []
@@ -93,21 +94,40 @@ class _Engines:
             out.append(group)
         return out
 
+    def generate_chunk(self, seqs, chunk, max_tokens=6):
+        from rl_tpu.rollout.held import Piece
+
+        self.calls.append((len(seqs), chunk))
+        pieces = []
+        for c in seqs:
+            p, done, stop = c.prompt_ids, len(c.response_ids), self.stop_at.get(c.prompt_ids[0])
+            piece = Piece(policy_version=self.version, worker=0)
+            while piece.finish_reason is None and len(piece.token_ids) < chunk:
+                piece.token_ids.append(len(p) + done + len(piece.token_ids))
+                piece.logprobs.append(-float(self.version))
+                if stop is not None and len(p) + done + len(piece.token_ids) >= stop:
+                    piece.finish_reason = "stop"
+                elif done + len(piece.token_ids) >= max_tokens:
+                    piece.finish_reason = "length"
+            pieces.append(piece)
+        return pieces
+
 
 def test_chunks_continue_unfinished_sequences_with_the_versions_of_their_chunks():
-    from rl_tpu.rollout.partial import generate_in_chunks
+    from rl_tpu.rollout.partial import generate_held
 
     engines = _Engines(stop_at={20: 5})  # prompt [20, 1] stops after 3 tokens; [10, 1] runs to max_tokens
 
-    def generate(prompts, **kw):
-        out = engines.generate(prompts, **kw)
+    def chunk(seqs):
+        out = engines.generate_chunk(seqs, 3, max_tokens=7)
         engines.version += 1  # a weight update between every two chunks
         return out
 
-    groups = generate_in_chunks(generate, [[10, 1], [20, 1]], n=2, max_tokens=7, chunk=3)
+    groups = generate_held(chunk, [[10, 1], [20, 1]], n=2)
     # chunks of 3, 3, 1 tokens; the second prompt's samples stopped in the first chunk
-    assert engines.calls == [(2, 2, 3), (2, 1, 3), (2, 1, 1)]
+    assert engines.calls == [(4, 3), (2, 3), (2, 3)]
     long, short = groups[0][1], groups[1][0]
+    assert (long.prompt_index, long.sample_index, short.prompt_index, short.sample_index) == (0, 1, 1, 0)
     assert long.response_ids == [2, 3, 4, 5, 6, 7, 8] and long.finish_reason == "length"
     assert long.token_versions == [0, 0, 0, 1, 1, 1, 2] and long.policy_version == 0
     assert long.logprobs == [0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -2.0]

@@ -8,7 +8,8 @@ which `ws_sync` sets once every bucket is installed and the prefix cache is rese
 Per sync of version v the receiver pulls its buckets from the senders in install order, at most two
 rounds ahead (every round at once on routes into a receiver region: no buffer is reused, so senders
 write ahead), and hands each round to its engine's TP ranks through `EngineRanks`:
-`begin(v)` -> `receive(round)` ... -> `finish()` -> `reset_prefix_cache()`. Engines install in parallel
+`begin(v)` -> `receive(round)` ... -> `finish()` -> `reset_kv` (every KV block forgotten, held
+partial-rollout sequences recomputed under the new weights). Engines install in parallel
 with each other (the driver starts every receiver at once).
 """
 
@@ -47,6 +48,16 @@ def fault_hook(point: str, engine: int, version: int) -> None:
     with open(os.path.join(_TEST_HOOKS, f"{point}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(float(spec["seconds"]))
+
+
+def reset_kv(llm) -> None:
+    """Forget every KV block of `llm` (a `vllm.LLM`) after a weight install. Sequences a partial rollout
+    keeps in the engine between chunk calls (`rl_tpu.rollout.held`) are preempted: their KV is freed and
+    recomputed under the new weights when next scheduled, so no KV computed under older weights is
+    reused. Plain `reset_prefix_cache()` does nothing (returns False) while a running request owns blocks:
+    the old weights' cached blocks would then serve new requests."""
+    if not llm.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM did not reset its prefix cache after a weight install")
 
 
 class EngineRanks:
@@ -215,7 +226,7 @@ class SyncReceiver:
                 pending[k].update(issue(k, False))
             i = j
         acks = ranks.finish()
-        self.ws_engine().reset_prefix_cache()
+        reset_kv(self.ws_engine())
         self.version = int(version)
         return acks
 

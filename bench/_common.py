@@ -239,6 +239,15 @@ def check_workload_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
 # per-process figures (bench/soak.py): open fds, the command line, /dev/shm, a fitted slope
 
 
+def process_rss_pages(pid: int) -> int:
+    """Resident pages of `pid` from /proc/PID/statm (constant time, unlike smaps: cheap to poll); -1 if
+    it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def process_fds(pid: int) -> int:
     """Open file descriptors of `pid` (entries of /proc/PID/fd); -1 if it is gone or unreadable."""
     try:

@@ -20,16 +20,24 @@ Per process (leaks): every `--sample-every` steps (5) each process of the run's 
 agent, log and autoscaler monitors, every Ray worker: the trainer ranks and engines, named from
 RUN_DIR/placement.json's pids where it has them, else from the `ray::Class` process title; the reward
 pool's spawn children). Each sample: RSS and PSS (/proc/PID/smaps_rollup), open fds (/proc/PID/fd), and
-the bytes in use on /dev/shm (machine-wide: Ray's object store lives there too). No sample at the last
+the bytes in use on /dev/shm (machine-wide: Ray's object store lives there too), taken at the process's
+floor: its RSS polled `--reads` times `--read-spacing` s apart (10 x 0.05 s: two steps of the default
+workload), the figures read at the lowest poll (an engine's heap is ~10 MB above its floor while it
+generates and back at it after every generation's trim; single reads landing on either made a restarted
+engine's short life fit slopes of +-1-8 MB per 100 steps). No sample at the last
 step (the run is shutting down then). Reported per process: the least-squares slope of RSS and of PSS in
-MB (2^20 bytes) per 100 steps over its samples after a warm-up (`--warmup-steps`, 10: steps <= 10, or for
-a process started later, e.g. a restarted engine, its first 10 steps), with its standard error, and the
+MB (2^20 bytes) per 100 steps over its samples after a warm-up (`--warmup-steps`, 50: steps <= 50, or for
+a process started later, e.g. a restarted engine, its first 50 steps; an engine's floor climbs ~1.2 MB
+over its first ~40 steps and then stays within ~0.3 MB, in every one of 11 lives measured: bench/RESULTS.md,
+session 34), with its standard error, and the
 PSS slope over the later half of those samples alone (a cache filling up flattens there, a leak does
 not); its RSS change over its life (the median of its last 5 samples less that of its first 5: a
 restarted engine lives ~20 samples, too few for a steady slope); fds at the first and last sample after
 the warm-up, and the most it had; and for the tree: fd growth (sum over processes) and /dev/shm growth
-between those two samples, and the tree's largest fd sum over the samples less its first (a count that
-rises and falls between the two samples shows there). The JSON line carries the largest RSS and PSS
+from the start to the end of the run, each end the median over a tenth of the samples after the warm-up
+(at least 3: Ray's log monitor holds 0-2 worker logs open, moving with the workers it reads, which is no
+growth; a leak of one fd per restart or per 100 steps is), the same between the first and the last sample
+alone, and the tree's largest fd sum over the samples less its first. The JSON line carries the largest RSS and PSS
 slopes with their processes (`rss_slope_mb_per_100_steps`, `rss_slope_role`, `pss_...`), `fd_growth`,
 `shm_growth_mb` and `per_process`.
 """
@@ -61,6 +69,7 @@ from _common import (  # noqa: E402
     process_comm,
     process_fds,
     process_memory,
+    process_rss_pages,
     process_tree,
     run_measured,
     shm_used_bytes,
@@ -232,16 +241,30 @@ class Sample:
     procs: dict[int, tuple[str, int, int, int]]  # pid -> (name, RSS, PSS, fds)
 
 
-def sample_tree(driver: int, step: int, run_dir: Path) -> Sample:
+def sample_tree(driver: int, step: int, run_dir: Path, reads: int = 1, spacing_s: float = 0.0) -> Sample:
+    """Every process of the tree at its floor over `reads` polls `spacing_s` apart: RSS polled from statm
+    (cheap), and RSS, PSS and fds from smaps at the poll with the lowest RSS so far. A process's RSS moves
+    within a step: an engine's heap grows ~10 MB while it generates and goes back to the same floor at the
+    trim that ends each generation (bench/RESULTS.md, session 34), so a single read lands on either, and a
+    short life's fitted slope was noise. Polls spanning two steps find every engine's floor; a leak
+    raises the floor."""
     pids = process_tree(driver)
     procs = [(pid, parent_pid(pid), process_cmdline(pid), process_comm(pid)) for pid in pids]
     names = name_processes([p for p in procs if p[1] >= 0], driver, placement_pids(run_dir))
+    low: dict[int, int] = {}
     out: dict[int, tuple[str, int, int, int]] = {}
-    for pid, name in names.items():
-        rss, pss = process_memory(pid)
-        fds = process_fds(pid)
-        if rss or pss:  # gone meanwhile, or a kernel-side zombie
-            out[pid] = (name, rss, pss, fds)
+    for i in range(max(1, reads)):
+        if i:
+            time.sleep(spacing_s)
+        for pid, name in names.items():
+            pages = process_rss_pages(pid)
+            if pages < 0 or pages >= low.get(pid, 1 << 62):
+                continue
+            rss, pss = process_memory(pid)
+            fds = process_fds(pid)
+            if (rss or pss) and fds >= 0:  # not gone meanwhile, nor a kernel-side zombie
+                low[pid] = pages
+                out[pid] = (name, rss, pss, fds)
     return Sample(step, shm_used_bytes(), out)
 
 
@@ -317,6 +340,14 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
         return top[key], top["role"]
 
     fd_sums = [sum(p[3] for p in s.procs.values()) for s in after]
+    # start and end: the median over the first and the last tenth of the samples (at least 3), so a count
+    # a process moves within its bound (Ray's log monitor holds 0-2 worker logs open) is no growth, while a
+    # leak (one fd per restart, per 100 steps) is
+    k = max(3, len(after) // 10)
+    fd_start = statistics.median(fd_sums[:k]) if after else None
+    fd_end = statistics.median(fd_sums[-k:]) if after else None
+    shm_start = statistics.median(s.shm for s in after[:k]) if after else None
+    shm_end = statistics.median(s.shm for s in after[-k:]) if after else None
     rss, rss_role = largest("rss_slope")
     pss, pss_role = largest("pss_slope")
     return {
@@ -326,13 +357,16 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
         "rss_slope_role": rss_role,
         "pss_slope_mb_per_100_steps": pss,
         "pss_slope_role": pss_role,
-        "fd_start": fd_sums[0] if after else None,
-        "fd_end": fd_sums[-1] if after else None,
-        "fd_growth": fd_sums[-1] - fd_sums[0] if after else None,
+        "end_window_samples": k if after else None,
+        "fd_start": fd_start,
+        "fd_end": fd_end,
+        "fd_growth": fd_end - fd_start if after else None,
+        "fd_growth_first_last": fd_sums[-1] - fd_sums[0] if after else None,
         "fd_max_growth": max(fd_sums) - fd_sums[0] if after else None,
-        "shm_mb_start": after[0].shm / MB if after else None,
-        "shm_mb_end": after[-1].shm / MB if after else None,
-        "shm_growth_mb": (after[-1].shm - after[0].shm) / MB if after else None,
+        "shm_mb_start": shm_start / MB if after else None,
+        "shm_mb_end": shm_end / MB if after else None,
+        "shm_growth_mb": (shm_end - shm_start) / MB if after else None,
+        "shm_growth_mb_first_last": (after[-1].shm - after[0].shm) / MB if after else None,
         "per_process": per,
     }
 
@@ -372,6 +406,7 @@ class Injector(threading.Thread):
         self.driver: int | None = None
         self.faults: list[dict] = []
         self.samples: list[Sample] = []
+        self.engine_kills = 0
         self.done = threading.Event()
 
     def _due(self, step: int) -> bool:
@@ -379,29 +414,28 @@ class Injector(threading.Thread):
         return bool(every) and step < self.a.steps and (step % every == 0 or step == min(5, self.a.steps - 1))
 
     def run(self) -> None:
-        kills = 0
         tail = _StepTail(self.run_dir / "metrics.jsonl")
         while not self.done.is_set():
             for step in tail.new_steps():
+                if step < self.a.steps:
+                    self._inject(step)  # before the sample, whose reads take a few tenths of a second
                 if self.driver is not None and self._due(step):
-                    self.samples.append(sample_tree(self.driver, step, self.run_dir))
-                if step >= self.a.steps:
-                    continue
-                if self.a.engine_kill_every and step % self.a.engine_kill_every == 0:
-                    engine = kills % self.a.engines
-                    actors = json.loads((self.run_dir / "placement.json").read_text())["actors"]
-                    pid = next(x["pid"] for x in actors if x["role"] == "rollout" and x["index"] == engine)
-                    self._kill(pid, {"step": step + 1, "kind": "engine", "engine": engine})
-                    kills += 1
-                if (
-                    self.a.reward_kill_every
-                    and step % self.a.reward_kill_every == 0
-                    and self.driver is not None
-                ):
-                    workers = _reward_workers(self.driver)
-                    if workers:
-                        self._kill(workers[0], {"step": step + 1, "kind": "reward worker"})
+                    self.samples.append(
+                        sample_tree(self.driver, step, self.run_dir, self.a.reads, self.a.read_spacing)
+                    )
             time.sleep(0.05)
+
+    def _inject(self, step: int) -> None:
+        if self.a.engine_kill_every and step % self.a.engine_kill_every == 0:
+            engine = self.engine_kills % self.a.engines
+            actors = json.loads((self.run_dir / "placement.json").read_text())["actors"]
+            pid = next(x["pid"] for x in actors if x["role"] == "rollout" and x["index"] == engine)
+            self._kill(pid, {"step": step + 1, "kind": "engine", "engine": engine})
+            self.engine_kills += 1
+        if self.a.reward_kill_every and step % self.a.reward_kill_every == 0 and self.driver is not None:
+            workers = _reward_workers(self.driver)
+            if workers:
+                self._kill(workers[0], {"step": step + 1, "kind": "reward worker"})
 
     def _kill(self, pid: int, what: dict) -> None:
         try:
@@ -443,9 +477,18 @@ def main() -> None:
         help="steps between per-process samples (RSS, PSS, fds, /dev/shm; 0: none); also step 5",
     )
     p.add_argument(
-        "--warmup-steps",
+        "--reads",
         type=int,
         default=10,
+        help="polls per process at each per-process sample, --read-spacing apart; the sample is the "
+        "process at its lowest RSS among them (span them over two steps: an engine is ~10 MB above its "
+        "floor while it generates)",
+    )
+    p.add_argument("--read-spacing", type=float, default=0.05, help="seconds between a sample's polls")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=50,
         help="samples at steps <= this (a later-started process: its first this many steps) are left out "
         "of the slopes",
     )
@@ -583,9 +626,10 @@ def main() -> None:
         print(
             f"largest slopes: RSS {leak['rss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['rss_slope_role']}), "
             f"PSS {leak['pss_slope_mb_per_100_steps']:+.2f} MB/100 steps ({leak['pss_slope_role']}); "
-            f"fds {leak['fd_start']} -> {leak['fd_end']} (growth {leak['fd_growth']}, at most "
-            f"{leak['fd_max_growth']:+d} between); /dev/shm in use "
-            f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB (growth {leak['shm_growth_mb']:+.1f})\n"
+            f"fds {leak['fd_start']:g} -> {leak['fd_end']:g} (medians of the first and last "
+            f"{leak['end_window_samples']} samples: growth {leak['fd_growth']:+g}; first -> last sample "
+            f"{leak['fd_growth_first_last']:+d}, at most {leak['fd_max_growth']:+d} between); /dev/shm in use "
+            f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB (growth {leak['shm_growth_mb']:+.2f})\n"
         )
     else:
         print("per process: no samples after the warm-up (run more steps, or lower --warmup-steps)")

@@ -139,6 +139,7 @@ def test_summarize_slopes_warmup_restart_fds_and_shm():
     assert s["rss_slope_mb_per_100_steps"] == pytest.approx(3.0, abs=1e-3)
     assert s["rss_slope_role"] == "gcs_server"
     assert s["fd_growth"] == 0 and s["fd_start"] == 40 + 64 + 98 and s["fd_max_growth"] == 2
+    assert s["end_window_samples"] == 3 and s["fd_growth_first_last"] == 0
     assert per[1]["fds"] == [40, 40] and per[1]["fds_max"] == 42
     assert per[2]["rss_life_mb"] == pytest.approx(0.03 * (190 - 25), abs=0.01)  # medians: steps 25, 190
     assert per[4]["rss_life_mb"] == pytest.approx(0.01 * (190 - 125), abs=0.01) and per[4]["fds_max"] == 98
@@ -194,3 +195,50 @@ def test_init_ray_sets_ray_env_for_a_cluster_it_starts(monkeypatch):
     assert os.environ["RAY_task_events_report_interval_ms"] == "1000"
     assert os.environ["RAY_LOG_MONITOR_MAX_OPEN_FILES"] == "200"
     assert calls == [{"address": "ray://x:1"}, {"num_cpus": 1}, {"num_cpus": 1}]
+
+
+def test_fd_and_shm_growth_are_medians_of_the_ends():
+    """A count that moves within a bound (Ray's log monitor holds 0-2 worker logs) is no growth; one that
+    climbs is, however the single first and last samples fall."""
+    steps = range(15, 1000, 5)
+    bounded = [
+        _sample(st, 10 * MB, {1: ("log monitor", 90 * MB, 50 * MB, 20 + (st // 5) % 3)}) for st in steps
+    ]
+    s = soak.summarize(bounded, warmup=10)
+    assert s["end_window_samples"] == len(steps) // 10
+    assert s["fd_growth"] == 0 and s["fd_growth_first_last"] != 0 and s["fd_max_growth"] == 2
+    leaking = [  # one fd per 100 steps, and /dev/shm 1 MB per 100 steps
+        _sample(st, 10 * MB + st * MB // 100, {1: ("driver", 90 * MB, 50 * MB, 40 + st // 100)})
+        for st in steps
+    ]
+    s = soak.summarize(leaking, warmup=10)
+    assert 8 <= s["fd_growth"] <= 10 and 8 <= s["shm_growth_mb"] <= 10
+
+
+def test_sample_tree_takes_each_process_at_its_floor(monkeypatch, tmp_path):
+    """An engine ~10 MB above its floor while it generates: the sample holds the figures read at the
+    lowest of its polls, smaps read only when a poll is a new low."""
+    polls = {11: iter([1850, 1849, 1840, 1851, 1840]), 10: iter([500] * 5)}
+    now: dict[int, int] = {}
+
+    def pages(pid):
+        now[pid] = next(polls[pid])
+        return now[pid]
+
+    smaps_reads = []
+
+    def memory(pid):
+        smaps_reads.append(pid)
+        return now[pid] * MB, (now[pid] - 200) * MB
+
+    monkeypatch.setattr(soak, "process_tree", lambda root: [root, 11])
+    monkeypatch.setattr(soak, "parent_pid", lambda pid: 1)
+    monkeypatch.setattr(soak, "process_cmdline", lambda pid: "ray::RolloutWorker" if pid == 11 else "rl-tpu")
+    monkeypatch.setattr(soak, "process_comm", lambda pid: "")
+    monkeypatch.setattr(soak, "process_rss_pages", pages)
+    monkeypatch.setattr(soak, "process_memory", memory)
+    monkeypatch.setattr(soak, "process_fds", lambda pid: 7)
+    monkeypatch.setattr(soak, "shm_used_bytes", lambda: 3 * MB)
+    s = soak.sample_tree(10, 20, tmp_path, reads=5, spacing_s=0.0)
+    assert s.procs[11][1:] == (1840 * MB, 1640 * MB, 7) and s.procs[10][1] == 500 * MB and s.shm == 3 * MB
+    assert smaps_reads.count(11) == 3 and smaps_reads.count(10) == 1  # 1850, 1849, 1840; 500 once

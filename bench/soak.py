@@ -241,16 +241,25 @@ class Sample:
     procs: dict[int, tuple[str, int, int, int]]  # pid -> (name, RSS, PSS, fds)
 
 
-def sample_tree(driver: int, step: int, run_dir: Path, reads: int = 1, spacing_s: float = 0.0) -> Sample:
+def sample_tree(
+    driver: int,
+    step: int,
+    run_dir: Path,
+    reads: int = 1,
+    spacing_s: float = 0.0,
+    skip: frozenset = frozenset(),
+) -> Sample:
     """Every process of the tree at its floor over `reads` polls `spacing_s` apart: RSS polled from statm
     (cheap), and RSS, PSS and fds from smaps at the poll with the lowest RSS so far. A process's RSS moves
     within a step: an engine's heap grows ~10 MB while it generates and goes back to the same floor at the
     trim that ends each generation (bench/RESULTS.md, session 34), so a single read lands on either, and a
     short life's fitted slope was noise. Polls spanning two steps find every engine's floor; a leak
-    raises the floor."""
+    raises the floor. `skip`: pids just SIGKILLed (a dying engine never gets back to its floor)."""
     pids = process_tree(driver)
     procs = [(pid, parent_pid(pid), process_cmdline(pid), process_comm(pid)) for pid in pids]
-    names = name_processes([p for p in procs if p[1] >= 0], driver, placement_pids(run_dir))
+    names = name_processes(
+        [p for p in procs if p[1] >= 0 and p[0] not in skip], driver, placement_pids(run_dir)
+    )
     low: dict[int, int] = {}
     out: dict[int, tuple[str, int, int, int]] = {}
     for i in range(max(1, reads)):
@@ -420,8 +429,11 @@ class Injector(threading.Thread):
                 if step < self.a.steps:
                     self._inject(step)  # before the sample, whose reads take a few tenths of a second
                 if self.driver is not None and self._due(step):
+                    killed = frozenset(f["pid"] for f in self.faults if f["step"] == step + 1)
                     self.samples.append(
-                        sample_tree(self.driver, step, self.run_dir, self.a.reads, self.a.read_spacing)
+                        sample_tree(
+                            self.driver, step, self.run_dir, self.a.reads, self.a.read_spacing, killed
+                        )
                     )
             time.sleep(0.05)
 

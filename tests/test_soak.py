@@ -242,3 +242,6 @@ def test_sample_tree_takes_each_process_at_its_floor(monkeypatch, tmp_path):
     s = soak.sample_tree(10, 20, tmp_path, reads=5, spacing_s=0.0)
     assert s.procs[11][1:] == (1840 * MB, 1640 * MB, 7) and s.procs[10][1] == 500 * MB and s.shm == 3 * MB
     assert smaps_reads.count(11) == 3 and smaps_reads.count(10) == 1  # 1850, 1849, 1840; 500 once
+    # a process SIGKILLed just before the sample (it dies mid-generation, above its floor) is left out
+    polls[10] = iter([500] * 5)
+    assert set(soak.sample_tree(10, 25, tmp_path, reads=5, skip=frozenset({11})).procs) == {10}

@@ -338,25 +338,17 @@ class RolloutGroup:
         share: dict[int, list[int]] = {}
         for k, c in enumerate(seqs):
             share.setdefault(c.extra.get("worker", worker_of.get(c.prompt_index)), []).append(k)
-        calls = {
-            w: (
-                lambda actor, idx=idx: actor.generate_chunk.remote(
-                    [
-                        (
-                            (seqs[k].prompt_index, seqs[k].sample_index),
-                            seqs[k].prompt_ids,
-                            seqs[k].response_ids,
-                        )
-                        for k in idx
-                    ],
-                    sampling,
-                    chunk,
-                    # the samples of a prompt apart, as vLLM's own seeds for `n` samples are
-                    [request_seed(base, call, seqs[k].prompt_index) + seqs[k].sample_index for k in idx],
-                )
-            )
-            for w, idx in share.items()
-        }
+
+        def submit(actor, idx: list[int]):
+            keyed = [
+                ((seqs[k].prompt_index, seqs[k].sample_index), seqs[k].prompt_ids, seqs[k].response_ids)
+                for k in idx
+            ]
+            # the samples of a prompt apart, as vLLM's own seeds for `n` samples are
+            seeds = [request_seed(base, call, seqs[k].prompt_index) + seqs[k].sample_index for k in idx]
+            return actor.generate_chunk.remote(keyed, sampling, chunk, seeds)
+
+        calls = {w: (lambda actor, idx=idx: submit(actor, idx)) for w, idx in share.items()}
         out: list[Piece | None] = [None] * len(seqs)
         for w, pieces in self._call(calls, self.timeout_s).items():
             for k, p in zip(share[w], pieces, strict=True):

@@ -287,3 +287,79 @@ def test_a_checkpoint_records_the_positions_before_the_oldest_batch_not_trained(
     assert rollouts.loader_state() == rollouts._states[1][0] != rollouts.loader.state_dict()
     assert rollouts.rollout_state() == {"calls": 1}
     rollouts.close()
+
+
+class _FakeEngine:
+    """`LLMEngine`'s add_request / step / abort_request / has_unfinished_requests on a fake model: each
+    step gives every running request one token (the count of its tokens so far); `fail_at` raises at
+    that step."""
+
+    def __init__(self, fail_at=None):
+        self.running, self.added, self.aborted, self.steps, self.fail_at = {}, [], [], 0, fail_at
+        self.llm_engine = self
+
+    def add_request(self, rid, prompt, sp):
+        self.added.append((rid, list(prompt["prompt_token_ids"]), sp.max_tokens))
+        self.running[rid] = [len(prompt["prompt_token_ids"]), sp.max_tokens, 0]
+
+    def abort_request(self, rids):
+        self.aborted += rids
+        for r in rids:
+            self.running.pop(r, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("engine failed")
+        out = []
+        for rid, st in list(self.running.items()):
+            st[2] += 1
+            done = st[2] >= st[1]
+            tok = st[0] + st[2]
+            o = SimpleNamespace(
+                token_ids=[tok],
+                logprobs=[{tok: SimpleNamespace(logprob=-1.0)}],
+                finish_reason="length",
+                stop_reason=None,
+            )
+            out.append(SimpleNamespace(request_id=rid, outputs=[o], finished=done))
+            if done:
+                del self.running[rid]
+        return out
+
+
+def test_held_requests_continue_re_add_what_they_do_not_hold_and_park_on_failure():
+    import pytest
+    from vllm import SamplingParams
+
+    from rl_tpu.rollout.held import HeldRequests
+
+    llm = _FakeEngine()
+    held = HeldRequests(llm)
+    params = SamplingParams(max_tokens=5, logprobs=0, detokenize=False)
+    a, b = ((0, 0), [7, 7], []), ((0, 1), [7, 7], [])
+    first = held.chunk([a, b], params, chunk=2)
+    assert [p.token_ids for p in first] == [[3, 4], [3, 4]] and [p.finish_reason for p in first] == [
+        None,
+        None,
+    ]
+    assert [x[1:] for x in llm.added] == [([7, 7], 5), ([7, 7], 5)]
+    # the caller has (0, 0) at 2 tokens as the engine does: continued, no new request; (0, 1) at 1 token
+    # (not what the engine holds): aborted and added again as prompt + response, with the rest of its budget
+    second = held.chunk([((0, 0), [7, 7], [3, 4]), ((0, 1), [7, 7], [3])], params, chunk=2)
+    assert llm.aborted == ["rl-held-1"] and llm.added[-1][1:] == ([7, 7, 3], 4)
+    assert second[0].token_ids == [5, 6] and second[1].token_ids == [4, 5]
+    assert held.held == {(0, 0): ("rl-held-0", 4), (0, 1): ("rl-held-2", 3)}
+    last = held.chunk([((0, 0), [7, 7], [3, 4, 5, 6]), ((0, 1), [7, 7], [3, 4, 5])], params, chunk=2)
+    assert [p.finish_reason for p in last] == ["length", "length"] and held.held == {}
+    assert [len(p.token_ids) for p in last] == [1, 2] and last[1].logprobs == [-1.0, -1.0]
+    # a failure in the middle of a call leaves nothing held (the engine may be past what the caller knows)
+    llm.fail_at = llm.steps + 2
+    with pytest.raises(RuntimeError, match="engine failed"):
+        held.chunk([((1, 0), [9], [])], params, chunk=4)
+    assert held.held == {} and not llm.running

@@ -24,7 +24,8 @@ completions. Nothing else holds a copy.
 
 Sync protocol for policy version v, per receiver: `begin` -> for each round (at most one bucket per TP
 rank): senders pack, engine ranks copy their pieces and process every layer that became complete ->
-`finish` (the rest of vLLM's post-processing) -> `reset_prefix_cache()` -> the receiver records v.
+`finish` (the rest of vLLM's post-processing) -> `reset_kv` (prefix cache reset, held sequences recomputed)
+-> the receiver records v.
 
 Receiver regions (shm routes into a CPU engine, under `receiver_buffer_mb` per engine rank): at setup
 each engine rank creates one /dev/shm file holding its loaded-layout parameters and the driver hands

@@ -55,7 +55,7 @@ from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths
 from rl_tpu.evaluation import Evaluator
-from rl_tpu.metrics import MetricsLogger
+from rl_tpu.metrics import MetricsLogger, process_rss_mb
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.multi_turn import load_env
 from rl_tpu.placement import plan_from_config
@@ -205,6 +205,7 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], Scored]:
             metrics |= run.evaluator.evaluate()
         timings["time/eval"] = time.perf_counter() - t  # part of time/step; benches leave it out
     metrics["rollout/restarts"] = float(rollout.restarts)  # engines restarted so far in this run
+    metrics["memory/driver_rss_mb"] = process_rss_mb()
     timings["time/step"] = time.perf_counter() - t_step
     # the step's wall time in which no engine generated (for training data)
     timings["time/engine_idle"] = max(0.0, timings["time/step"] - (run.rollouts.turns.busy_s - busy))

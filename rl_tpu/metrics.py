@@ -18,6 +18,15 @@ from typing import Any
 from rl_tpu.config import LoggingConfig
 
 
+def process_rss_mb() -> float:
+    """This process's resident memory in MB (2^20 bytes): the `memory/*_rss_mb` metrics. Each role reads it
+    at the same point of every step (the trainer after its update, the driver at the step's end), so a
+    series that climbs over a run is a leak, not the phase it was read at."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 class MetricsLogger:
     def __init__(
         self, run_dir: str | Path, cfg: LoggingConfig, *, resume_step: int = 0, config: dict | None = None

@@ -182,6 +182,7 @@ class Trajectory:
     tool_errors: int = 0  # of which answered with an error (malformed, raised, bad return, dead worker)
     tool_timeouts: int = 0  # of which timed out
     env_error: bool = False  # the environment's `step` raised: ended with reward 0
+    engine_rss_mb: float | None = None  # the engine's resident memory after the last turn's call
 
     @property
     def done(self) -> bool:
@@ -216,7 +217,8 @@ class Trajectory:
             policy_version=min(sampled, default=-1),
             token_versions=list(self.versions),
             loss_mask=list(self.mask),
-            extra={"turns": self.turns, "env_reward": self.reward},
+            extra={"turns": self.turns, "env_reward": self.reward}
+            | ({} if self.engine_rss_mb is None else {"engine_rss_mb": self.engine_rss_mb}),
         )
 
 
@@ -298,6 +300,10 @@ class MultiTurn:
         """Append a sampled turn; False when it ended the trajectory (cut by max_tokens or the budget)."""
         ids = list(out.response_ids)[: self.max_total_tokens - len(t.ids)]  # what fits the trajectory
         t.append(ids, out.logprobs, out.versions())
+        if (
+            "engine_rss_mb" in out.extra
+        ):  # the engine's memory after this turn's call (`memory/engine_rss_mb`)
+            t.engine_rss_mb = out.extra["engine_rss_mb"]
         t.turns += 1
         t.last_text = out.text
         if out.finish_reason != "stop" or len(ids) < len(out.response_ids):

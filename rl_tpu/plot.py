@@ -1,4 +1,4 @@
-"""`rl-tpu plot RUN_DIR`: PNG curves of a run's metrics.jsonl (reward, losses, timings, throughput)."""
+"""`rl-tpu plot RUN_DIR`: PNG curves of a run's metrics.jsonl (reward, losses, timings, throughput, memory)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ PANELS = [
         ["time/rollout", "time/generate", "time/reward", "time/train", "time/sync", "time/step"],
     ),
     ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
+    ("resident memory (MB)", ["memory/trainer_rss_mb", "memory/engine_rss_mb", "memory/driver_rss_mb"]),
 ]
 
 

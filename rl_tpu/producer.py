@@ -109,6 +109,9 @@ def generate_and_score(
         timings["time/generate"] += max(
             (c.extra.get("generate_s", 0.0) for g in groups for c in g), default=0.0
         )
+        rss = [c.extra["engine_rss_mb"] for g in groups for c in g if "engine_rss_mb" in c.extra]
+        if rss:  # each engine's resident memory after its call's heap trim: the largest engine's
+            turn_metrics = turn_metrics | {"memory/engine_rss_mb": max(rss)}
         t = time.perf_counter()
         scores, metrics = score_groups(pool, examples, groups)
         metrics.update(turn_metrics)

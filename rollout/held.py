@@ -42,6 +42,7 @@ class Piece:
     policy_version: int = 0  # what the engine served during the call (set by `RolloutWorker`)
     worker: int = 0
     generate_s: float = 0.0  # the call's engine time
+    engine_rss_mb: float = 0.0  # the engine's resident memory after the call's heap trim
 
 
 class HeldRequests:

@@ -115,6 +115,7 @@ def generate_held(
             c.finish_reason = p.finish_reason or "length"
             c.extra.update(worker=p.worker, stop_reason=p.stop_reason)
             c.extra["generate_s"] += p.generate_s
+            c.extra["engine_rss_mb"] = p.engine_rss_mb  # the latest call's
         active = [c for c, p in zip(active, pieces) if p.finish_reason is None]
     if tokenizer is not None:
         from rl_tpu.rollout.engine import response_texts

@@ -40,6 +40,7 @@ import torch
 
 from rl_tpu.config import Config, engine_config
 from rl_tpu.devices import bind
+from rl_tpu.metrics import process_rss_mb
 from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (
     build_engine,
@@ -285,10 +286,11 @@ class RolloutWorker(SyncReceiver):
             tokenizer=self.llm.get_tokenizer(),
             routing=routing,
         )
+        trim_heap()
+        rss = process_rss_mb()  # after the trim: the floor it returns to every call, so a rise is a leak
         for group in result:
             for c in group:
-                c.extra["generate_s"] = dt
-        trim_heap()
+                c.extra["generate_s"], c.extra["engine_rss_mb"] = dt, rss
         return result
 
     def generate_chunk(
@@ -317,9 +319,10 @@ class RolloutWorker(SyncReceiver):
             self.held.park()
         if self.moe_layers:  # a stitched sequence has no routing record of its whole length (batching)
             self.llm.collective_rpc("rl_routing_take")
-        for p in pieces:
-            p.policy_version, p.worker, p.generate_s = self.version, self.index, dt
         trim_heap()
+        rss = process_rss_mb()
+        for p in pieces:
+            p.policy_version, p.worker, p.generate_s, p.engine_rss_mb = self.version, self.index, dt, rss
         return pieces
 
     def load_weights(self, payload: Any, version: int, full: bool = True, keep: bool = False) -> dict:

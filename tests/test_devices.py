@@ -182,3 +182,8 @@ def test_xla_env_builds_the_trainers_qwen3_equal_to_torchtitan_030(tiny_qwen3, t
     assert got["names"] == got["xla_names"] == names and got["titan_names"] == sorted(sd)
     assert torch.equal(got["cpu_logits"], want)
     assert (got["xla_logits"] - want).abs().max() <= 1e-5  # measured 5.4e-7
+
+
+def test_cpu_has_no_device_peak_memory():
+    """`memory/trainer_device_peak_gb` is CUDA's allocator statistic; on CPU the RSS metrics stand alone."""
+    assert get_device("cpu").take_peak_memory() is None

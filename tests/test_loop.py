@@ -115,6 +115,13 @@ def test_reward_rises(mode, tmp_path, reward_files):
         "response/length_mean",
     ):
         assert key in rows[-1], key
+    # resident memory, read at the same point of every step: the trainer (largest rank) holds torch and a
+    # model, the driver torch and the tokenizer; neither is a number of bytes or GB by mistake
+    assert all(200 < r["memory/trainer_rss_mb"] < 20_000 for r in rows), [
+        r["memory/trainer_rss_mb"] for r in rows
+    ]
+    assert all(100 < r["memory/driver_rss_mb"] < 20_000 for r in rows)
+    assert all(500 < r["memory/engine_rss_mb"] < 20_000 for r in rows)  # torch, vLLM and its KV cache
     assert max(r["staleness"] for r in rows) == (1.0 if mode == "async" else 0.0)
     assert (Path(out["hf"]) / "model.safetensors").is_file()
     # cluster.placement = "auto" (default) followed the mode: async cannot share bundles with the trainer
@@ -160,9 +167,10 @@ def test_failing_and_hanging_rewards_are_counted_and_raise_policy_stops(tmp_path
         )
 
 
-# Wall-clock metrics: they time this machine at that moment (the controller's phases, the trainer's
-# update, the sync), not the run's state, so no two runs agree on them. Every other logged metric of a
-# resumed sync-mode fp32 run must equal the uninterrupted run's exactly.
+# Wall-clock and memory metrics: they measure this machine at that moment (the controller's phases, the
+# trainer's update, the sync; each process's resident memory), not the run's state, so no two runs agree
+# on them. Every other logged metric of a resumed sync-mode fp32 run must equal the uninterrupted run's
+# exactly.
 WALL_CLOCK_METRICS = {
     "time/startup",
     "time/rollout",
@@ -177,6 +185,9 @@ WALL_CLOCK_METRICS = {
     "throughput/tokens_per_s",
     "sync/seconds",
     "perf/train_s",
+    "memory/trainer_rss_mb",
+    "memory/engine_rss_mb",
+    "memory/driver_rss_mb",
 }
 
 

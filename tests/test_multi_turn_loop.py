@@ -107,6 +107,7 @@ def test_train_with_an_environment_masks_inserted_tokens(tmp_path, monkeypatch):
     # an environment that raised ended its trajectory (reward 0), counted; the step still trained on all 4
     assert all(r["rollout/env_errors"] >= 1 for r in rows), [r.get("rollout/env_errors") for r in rows]
     assert all("rollout/retokenize_drift" in r and "rollout/env_reward_frac" in r for r in rows)
+    assert all(r["memory/engine_rss_mb"] > 500 for r in rows)  # carried from the turns' engine calls
     inserted = 0
     for b in trained:
         m = b.response_mask > 0

@@ -210,7 +210,10 @@ class TrainerGroup:
 
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
         """One update (PPO epochs over mini-batches); the weights become the next policy version."""
-        metrics = self._call("train_step", self._put(batch), algo_cfg)[0]
+        per_rank = self._call("train_step", self._put(batch), algo_cfg)
+        metrics = per_rank[0]  # the loss metrics are all-reduced: every rank has the same
+        for key in [k for k in metrics if k.startswith("memory/")]:  # each rank its own: the largest
+            metrics[key] = max(m[key] for m in per_rank)
         self.policy_version += 1
         return metrics
 

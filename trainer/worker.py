@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device, kernels
+from rl_tpu.metrics import process_rss_mb
 from rl_tpu.trainer import checkpoint, modes, parallel
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer.build import ModelBuilder
@@ -159,6 +160,10 @@ class TrainerWorker(SyncSender):
         if self.builder.graph_compile:  # the latest captured graph's (graph.py)
             out["perf/graph_saved_mb"] = self.model.rl_graph.saved / 2**20
             out["perf/recomputed_nodes"] = float(self.model.rl_graph.recomputed)
+        out["memory/trainer_rss_mb"] = process_rss_mb()  # after the update: the same phase every step
+        peak = self.device.take_peak_memory()
+        if peak is not None:
+            out["memory/trainer_device_peak_gb"] = peak / 2**30
         return out
 
     def policy_grads(

@@ -124,6 +124,15 @@ class Device:
     def synchronize(self) -> None:
         _SYNC.get(self.name, lambda: None)()
 
+    def take_peak_memory(self) -> int | None:
+        """Bytes of device memory the most allocated at once since the last call (CUDA's allocator
+        statistics, reset here); None on CPU (the process RSS is reported instead) and on XLA."""
+        if self.name != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
     def step_end(self) -> None:
         """End the traced graph of lazy tensors (XLA `mark_step`): what was computed since the last call
         runs as one program and becomes device data. Returns without waiting; no-op on eager devices."""

@@ -248,6 +248,27 @@ def process_rss_pages(pid: int) -> int:
         return -1
 
 
+def object_store_bytes(pid: int) -> int:
+    """Bytes of /dev/shm that Ray's object store holds, if `pid` is a raylet: the pages allocated in the
+    (unlinked) plasma file it keeps open; 0 otherwise. Ray's arena, bounded by its
+    `object_store_memory`, grows its touched pages as objects land in new parts of it."""
+    total, seen = 0, set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            if "/dev/shm/plasma" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
 def process_fds(pid: int) -> int:
     """Open file descriptors of `pid` (entries of /proc/PID/fd); -1 if it is gone or unreadable."""
     try:

@@ -20,7 +20,9 @@ Per process (leaks): every `--sample-every` steps (5) each process of the run's 
 agent, log and autoscaler monitors, every Ray worker: the trainer ranks and engines, named from
 RUN_DIR/placement.json's pids where it has them, else from the `ray::Class` process title; the reward
 pool's spawn children). Each sample: RSS and PSS (/proc/PID/smaps_rollup), open fds (/proc/PID/fd), and
-the bytes in use on /dev/shm (machine-wide: Ray's object store lives there too), taken at the process's
+the bytes in use on /dev/shm (machine-wide) and, of those, Ray's object store's (the pages of the
+plasma file the raylet holds open: an arena bounded by its size whose touched pages grow as objects land
+in new parts of it; `shm_growth_mb` is the rest, the files the run and its libraries make), taken at the process's
 floor: its RSS polled `--reads` times `--read-spacing` s apart (10 x 0.05 s: two steps of the default
 workload), the figures read at the lowest poll (an engine's heap is ~10 MB above its floor while it
 generates and back at it after every generation's trim; single reads landing on either made a restarted
@@ -64,6 +66,7 @@ from _common import (  # noqa: E402
     least_squares_slope,
     load_average,
     median,
+    object_store_bytes,
     parent_pid,
     process_cmdline,
     process_comm,
@@ -239,6 +242,7 @@ class Sample:
     step: int
     shm: int  # bytes used on /dev/shm
     procs: dict[int, tuple[str, int, int, int]]  # pid -> (name, RSS, PSS, fds)
+    store: int = 0  # of `shm`, the bytes Ray's object store holds
 
 
 def sample_tree(
@@ -274,7 +278,8 @@ def sample_tree(
             if (rss or pss) and fds >= 0:  # not gone meanwhile, nor a kernel-side zombie
                 low[pid] = pages
                 out[pid] = (name, rss, pss, fds)
-    return Sample(step, shm_used_bytes(), out)
+    store = sum(object_store_bytes(pid) for pid, name in names.items() if name == "raylet")
+    return Sample(step, shm_used_bytes(), out, store)
 
 
 @dataclass
@@ -355,8 +360,10 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
     k = max(3, len(after) // 10)
     fd_start = statistics.median(fd_sums[:k]) if after else None
     fd_end = statistics.median(fd_sums[-k:]) if after else None
-    shm_start = statistics.median(s.shm for s in after[:k]) if after else None
-    shm_end = statistics.median(s.shm for s in after[-k:]) if after else None
+    shm_start = statistics.median(s.shm - s.store for s in after[:k]) if after else None
+    shm_end = statistics.median(s.shm - s.store for s in after[-k:]) if after else None
+    store_start = statistics.median(s.store for s in after[:k]) if after else None
+    store_end = statistics.median(s.store for s in after[-k:]) if after else None
     rss, rss_role = largest("rss_slope")
     pss, pss_role = largest("pss_slope")
     return {
@@ -375,7 +382,11 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
         "shm_mb_start": shm_start / MB if after else None,
         "shm_mb_end": shm_end / MB if after else None,
         "shm_growth_mb": (shm_end - shm_start) / MB if after else None,
-        "shm_growth_mb_first_last": (after[-1].shm - after[0].shm) / MB if after else None,
+        "shm_growth_mb_first_last": ((after[-1].shm - after[-1].store) - (after[0].shm - after[0].store)) / MB
+        if after
+        else None,
+        "object_store_mb_start": store_start / MB if after else None,
+        "object_store_mb_end": store_end / MB if after else None,
         "per_process": per,
     }
 
@@ -576,7 +587,10 @@ def main() -> None:
     leak = summarize(samples, a.warmup_steps)
     if a.samples_out:
         a.samples_out.write_text(
-            "".join(json.dumps({"step": x.step, "shm": x.shm, "procs": x.procs}) + "\n" for x in samples)
+            "".join(
+                json.dumps({"step": x.step, "shm": x.shm, "store": x.store, "procs": x.procs}) + "\n"
+                for x in samples
+            )
         )
     out = {
         "steps": len(rows),
@@ -641,7 +655,9 @@ def main() -> None:
             f"fds {leak['fd_start']:g} -> {leak['fd_end']:g} (medians of the first and last "
             f"{leak['end_window_samples']} samples: growth {leak['fd_growth']:+g}; first -> last sample "
             f"{leak['fd_growth_first_last']:+d}, at most {leak['fd_max_growth']:+d} between); /dev/shm in use "
-            f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB (growth {leak['shm_growth_mb']:+.2f})\n"
+            f"{leak['shm_mb_start']:.1f} -> {leak['shm_mb_end']:.1f} MB outside Ray's object store (growth "
+            f"{leak['shm_growth_mb']:+.2f}), the object store's {leak['object_store_mb_start']:.2f} -> "
+            f"{leak['object_store_mb_end']:.2f} MB\n"
         )
     else:
         print("per process: no samples after the warm-up (run more steps, or lower --warmup-steps)")

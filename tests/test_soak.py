@@ -245,3 +245,25 @@ def test_sample_tree_takes_each_process_at_its_floor(monkeypatch, tmp_path):
     # a process SIGKILLed just before the sample (it dies mid-generation, above its floor) is left out
     polls[10] = iter([500] * 5)
     assert set(soak.sample_tree(10, 25, tmp_path, reads=5, skip=frozenset({11})).procs) == {10}
+
+
+def test_shm_growth_leaves_out_rays_object_store():
+    """Ray's object store touching more of its arena is its own figure; a file of the run growing is
+    `shm_growth_mb`."""
+    steps = range(15, 1000, 5)
+    store = [
+        soak.Sample(
+            st,
+            30 * MB + (MB if st > 500 else 0),
+            {1: ("raylet", 30 * MB, 20 * MB, 60)},
+            4 * MB + (MB if st > 500 else 0),
+        )
+        for st in steps
+    ]
+    s = soak.summarize(store, warmup=10)
+    assert s["shm_growth_mb"] == 0 and s["object_store_mb_start"] == 4 and s["object_store_mb_end"] == 5
+    files = [
+        soak.Sample(st, 30 * MB + (MB if st > 500 else 0), {1: ("raylet", 30 * MB, 20 * MB, 60)}, 4 * MB)
+        for st in steps
+    ]
+    assert soak.summarize(files, warmup=10)["shm_growth_mb"] == 1

@@ -386,6 +386,35 @@ def test_shm_release_unlinks_file_and_pooled_slots_are_reused():
     assert paths[0] == paths[1] and os.path.exists(paths[0])  # same pre-faulted file, kept for reuse
 
 
+def test_stale_pool_and_region_files_of_dead_processes_are_swept(tmp_path):
+    """A SIGKILLed sender or receiver leaves its pooled slot / region files in /dev/shm; the next process
+    to make one removes those whose PID is gone, and nothing of a live process or of anyone else."""
+    import os
+    import subprocess
+    import sys
+
+    from rl_tpu.weight_sync.transports import sweep_stale_files
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid, live_pid = int(dead.stdout), os.getpid()
+    names = {
+        f"rl_tpu_ws_pool_{dead_pid}_0a1b2c3d": False,  # swept
+        f"rl_tpu_ws_region_{dead_pid}_0a1b2c3d": False,
+        f"rl_tpu_ws_pool_{live_pid}_0a1b2c3d": True,  # kept: its process is alive
+        f"rl_tpu_ws_region_{live_pid}_0a1b2c3d": True,
+        f"rl_tpu_ws_{dead_pid}": True,  # an unpooled file: its reader unlinks it
+        f"other_ws_pool_{dead_pid}_0a1b2c3d": True,
+        "rl_tpu_ws_pool_notapid_0a1b2c3d": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = sweep_stale_files(str(tmp_path))
+    assert sorted(os.path.basename(r) for r in removed) == sorted(n for n, kept in names.items() if not kept)
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
+
+
 def test_unknown_transport_and_unjoined_collective_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match="'carrier-pigeon'"):
         get_transport("carrier-pigeon")

@@ -96,6 +96,7 @@ class SharedMemory(Transport):
             if ent is not None:
                 ent[1].close()
                 os.unlink(ent[0])
+            _sweep_once()
             path = os.path.join(_SHM_DIR, f"rl_tpu_ws_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}")
             ent = self._pool[slot] = (path, self._create(path, nbytes), nbytes)
             if len(self._pool) == 1:
@@ -181,6 +182,7 @@ class Region:
 
     @classmethod
     def create(cls, nbytes: int) -> Region:
+        _sweep_once()
         r = cls(
             os.path.join(_SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True
         )
@@ -220,6 +222,53 @@ class Region:
             self.mm.close()
         except BufferError:  # views are still alive; the mapping goes when they are collected
             pass
+
+
+def sweep_stale_files(shm_dir: str = _SHM_DIR) -> list[str]:
+    """Unlink the pooled slot and region files (`rl_tpu_ws_pool_PID_*`, `rl_tpu_ws_region_PID_*`) whose
+    process is gone: a SIGKILLed trainer or engine never unlinks its own, and a pool is a bucket's size
+    (GBs for a large model), so crash-and-resume cycles would fill /dev/shm. Only files of this user whose
+    PID is not alive in this PID namespace (the one /dev/shm is shared in); returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        head, _, rest = name.partition("_ws_")
+        kind, _, tail = rest.partition("_")
+        pid = tail.split("_", 1)[0]
+        if head != "rl_tpu" or kind not in ("pool", "region") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # another process swept it first
+            pass
+    return removed
+
+
+_SWEPT = False
+
+
+def _sweep_once() -> None:
+    """Before this process's first pooled slot or region: the files killed processes left go first."""
+    global _SWEPT
+    if not _SWEPT:
+        _SWEPT = True
+        sweep_stale_files()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _unlink_quietly(path: str) -> None:

@@ -6,7 +6,9 @@
 - `reprefill`: partial rollouts before #44's change (`generate_in_chunks` below) over `LLM.generate`: every
   `--chunk` tokens each unfinished sequence is a new request, its prompt + response so far prefilled again;
 - `held`: `generate_held` over `rl_tpu.rollout.held.HeldRequests`: unfinished sequences stay in the engine
-  between chunk calls (what `rollout.partial = true` does now).
+  between chunk calls (what `rollout.partial = true` does now);
+- `held_update`: the same with the prefix cache reset as a weight install does (`reset_kv`) after every
+  `--update-every` chunk calls: each reset preempts the held sequences, recomputed at the next call.
 
 The demo's arithmetic chat prompts, each sampled `--n` times at temperature 1, every sequence forced to
 `--tokens` tokens (ignore_eos), fp32, the run's default engine settings, `--threads` threads, in one
@@ -75,7 +77,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8, help="rollout.partial_chunk_tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--sides", default="one,reprefill,held")
+    ap.add_argument("--update-every", type=int, default=8, help="held_update: chunk calls between resets")
+    ap.add_argument("--sides", default="one,reprefill,held,held_update")
     a = ap.parse_args()
 
     from rl_tpu.placement import apply_threads
@@ -90,6 +93,7 @@ def main() -> None:
     from rl_tpu.rollout.held import HeldRequests
     from rl_tpu.rollout.partial import generate_held
     from rl_tpu.tiny_model import make_tiny_model
+    from rl_tpu.weight_sync.receiver import reset_kv
 
     load = load_average()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,8 +129,12 @@ def main() -> None:
             return to_completions(outs, range(len(ps)), 0)
 
         held = HeldRequests(llm)
+        calls = [0]
 
-        def chunk_call(active):
+        def chunk_call(active, update_every=0):
+            calls[0] += 1
+            if update_every and calls[0] % update_every == 0:
+                reset_kv(llm)  # what an install between two chunk calls ends with
             return held.chunk(
                 [((c.prompt_index, c.sample_index), c.prompt_ids, c.response_ids) for c in active],
                 params(1, a.tokens),
@@ -143,6 +151,9 @@ def main() -> None:
                 generate_in_chunks(llm_generate, prompts, n=a.n, max_tokens=a.tokens, chunk=a.chunk)
             ),
             "held": lambda: count(generate_held(chunk_call, prompts, n=a.n)),
+            "held_update": lambda: count(
+                generate_held(lambda s: chunk_call(s, a.update_every), prompts, n=a.n)
+            ),
         }
         sides = {k: all_sides[k] for k in a.sides.split(",")}
         for f in sides.values():
@@ -156,10 +167,12 @@ def main() -> None:
                 times[k].append(time.perf_counter() - t)
     batch = a.prompts * a.n
     print(
-        f"{a.size}, batch {batch} x {a.tokens} tokens, chunk {a.chunk}, {a.threads} threads, "
+        f"{a.size}, batch {batch} x {a.tokens} tokens, chunk {a.chunk}, held_update resets every "
+        f"{a.update_every} calls, {a.threads} threads, "
         f"load {load:.2f} before"
     )
     out = {"bench": "partial_chunks", "size": a.size, "batch": batch, "tokens": a.tokens, "chunk": a.chunk}
+    out["update_every"] = a.update_every
     out |= {"threads": a.threads, "load_before": load}
     for k, ts in times.items():
         best = min(ts)
@@ -169,7 +182,7 @@ def main() -> None:
         out[k] = {"best_s": best, "median_s": statistics.median(ts), "tok_s": tokens[k] / best}
     best = {k: min(ts) for k, ts in times.items()}
     if "one" in best:
-        for k in ("reprefill", "held"):
+        for k in ("reprefill", "held", "held_update"):
             if k in best:
                 out[f"{k}_over_one"] = best[k] / best["one"]
     if "reprefill" in best and "held" in best:

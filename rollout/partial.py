@@ -19,8 +19,10 @@ Invariants:
 Where this departs from vLLM's own pause (`AsyncLLM.pause_generation(mode="keep")`, vLLM >= 0.11): that
 keeps the prefix's KV computed under the old policy across the update, and needs the async engine and a
 concurrent actor; here the engines stay synchronous `LLMEngine.step` loops in a single-threaded actor
-(see `RolloutGroup`), and an update costs one prefill of every held sequence (the recompute), not one
-per chunk as the first form of partial rollouts (each chunk a new request) did.
+(see `RolloutGroup`), and an update costs a full prefill of every held sequence (the recompute). The
+first form of partial rollouts (each chunk a new request with prompt + response so far as its prompt)
+paid that too, since an install empties the prefix cache its re-prefills read from, and on top of it
+a new request and a partial-block prefill per sequence at every chunk.
 """
 
 from __future__ import annotations

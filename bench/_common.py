@@ -239,6 +239,22 @@ def check_workload_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
 # per-process figures (bench/soak.py): open fds, the command line, /dev/shm, a fitted slope
 
 
+def arithmetic_chat_prompts(tok: Any, n: int) -> list[list[int]]:
+    """Token ids of `n` prompts of the synthetic arithmetic task, rendered with the model's chat template
+    (the generation benches' shared workload)."""
+    from rl_tpu.data import make_synthetic
+
+    train, _ = make_synthetic("arithmetic", n, 1, 0)
+    return [
+        list(
+            tok.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for ex in train[:n]
+    ]
+
+
 def process_rss_pages(pid: int) -> int:
     """Resident pages of `pid` from /proc/PID/statm (constant time, unlike smaps: cheap to poll); -1 if
     it is gone."""

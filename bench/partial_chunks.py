@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import json_line, load_average  # noqa: E402
+from _common import arithmetic_chat_prompts, json_line, load_average  # noqa: E402
 
 
 def generate_in_chunks(
@@ -88,7 +88,6 @@ def main() -> None:
     from vllm import SamplingParams
 
     from rl_tpu.config import engine_config, load_config
-    from rl_tpu.data import make_synthetic
     from rl_tpu.rollout.engine import build_engine, rollout_device, to_completions
     from rl_tpu.rollout.held import HeldRequests
     from rl_tpu.rollout.partial import generate_held
@@ -99,15 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(Path(tmp) / "model", size=a.size))
         tok = AutoTokenizer.from_pretrained(model)
-        train, _ = make_synthetic("arithmetic", a.prompts, 1, 0)
-        prompts = [
-            list(
-                tok.apply_chat_template(
-                    ex.messages, add_generation_prompt=True, tokenize=True, return_dict=True
-                )["input_ids"]
-            )
-            for ex in train[: a.prompts]
-        ]
+        prompts = arithmetic_chat_prompts(tok, a.prompts)
         cfg = load_config(
             None,
             [

@@ -82,6 +82,14 @@ def tiny_qwen3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_new(tmp_path_factory) -> str:
+    """Same architecture and tokenizer as `tiny_qwen3`, other weights (seed 1)."""
+    from rl_tpu.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_new"), arch="qwen3", size="tiny", seed=1))
+
+
+@pytest.fixture(scope="module")
 def ray_session():
     """A local Ray with 4 CPUs for a module of actor tests (modules that need another set-up define
     their own `ray_session`)."""

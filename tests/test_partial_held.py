@@ -12,31 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import ray
 import torch
 
-from rl_tpu.cluster import init_ray
 from rl_tpu.config import load_config
 from rl_tpu.rollout import RolloutGroup
 from rl_tpu.rollout.partial import generate_held
 
 MAX_TOKENS, CHUNK = 20, 6
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = init_ray(attempts=3, num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_new(tmp_path_factory) -> str:
-    """Same architecture and tokenizer as `tiny_qwen3`, other weights (seed 1)."""
-    from rl_tpu.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_new"), arch="qwen3", size="tiny", seed=1))
 
 
 @pytest.fixture(scope="module")

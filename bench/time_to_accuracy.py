@@ -1,10 +1,12 @@
 """Time to accuracy: wall time until held-out accuracy first reaches a threshold, from one SFT checkpoint,
-for our sync loop, our one-step async loop, our fully async loop (bounded staleness 4 with partial
-rollouts) and TRL's `GRPOTrainer`, run back to back on the same machine.
+for our sync loop, our one-step async loop (without and with the engine's behaviour log-probs and
+truncated token IS), our fully async loop (bounded staleness 4 with partial rollouts) and TRL's
+`GRPOTrainer`, run back to back on the same machine, each once per sampling seed.
 
     bash scripts/setup.sh --extra bench                     # TRL, for its side
     .venv/bin/python bench/time_to_accuracy.py              # SFT as the demo does it, then four sides
     .venv/bin/python bench/time_to_accuracy.py --sft-model runs/demo/sft/best --sides sync,async1
+    .venv/bin/python bench/time_to_accuracy.py --seeds 0,1,2 --max-steps 400   # medians over 3 seeds
     .venv/bin/python bench/time_to_accuracy.py --quick      # a 2-minute look that everything runs
 
 Why this and not seconds per step: what a user compares is the time to a result. A per-step ratio on a
@@ -28,12 +30,15 @@ greedy, fp32: the same text up to float rounding). Our sides run the demo's trai
 gloo) and one vLLM engine as Ray actors; TRL one process. Our sides skip the sequences of all-alike
 groups in the update (`trainer.skip_zero_advantage`, default: exactly zero gradient, same update).
 
-Reported per side: steps run, median training seconds per step, seconds to the threshold (None: not
-reached within `--max-steps`), held-out accuracy at the last evaluation within `--budget-s` training
-seconds, the final accuracy, and for ours `time/trainer_idle` as a share of the step (the fully async
-goal: <= 10 %) and the largest staleness. The last line is one JSON object: `trl_over_ours` (TRL's time
-to the threshold / our best), `async_over_sync` (sync's time / the best async side's), each side's
-final accuracy and its accuracy at the budget. Run on an idle machine (`uptime`); the load before and
+Reported per side, each the median over `--seeds` (a seed moves sampling only: the prompts and their
+order are the same for every seed): steps run, training seconds per step, seconds to each threshold
+(None: not reached within `--max-steps`; a seed that never reached it counts as the slowest), held-out
+accuracy at the last evaluation within `--budget-s` training seconds, the final accuracy, and for ours
+`time/trainer_idle` as a share of the step (the fully async goal: <= 10 %) and the largest staleness.
+One seed's curve is noisy (accuracy moves several points between evaluations), so compare medians of
+several seeds. The last line is one JSON object: `trl_over_ours` (TRL's time to the first threshold /
+our best side's), `async_over_sync` (sync's time / the best async side's), the same at every threshold
+(`by_threshold`), and every side's figures and per-seed runs. Run on an idle machine (`uptime`); the load before and
 after each side is printed.
 """
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -56,6 +62,14 @@ SIDES = {
     # name -> `rl-tpu train` overrides on top of the demo's GRPO configuration (None: TRL)
     "sync": ["--cluster.mode=sync"],
     "async1": ["--cluster.mode=async", "--cluster.placement=disaggregated", "--algorithm.max_staleness=1"],
+    # one-step async with the engine's behaviour log-probs and truncated token IS: the staleness corrected
+    "async1is": [
+        "--cluster.mode=async",
+        "--cluster.placement=disaggregated",
+        "--algorithm.max_staleness=1",
+        "--rollout.calculate_log_probs=true",
+        "--algorithm.rollout_is=token",
+    ],
     "async4p": [
         "--cluster.mode=async",
         "--cluster.placement=disaggregated",
@@ -99,15 +113,62 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+def median_time(times: list[float | None]) -> float | None:
+    """Median over seeds of a time to a threshold, a seed that never reached it counting as slower than
+    any that did; None when the median itself is "not reached"."""
+    m = statistics.median(math.inf if t is None else t for t in times) if times else math.inf
+    return None if math.isinf(m) else m
+
+
 def summary(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The JSON line's ratios: TRL's time over our best side's, sync's over the best async side's."""
     t = {k: v.get("time_to_threshold_s") for k, v in sides.items()}
-    ours = [t[k] for k in ("sync", "async1", "async4p") if t.get(k) is not None]
-    asyncs = [t[k] for k in ("async1", "async4p") if t.get(k) is not None]
+    ours = [t[k] for k in SIDES if k != "trl" and t.get(k) is not None]
+    asyncs = [t[k] for k in SIDES if k not in ("trl", "sync") and t.get(k) is not None]
     return {
         "trl_over_ours": ratio(t.get("trl"), min(ours) if ours else None),
         "async_over_sync": ratio(t.get("sync"), min(asyncs) if asyncs else None),
     }
+
+
+def combine(runs: list[dict[str, Any]], thresholds: list[float], budget_s: float) -> dict[str, Any]:
+    """One side over its seeds: medians of each figure (times to a threshold by `median_time`), the
+    largest staleness; seeds that failed are named and left out."""
+    ok = [r for r in runs if "curve" in r]
+    if not ok:
+        return {"error": "; ".join(r.get("error", "no result") for r in runs), "runs": runs}
+
+    def med(xs: list[Any]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    times = {str(t): median_time([time_to(r["curve"], t) for r in ok]) for t in thresholds}
+    return {
+        "seeds": len(ok),
+        "failed_seeds": len(runs) - len(ok),
+        "steps": med([r["steps"] for r in ok]),
+        "s_per_step": med([r.get("s_per_step") for r in ok]),
+        "time_to_threshold_s": times[str(thresholds[0])],
+        "times_to": times,
+        "accuracy_at_budget": med([accuracy_within(r["curve"], budget_s) for r in ok]),
+        "final_accuracy": med([r["curve"][-1]["accuracy"] if r["curve"] else None for r in ok]),
+        "trainer_idle_frac": med([r.get("trainer_idle_frac") for r in ok]),
+        "staleness_max": max(
+            (r["staleness_max"] for r in ok if r.get("staleness_max") is not None), default=None
+        ),
+        "runs": runs,
+    }
+
+
+def summaries(sides: dict[str, dict[str, Any]], thresholds: list[float]) -> dict[str, Any]:
+    """`summary` at the first threshold, and at each one under "by_threshold"."""
+    by = {
+        str(t): summary(
+            {k: {"time_to_threshold_s": v.get("times_to", {}).get(str(t))} for k, v in sides.items()}
+        )
+        for t in thresholds
+    }
+    return {**by[str(thresholds[0])], "by_threshold": by}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,7 +195,9 @@ def sft_checkpoint(a: argparse.Namespace, work: Path) -> str:
     return str(work / "demo" / "sft" / "best")
 
 
-def ours_command(a: argparse.Namespace, model: str, side: str, run_dir: Path, config: Path) -> list[str]:
+def ours_command(
+    a: argparse.Namespace, model: str, side: str, run_dir: Path, config: Path, seed: int = 0
+) -> list[str]:
     plan = demo_plan(a.quick)
     return [
         sys.executable,
@@ -150,27 +213,30 @@ def ours_command(a: argparse.Namespace, model: str, side: str, run_dir: Path, co
         f"--trainer.lr={plan.grpo_lr}",
         f"--trainer.test_freq={a.eval_every}",
         "--data.shuffle=false",
+        # the seed moves sampling only: the prompts and their order stay the same on every side and seed
+        f"--rollout.seed={seed}",
+        f"--trainer.seed={seed}",
         *SIDES[side],
     ]
 
 
-def run_ours(a: argparse.Namespace, model: str, side: str, work: Path) -> dict[str, Any]:
+def run_ours(a: argparse.Namespace, model: str, side: str, work: Path, seed: int) -> dict[str, Any]:
     from rl_tpu.config import to_toml
     from rl_tpu.demo import demo_config
     from rl_tpu.metrics import read_metrics
 
-    run_dir = work / f"ours-{side}"
+    run_dir = work / f"ours-{side}-seed{seed}"
     config = work / "demo_grpo.toml"
     config.write_text(to_toml(demo_config(demo_plan(a.quick), run_dir)))
     res = run_measured(
-        ours_command(a, model, side, run_dir, config),
-        work / f"ours-{side}.log",
+        ours_command(a, model, side, run_dir, config, seed),
+        work / f"ours-{side}-seed{seed}.log",
         timeout=a.timeout,
         interval=None,
     )
     rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     if not rows:
-        return {"error": f"no metrics (exit {res.returncode}); see {work / f'ours-{side}.log'}"}
+        return {"error": f"no metrics (exit {res.returncode}); see {work / f'ours-{side}-seed{seed}.log'}"}
     idle = [
         r["time/trainer_idle"] / r["time/step"] for r in rows if "time/trainer_idle" in r and r["time/step"]
     ]
@@ -198,7 +264,7 @@ def trl_worker(a: argparse.Namespace) -> None:
 
     plan = demo_plan(a.quick)
     torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     train, test = make_synthetic("arithmetic", plan.train_prompts, plan.test_prompts, seed=0)
     data = trl_dataset(train)
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -261,7 +327,7 @@ def trl_worker(a: argparse.Namespace) -> None:
         max_tokens=plan.max_tokens,
         lr=plan.grpo_lr,
         steps=a.max_steps,
-        seed=0,
+        seed=a.seed,
         workdir=a.workdir,
     )
     cb = EvalEvery()
@@ -275,12 +341,12 @@ def trl_worker(a: argparse.Namespace) -> None:
     ).train()
 
 
-def run_trl(a: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
+def run_trl(a: argparse.Namespace, model: str, work: Path, seed: int) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
         return {"error": "TRL is not installed: bash scripts/setup.sh --extra bench"}
-    result = work / "trl.json"
+    result = work / f"trl-seed{seed}.json"
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -292,10 +358,11 @@ def run_trl(a: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
         str(result),
     ]
     cmd += ["--workdir", str(work), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every)]
+    cmd += ["--seeds", str(seed)]
     cmd += ["--quick"] if a.quick else []
-    res = run_measured(cmd, work / "trl.log", timeout=a.timeout, interval=None)
+    res = run_measured(cmd, work / f"trl-seed{seed}.log", timeout=a.timeout, interval=None)
     if not result.is_file():
-        return {"error": f"no result (exit {res.returncode}); see {work / 'trl.log'}"}
+        return {"error": f"no result (exit {res.returncode}); see {work / f'trl-seed{seed}.log'}"}
     out = json.loads(result.read_text())
     return {
         "version": out["trl_version"],
@@ -317,7 +384,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sides", default="sync,async1,async4p,trl", help=f"comma-separated, from {','.join(SIDES)}"
     )
     p.add_argument("--sft-model", default="", help="the common SFT checkpoint (default: run the demo's SFT)")
-    p.add_argument("--threshold", type=float, default=0.5, help="held-out accuracy to reach")
+    p.add_argument(
+        "--threshold",
+        default="0.5,0.45,0.4",
+        help="held-out accuracies to reach, comma-separated; the first is the JSON line's",
+    )
+    p.add_argument(
+        "--seeds", default="0", help="comma-separated sampling seeds, each side run once per seed (medians)"
+    )
     p.add_argument(
         "--budget-s", type=float, default=120.0, help="training seconds for the at-budget accuracy"
     )
@@ -336,6 +410,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_steps", "eval_every"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        a.thresholds = [float(x) for x in a.threshold.split(",")]
+        a.seed_list = [int(x) for x in a.seeds.split(",")]
+    except ValueError as e:
+        p.error(f"--threshold / --seeds: {e}")
+    a.threshold, a.seed = a.thresholds[0], a.seed_list[0]
     if a.quick:
         a.max_steps, a.eval_every = min(a.max_steps, 4), min(a.eval_every, 2)
     return a
@@ -345,20 +425,21 @@ def format_table(sides: dict[str, dict[str, Any]], a: argparse.Namespace) -> str
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    head = " | ".join(f"s to {t:.2f}" for t in a.thresholds)
     lines = [
-        f"| side | steps | s/step | s to {a.threshold:.2f} | acc. at {a.budget_s:.0f} s | final acc. "
+        f"| side | seeds | steps | s/step | {head} | acc. at {a.budget_s:.0f} s | final acc. "
         "| trainer idle | staleness max |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---" * (9 + len(a.thresholds) - 1) + "|",
     ]
     for name, r in sides.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} |")
             continue
-        final = r["curve"][-1]["accuracy"] if r["curve"] else None
+        times = " | ".join(f(r["times_to"][str(t)], ".1f") for t in a.thresholds)
         lines.append(
-            f"| {name} | {r['steps']} | {f(r['s_per_step'], '.3f')} | {f(r['time_to_threshold_s'], '.1f')} | "
-            f"{f(r['accuracy_at_budget'], '.3f')} | {f(final, '.3f')} | {f(r.get('trainer_idle_frac'), '.1%')} | "
-            f"{f(r.get('staleness_max'), '.0f')} |"
+            f"| {name} | {r['seeds']} | {f(r['steps'], '.0f')} | {f(r['s_per_step'], '.3f')} | {times} | "
+            f"{f(r['accuracy_at_budget'], '.3f')} | {f(r['final_accuracy'], '.3f')} | "
+            f"{f(r.get('trainer_idle_frac'), '.1%')} | {f(r.get('staleness_max'), '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -373,18 +454,20 @@ def main(argv: list[str] | None = None) -> int:
     model = sft_checkpoint(a, work)
     sides: dict[str, dict[str, Any]] = {}
     for side in a.sides.split(","):
-        before = load_average()
-        print(f"== {side} (load {before:.2f})", flush=True)
-        r = run_trl(a, model, work) if side == "trl" else run_ours(a, model, side, work)
-        r["load_before"], r["load_after"] = before, load_average()
-        if "curve" in r:
-            r["time_to_threshold_s"] = time_to(r["curve"], a.threshold)
-            r["accuracy_at_budget"] = accuracy_within(r["curve"], a.budget_s)
-            r["final_accuracy"] = r["curve"][-1]["accuracy"] if r["curve"] else None
-        sides[side] = r
-        print(f"   {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
+        runs = []
+        for seed in a.seed_list:
+            before = load_average()
+            print(f"== {side} seed {seed} (load {before:.2f})", flush=True)
+            r = run_trl(a, model, work, seed) if side == "trl" else run_ours(a, model, side, work, seed)
+            r["seed"], r["load_before"], r["load_after"] = seed, before, load_average()
+            if "curve" in r:
+                r["times_to"] = {str(t): time_to(r["curve"], t) for t in a.thresholds}
+            runs.append(r)
+            print(f"   {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
+        sides[side] = combine(runs, a.thresholds, a.budget_s)
     print(format_table(sides, a))
-    print(json_line({"threshold": a.threshold, "budget_s": a.budget_s, **summary(sides), "sides": sides}))
+    summary_line = {"thresholds": a.thresholds, "seeds": a.seed_list, "budget_s": a.budget_s}
+    print(json_line({**summary_line, **summaries(sides, a.thresholds), "sides": sides}))
     return 0
 
 

@@ -62,18 +62,69 @@ def test_summary_ratios_take_the_best_of_ours_and_of_async():
     }
 
 
-@pytest.mark.parametrize("side", ["sync", "async1", "async4p"])
+def test_median_time_counts_a_seed_that_never_reached_it_as_the_slowest():
+    assert tta.median_time([30.0, 10.0, 20.0]) == 20.0
+    assert tta.median_time([30.0, None, 10.0]) == 30.0
+    assert tta.median_time([None, None, 10.0]) is None
+    assert tta.median_time([10.0, None]) is None  # the median of 10 and "not reached"
+    assert tta.median_time([10.0, 20.0]) == 15.0
+    assert tta.median_time([]) is None
+
+
+def test_combine_takes_medians_over_seeds_and_names_failures():
+    def run(seed, accs, idle):
+        curve = [{"step": 10 * (i + 1), "train_s": 10.0 * (i + 1), "accuracy": x} for i, x in enumerate(accs)]
+        return {
+            "seed": seed,
+            "steps": 30,
+            "s_per_step": 1.0 + seed,
+            "curve": curve,
+            "trainer_idle_frac": idle,
+            "staleness_max": float(seed),
+        }
+
+    runs = [
+        run(0, [0.3, 0.5, 0.6], 0.1),
+        run(1, [0.2, 0.3, 0.45], 0.2),
+        run(2, [0.5, 0.4, 0.55], 0.3),
+        {"seed": 3, "error": "no metrics"},
+    ]
+    c = tta.combine(runs, [0.5, 0.4], budget_s=20.0)
+    assert (c["seeds"], c["failed_seeds"]) == (3, 1)
+    assert c["times_to"] == {"0.5": 20.0, "0.4": 20.0}  # 0.5: seeds at 20, never, 10; 0.4: 20, 30, 10
+    assert c["time_to_threshold_s"] == 20.0
+    assert c["accuracy_at_budget"] == 0.4  # 0.5, 0.3, 0.4
+    assert c["final_accuracy"] == 0.55
+    assert (c["s_per_step"], c["trainer_idle_frac"], c["staleness_max"]) == (2.0, 0.2, 2.0)
+    assert tta.combine([{"seed": 0, "error": "boom"}], [0.5], 20.0)["error"] == "boom"
+
+
+def test_summaries_give_the_ratios_at_every_threshold():
+    sides = {
+        "sync": {"times_to": {"0.5": 60.0, "0.4": 30.0}},
+        "async1is": {"times_to": {"0.5": 40.0, "0.4": None}},
+        "trl": {"times_to": {"0.5": 120.0, "0.4": 90.0}},
+    }
+    s = tta.summaries(sides, [0.5, 0.4])
+    assert (s["trl_over_ours"], s["async_over_sync"]) == (3.0, 1.5)
+    assert s["by_threshold"]["0.4"] == {"trl_over_ours": 3.0, "async_over_sync": None}
+
+
+@pytest.mark.parametrize("side", ["sync", "async1", "async1is", "async4p"])
 def test_each_side_is_a_valid_config_on_the_demos(side, tmp_path):
     a = tta.parse_args(["--sft-model", "unused", "--max-steps", "7", "--eval-every", "3"])
     config = tmp_path / "demo.toml"
     config.write_text(to_toml(demo_config(DemoPlan(), tmp_path / "run")))
-    cmd = tta.ours_command(a, "MODEL", side, tmp_path / "run", config)
+    cmd = tta.ours_command(a, "MODEL", side, tmp_path / "run", config, seed=3)
     assert cmd[3:5] == ["train", str(config)]
     cfg = load_config(config, cmd[5:])
     assert (cfg.trainer.total_steps, cfg.trainer.test_freq, cfg.data.shuffle) == (7, 3, False)
     assert cfg.cluster.mode == ("sync" if side == "sync" else "async")
     assert cfg.algorithm.max_staleness == (4 if side == "async4p" else 1)
     assert cfg.rollout.partial == (side == "async4p")
+    assert (cfg.rollout.seed, cfg.trainer.seed) == (3, 3)
+    assert cfg.algorithm.rollout_is == ("token" if side in ("async1is", "async4p") else "none")
+    assert cfg.rollout.calculate_log_probs == (side in ("async1is", "async4p"))
 
 
 def test_bad_arguments_name_the_flag(capsys):
@@ -83,3 +134,8 @@ def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         tta.parse_args(["--eval-every", "0"])
     assert "--eval-every" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tta.parse_args(["--seeds", "0,x"])
+    assert "--seeds" in capsys.readouterr().err
+    a = tta.parse_args(["--threshold", "0.45,0.4", "--seeds", "2,5"])
+    assert (a.thresholds, a.threshold, a.seed_list, a.seed) == ([0.45, 0.4], 0.45, [2, 5], 2)

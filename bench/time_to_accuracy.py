@@ -33,7 +33,8 @@ groups in the update (`trainer.skip_zero_advantage`, default: exactly zero gradi
 Reported per side, each the median over `--seeds` (a seed moves sampling only: the prompts and their
 order are the same for every seed): steps run, training seconds per step, seconds to each threshold
 (None: not reached within `--max-steps`; a seed that never reached it counts as the slowest), held-out
-accuracy at the last evaluation within `--budget-s` training seconds, the final accuracy, and for ours
+accuracy at the last evaluation within `--budget-s` training seconds, the final accuracy (the mean of the
+last `--final-evals` evaluations), and for ours
 `time/trainer_idle` as a share of the step (the fully async goal: <= 10 %) and the largest staleness.
 One seed's curve is noisy (accuracy moves several points between evaluations), so compare medians of
 several seeds. The last line is one JSON object: `trl_over_ours` (TRL's time to the first threshold /
@@ -98,15 +99,23 @@ def curve_from_metrics(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
     return out
 
 
-def time_to(curve: list[dict[str, float]], threshold: float) -> float | None:
-    """Training seconds at the first evaluation reaching `threshold`; None if none does."""
-    return next((p["train_s"] for p in curve if p["accuracy"] >= threshold), None)
+def time_to(curve: list[dict[str, float]], threshold: float, key: str = "train_s") -> float | None:
+    """Training seconds (or, with key="step", steps) at the first evaluation reaching `threshold`;
+    None if none does."""
+    return next((p[key] for p in curve if p["accuracy"] >= threshold), None)
 
 
 def accuracy_within(curve: list[dict[str, float]], budget_s: float) -> float | None:
     """Accuracy at the last evaluation within `budget_s` training seconds; None if none is."""
     inside = [p for p in curve if p["train_s"] <= budget_s]
     return inside[-1]["accuracy"] if inside else None
+
+
+def final_accuracy(curve: list[dict[str, float]], last: int) -> float | None:
+    """Mean held-out accuracy of the last `last` evaluations: one evaluation of 200 prompts moves by
+    several points from one to the next, the mean of a few says where a run ended."""
+    tail = [p["accuracy"] for p in curve[-last:]]
+    return statistics.fmean(tail) if tail else None
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -131,7 +140,9 @@ def summary(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def combine(runs: list[dict[str, Any]], thresholds: list[float], budget_s: float) -> dict[str, Any]:
+def combine(
+    runs: list[dict[str, Any]], thresholds: list[float], budget_s: float, final_evals: int = 5
+) -> dict[str, Any]:
     """One side over its seeds: medians of each figure (times to a threshold by `median_time`), the
     largest staleness; seeds that failed are named and left out."""
     ok = [r for r in runs if "curve" in r]
@@ -143,6 +154,8 @@ def combine(runs: list[dict[str, Any]], thresholds: list[float], budget_s: float
         return statistics.median(xs) if xs else None
 
     times = {str(t): median_time([time_to(r["curve"], t) for r in ok]) for t in thresholds}
+    # time = steps x seconds per step: how many steps a side needs says what its samples teach
+    steps = {str(t): median_time([time_to(r["curve"], t, "step") for r in ok]) for t in thresholds}
     return {
         "seeds": len(ok),
         "failed_seeds": len(runs) - len(ok),
@@ -150,8 +163,9 @@ def combine(runs: list[dict[str, Any]], thresholds: list[float], budget_s: float
         "s_per_step": med([r.get("s_per_step") for r in ok]),
         "time_to_threshold_s": times[str(thresholds[0])],
         "times_to": times,
+        "steps_to": steps,
         "accuracy_at_budget": med([accuracy_within(r["curve"], budget_s) for r in ok]),
-        "final_accuracy": med([r["curve"][-1]["accuracy"] if r["curve"] else None for r in ok]),
+        "final_accuracy": med([final_accuracy(r["curve"], final_evals) for r in ok]),
         "trainer_idle_frac": med([r.get("trainer_idle_frac") for r in ok]),
         "staleness_max": max(
             (r["staleness_max"] for r in ok if r.get("staleness_max") is not None), default=None
@@ -395,6 +409,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--budget-s", type=float, default=120.0, help="training seconds for the at-budget accuracy"
     )
+    p.add_argument(
+        "--final-evals",
+        type=int,
+        default=5,
+        help="the final accuracy is the mean of this many last evaluations",
+    )
     p.add_argument("--max-steps", type=int, default=300, help="GRPO steps per side at most")
     p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side before it is killed")
@@ -407,7 +427,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in a.sides.split(",") if s not in SIDES]
     if bad:
         p.error(f"--sides: unknown {bad}; choose from {list(SIDES)}")
-    for name in ("max_steps", "eval_every"):
+    for name in ("max_steps", "eval_every", "final_evals"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
@@ -425,17 +445,19 @@ def format_table(sides: dict[str, dict[str, Any]], a: argparse.Namespace) -> str
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    head = " | ".join(f"s to {t:.2f}" for t in a.thresholds)
+    head = " | ".join(f"s to {t:.2f} | steps to {t:.2f}" for t in a.thresholds)
     lines = [
         f"| side | seeds | steps | s/step | {head} | acc. at {a.budget_s:.0f} s | final acc. "
         "| trainer idle | staleness max |",
-        "|---" * (9 + len(a.thresholds) - 1) + "|",
+        "|---" * (8 + 2 * len(a.thresholds)) + "|",
     ]
     for name, r in sides.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} |")
             continue
-        times = " | ".join(f(r["times_to"][str(t)], ".1f") for t in a.thresholds)
+        times = " | ".join(
+            f"{f(r['times_to'][str(t)], '.1f')} | {f(r['steps_to'][str(t)], '.0f')}" for t in a.thresholds
+        )
         lines.append(
             f"| {name} | {r['seeds']} | {f(r['steps'], '.0f')} | {f(r['s_per_step'], '.3f')} | {times} | "
             f"{f(r['accuracy_at_budget'], '.3f')} | {f(r['final_accuracy'], '.3f')} | "
@@ -464,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["times_to"] = {str(t): time_to(r["curve"], t) for t in a.thresholds}
             runs.append(r)
             print(f"   {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
-        sides[side] = combine(runs, a.thresholds, a.budget_s)
+        sides[side] = combine(runs, a.thresholds, a.budget_s, a.final_evals)
     print(format_table(sides, a))
     summary_line = {"thresholds": a.thresholds, "seeds": a.seed_list, "budget_s": a.budget_s}
     print(json_line({**summary_line, **summaries(sides, a.thresholds), "sides": sides}))

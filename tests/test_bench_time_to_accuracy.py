@@ -41,9 +41,13 @@ def test_time_to_threshold_and_accuracy_within_budget():
     assert tta.time_to(curve, 0.5) == 9.0
     assert tta.time_to(curve, 0.3) == 9.0  # the first evaluation at or above it
     assert tta.time_to(curve, 0.9) is None
+    assert tta.time_to(curve, 0.5, "step") == 4
     assert tta.accuracy_within(curve, 10.0) == 0.5
     assert tta.accuracy_within(curve, 11.0) == 0.75
     assert tta.accuracy_within(curve, 4.0) is None
+    assert tta.final_accuracy(curve, 2) == pytest.approx(0.625)
+    assert tta.final_accuracy(curve, 9) == pytest.approx(0.5)  # fewer evaluations than asked: all of them
+    assert tta.final_accuracy([], 5) is None
 
 
 def test_summary_ratios_take_the_best_of_ours_and_of_async():
@@ -93,8 +97,9 @@ def test_combine_takes_medians_over_seeds_and_names_failures():
     assert (c["seeds"], c["failed_seeds"]) == (3, 1)
     assert c["times_to"] == {"0.5": 20.0, "0.4": 20.0}  # 0.5: seeds at 20, never, 10; 0.4: 20, 30, 10
     assert c["time_to_threshold_s"] == 20.0
+    assert c["steps_to"] == {"0.5": 20.0, "0.4": 20.0}  # evaluations every 10 steps, 10 s apart
     assert c["accuracy_at_budget"] == 0.4  # 0.5, 0.3, 0.4
-    assert c["final_accuracy"] == 0.55
+    assert c["final_accuracy"] == pytest.approx(1.4 / 3)  # the median of the means 1.4/3, 0.95/3, 1.45/3
     assert (c["s_per_step"], c["trainer_idle_frac"], c["staleness_max"]) == (2.0, 0.2, 2.0)
     assert tta.combine([{"seed": 0, "error": "boom"}], [0.5], 20.0)["error"] == "boom"
 

@@ -243,6 +243,14 @@ class RolloutGroup:
                 f"on_restart to sync it, as the training loop does)",
             )
 
+    def _begin_call(self, seed: int | None, **sampling: Any) -> tuple[dict[str, Any], int, int]:
+        """A generation call's sampling arguments (the ones set: the worker fills the rest from
+        `cfg.rollout`), its number, and the base of its per-request seeds (`seed`, else `rollout.seed`):
+        `request_seed(base, call, prompt)` makes every call's samples differ and a rerun repeat them."""
+        call, self._calls = self._calls, self._calls + 1
+        base = self.cfg.rollout.seed if seed is None else seed
+        return {k: v for k, v in sampling.items() if v is not None}, call, base
+
     # -- public -------------------------------------------------------------------------------------
     def generate(
         self,
@@ -262,8 +270,8 @@ class RolloutGroup:
         check_prompts(prompt_token_ids)
         if not prompt_token_ids:
             return []
-        rc = self.cfg.rollout
-        sampling = dict(
+        sampling, call, base = self._begin_call(
+            seed,
             n=n,
             temperature=temperature,
             top_p=top_p,
@@ -272,10 +280,8 @@ class RolloutGroup:
             stop=stop,
             stop_token_ids=stop_token_ids,
         )
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        n_eff, mt = sampling.get("n", rc.n), sampling.get("max_tokens", rc.max_tokens)
-        call, self._calls = self._calls, self._calls + 1
-        base = rc.seed if seed is None else seed
+        n_eff = sampling.get("n", self.cfg.rollout.n)
+        mt = sampling.get("max_tokens", self.cfg.rollout.max_tokens)
         costs = [(len(p) + mt) * n_eff for p in prompt_token_ids]
         plan = assign_prompts(costs, self.num_workers)
         calls = {
@@ -316,18 +322,15 @@ class RolloutGroup:
         copies (prefilled anew): no sample is lost. `max_tokens` is each whole response's budget."""
         if not seqs:
             return []
-        rc = self.cfg.rollout
-        sampling = dict(
+        sampling, call, base = self._begin_call(
+            seed,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
         )
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        mt = sampling.get("max_tokens", rc.max_tokens)
-        call, self._calls = self._calls, self._calls + 1
-        base = rc.seed if seed is None else seed
+        mt = sampling.get("max_tokens", self.cfg.rollout.max_tokens)
         new: dict[int, float] = {}  # prompt index -> its samples' cost, as `generate` counts it
         for c in seqs:
             if "worker" not in c.extra:

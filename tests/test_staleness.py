@@ -245,6 +245,17 @@ def test_wait_policy_keeps_every_token_within_max_staleness(tmp_path):
     assert rollouts.loader_state() == rollouts.loader.state_dict()
 
 
+def test_partial_rollouts_generate_in_chunks_only_when_a_response_can_outgrow_one(tmp_path):
+    # max_tokens 6: chunks of 2 pause sequences between updates; chunks of 6 never would, so one plain call
+    for chunk, chunked in ((2, True), (6, False), (8, False)):
+        cfg, engines, rollouts = _producer(
+            tmp_path, "--rollout.partial=true", f"--rollout.partial_chunk_tokens={chunk}", steps=2
+        )
+        rows = _consume(rollouts, engines, 2)
+        assert [len(c) == 2 for c in engines.calls] == [chunked] * len(engines.calls), (chunk, engines.calls)
+        assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+
+
 def test_drop_policy_generates_stale_groups_again_and_counts_them(tmp_path):
     import time
 

@@ -201,7 +201,7 @@ class RolloutConfig:
     # async mode: generate in chunks of `partial_chunk_tokens` tokens; a weight update waiting for the
     # engines goes between two chunks, and unfinished sequences continue on the new weights (the engines
     # hold them between chunks; an update recomputes their KV), so an update never waits for a whole batch
-    # (rl_tpu.rollout.partial)
+    # (rl_tpu.rollout.partial). A `max_tokens` that fits one chunk is generated in one plain call
     partial: bool = False
     partial_chunk_tokens: int = F(8, ge=1)
     # multi-turn (rl_tpu/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment

@@ -183,7 +183,7 @@ class Sampler:
     def generate(self, prompts: list[list[int]]) -> list[list[Completion]]:
         rc = self.cfg.rollout
         # a response that fits one chunk is never paused: the plain call is the same generation without
-        # the chunked path's per-batch costs (+20 ms of 120 on the demo, bench/RESULTS.md session 35)
+        # the chunked path's per-batch costs (docs/decisions.md)
         if not rc.partial or rc.max_tokens <= rc.partial_chunk_tokens:
             return self._call(prompts)
         return generate_held(self._chunk, prompts, n=rc.n, tokenizer=self.tok)

@@ -38,7 +38,9 @@ def cmd_make_tiny_model(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise ConfigError(f"make-tiny-model: unrecognised argument(s) {extra}")
-    out = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+    out = make_tiny_model(
+        args.out, arch=args.arch, size=args.size, seed=args.seed, tie_embeddings=args.tie_embeddings
+    )
     print(f"wrote {out}")
     return 0
 
@@ -50,18 +52,23 @@ def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from rl_tpu.model_folder import check_model_folder
+    from rl_tpu.model_source import resolve_model_path
     from rl_tpu.rollout.engine import generate_text
     from rl_tpu.tiny_model import make_tiny_model
 
     cfg = _load(args, extra)
     args.verbose = cfg.logging.verbose or args.verbose
-    model_path = cfg.model.path
+    model_path = resolve_model_path(cfg.model.path)
     if model_path:  # vLLM serves more architectures than the trainer builds: vLLM's are checked
         check_model_folder(model_path, trainer=False, engine=True)
     else:
         model_path = str(
             make_tiny_model(
-                Path(cfg.logging.run_dir) / "model", cfg.model.arch, cfg.model.size, cfg.model.seed
+                Path(cfg.logging.run_dir) / "model",
+                cfg.model.arch,
+                cfg.model.size,
+                cfg.model.seed,
+                cfg.model.tie_embeddings,
             )
         )
     prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
@@ -152,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe"], default="qwen3")
     s.add_argument("--size", choices=["tiny", "mini", "small", "medium"], default="tiny")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--tie-embeddings", action="store_true", help="one tensor for input embedding and output head"
+    )
     s.set_defaults(fn=cmd_make_tiny_model)
 
     s = sub.add_parser("config", help="inspect configs")

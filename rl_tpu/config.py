@@ -42,11 +42,14 @@ def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a vali
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: str = ""  # a Hugging Face model folder; empty: build a tiny model into the run folder
+    # a Hugging Face model folder, a Hub id (org/name[@revision]), a .gguf file or a catalog name
+    # (smollm2-135m-instruct; rl_tpu/model_source.py); empty: build a tiny model into the run folder
+    path: str = ""
     arch: Literal["qwen3", "llama"] = "qwen3"  # used when path is empty
     # used when path is empty (rl_tpu.tiny_model.SIZES; "medium", ~100 M, is a benchmark shape)
     size: Literal["tiny", "mini", "small", "medium"] = "tiny"
     seed: int = 0  # weights seed of the built tiny model
+    tie_embeddings: bool = False  # used when path is empty: the tiny model ties its embedding and output head
     # the precision switch for both roles (each role's "auto" follows it): bfloat16 = the trainer computes
     # in bf16 over fp32 master weights and reduces gradients in `trainer.reduce_dtype`; the engine runs bf16
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -57,6 +57,7 @@ from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_leng
 from rl_tpu.evaluation import Evaluator
 from rl_tpu.metrics import MetricsLogger, process_rss_mb
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
+from rl_tpu.model_source import resolve_model_path
 from rl_tpu.multi_turn import load_env
 from rl_tpu.placement import plan_from_config
 from rl_tpu.preflight import run_preflight
@@ -233,8 +234,6 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # The user's inputs are checked before Ray starts, so a mistake in them is reported in seconds
     # rather than after the trainer and the engines have started (minutes on a CPU box).
     resume = resolve_resume(run_dir, cfg.checkpoint.resume)  # first: a damaged checkpoint stops at once
-    if resume is not None:  # a checkpoint of another model would fail once every actor has started
-        check_resume_model(cfg)
     train_set, test_set = build_datasets(cfg.data)
     if cfg.data.test_files and not cfg.trainer.test_freq:
         log.warning(
@@ -248,8 +247,11 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
     # A model folder of the user's is checked now (its files); the tokenizer (most of it importing
     # transformers) and the prompt lengths it checks, or the tiny default when it still has to be
     # built, come while Ray starts: a failure there stops Ray again and is reported.
+    cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id, GGUF file or catalog name: a local folder
     if cfg.model.path:
         check_model_folder(cfg.model.path, trainer=True)
+    if resume is not None:  # a checkpoint of another model would fail once every actor has started
+        check_resume_model(cfg)
     from rl_tpu.trainer.model import check_routing_replay, read_hf_config
 
     check_routing_replay(cfg)  # an MoE model, one engine call per completion (#43)

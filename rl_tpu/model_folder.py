@@ -130,10 +130,16 @@ def ensure_model(cfg: Config, run_dir: Path) -> str:
             check_engine_architecture(hf, Path(cfg.model.path) / "config.json")
         return cfg.model.path
     out = run_dir / "model"
-    want = {"arch": cfg.model.arch, "size": cfg.model.size, "seed": cfg.model.seed}
+    want = {
+        "arch": cfg.model.arch,
+        "size": cfg.model.size,
+        "seed": cfg.model.seed,
+        "tie_embeddings": cfg.model.tie_embeddings,
+    }
     made = out / "rl_tpu_tiny.json"
     if (out / "model.safetensors").is_file() and made.is_file():
         have = json.loads(made.read_text())
+        have.setdefault("tie_embeddings", False)  # folders made before the option
         if {k: have.get(k) for k in want} != want:  # the run folder was used with another tiny model
             logging.getLogger("rl_tpu").warning(
                 "%s holds a tiny model of %s, configured %s: building the configured one", out, have, want
@@ -144,5 +150,5 @@ def ensure_model(cfg: Config, run_dir: Path) -> str:
     if not (out / "model.safetensors").is_file():
         from rl_tpu.tiny_model import make_tiny_model
 
-        make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed)
+        make_tiny_model(out, cfg.model.arch, cfg.model.size, cfg.model.seed, cfg.model.tie_embeddings)
     return str(out)

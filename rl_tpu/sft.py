@@ -141,10 +141,12 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     from rl_tpu.cluster import start_ray
     from rl_tpu.metrics import MetricsLogger
     from rl_tpu.model_folder import ensure_model
+    from rl_tpu.model_source import resolve_model_path
 
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id, GGUF file or catalog name: a local folder
     model_path = ensure_model(cfg, run_dir)
     tok = load_tokenizer(model_path, chat_template=True)  # input errors before Ray starts
     train_set, _ = build_datasets(cfg.data)

@@ -127,7 +127,9 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int):
+def build_config(
+    arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int, tie_embeddings: bool = False
+):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     dims = dict(SIZES[size], vocab_size=vocab_size)
@@ -135,7 +137,7 @@ def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=None,
@@ -162,8 +164,12 @@ def build_config(arch: str, size: str, vocab_size: int, eos_id: int, pad_id: int
     raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
-def make_tiny_model(out: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
-    """Write a complete Hugging Face model folder to `out` and return its path."""
+def make_tiny_model(
+    out: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0, tie_embeddings: bool = False
+) -> Path:
+    """Write a complete Hugging Face model folder to `out` and return its path. `tie_embeddings`: one
+    tensor for the input embedding and the output head (`tie_word_embeddings`, as most small open models:
+    the safetensors then hold no `lm_head.weight`)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if size not in SIZES:
@@ -172,7 +178,9 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", size: str = "tiny", se
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(SIZES[size]["vocab_size"])
     vocab = len(tok)
-    config = build_config(arch, size, vocab, tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD))
+    config = build_config(
+        arch, size, vocab, tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD), tie_embeddings
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -184,6 +192,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", size: str = "tiny", se
         "arch": arch,
         "size": size,
         "seed": seed,
+        "tie_embeddings": tie_embeddings,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     (out / "rl_tpu_tiny.json").write_text(json.dumps(meta, indent=1) + "\n")

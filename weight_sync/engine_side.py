@@ -162,15 +162,17 @@ class EngineSide:
         model = vllm_compat.model(self.worker)
         names = {id(m): n for n, m in model.named_modules()}
         seen, processed = set(), {}
+        tied = vllm_compat.find_tied(model)  # a layer sharing a plan tensor is installed with it
         with vllm_compat.current_config(self.worker), torch.no_grad():
             for name in self.names:
-                layer = self.layers[name][0]
-                if id(layer) in seen:
-                    continue
-                seen.add(id(layer))
-                why = vllm_compat.probe_processing(layer, _fill_probe)
-                if why is not None:
-                    processed[names.get(id(layer), name)] = why
+                owner = self.layers[name][0]
+                for layer in [owner] + [t[0] for t in tied.get(owner, [])]:
+                    if id(layer) in seen:
+                        continue
+                    seen.add(id(layer))
+                    why = vllm_compat.probe_processing(layer, _fill_probe)
+                    if why is not None:
+                        processed[names.get(id(layer), name)] = why
         self.processed = processed
         self.install = "layerwise" if processed else "direct"
         if processed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import weakref
 from typing import Any
 
 TESTED = "0.32.0"
@@ -84,7 +85,82 @@ def current_config(worker):
 
 def begin_reload(model_: Any) -> None:
     """Put every layer's loaded-layout parameters back on the meta device, loaders wrapped to buffer."""
+    find_tied(model_)  # before the reload: on the meta device the layers no longer share the tensor
     _get(_LAYERWISE, "initialize_layerwise_reload")(model_)
+
+
+# layer -> the other layers holding one of its parameters (found by `find_tied` on the live model)
+_TIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def find_tied(model_: Any) -> dict[Any, list[tuple[Any, str, str]]]:
+    """Layers that hold one parameter object between them (tied input and output embeddings: vLLM's
+    `lm_head.tie_weights(embed_tokens)`), each -> [(other layer, its name for it, this layer's name)].
+    vLLM loads the tensor into one of them (its loader skips `lm_head.weight`), but each has its own
+    processing: on CPU the lm head keeps its own packed oneDNN copy, which a reload of the embedding
+    alone leaves stale (the engine would sample from the old head). `tied_update` processes both."""
+    holders: dict[int, list[tuple[Any, str]]] = {}
+    for layer in model_.modules():
+        for name, p in layer.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((layer, name))
+    tied: dict[Any, list[tuple[Any, str, str]]] = {}
+    for group in holders.values():
+        for layer, name in group:
+            others = [(o, oname, name) for o, oname in group if o is not layer]
+            if others:
+                tied.setdefault(layer, []).extend(others)
+    _TIED.clear()
+    _TIED.update(tied)
+    return tied
+
+
+class tied_update:  # noqa: N801 - used as a context manager
+    """While active, vLLM's processing of `layer` under a reload first loads each layer tied to it
+    (`find_tied`) with the values `layer` just loaded (its loaded layout, before its own processing) and
+    runs vLLM's per-layer processing on it, so both kernels serve the new tensor. Their kernel tensors
+    are one storage, which both processings write with the same values. A no-op for untied layers."""
+
+    def __init__(self, layer: Any):
+        self.layer, self.qm = layer, getattr(layer, "quant_method", None)
+        if not _TIED.get(layer) or not isinstance(self.qm, _get(_QBASE, "QuantizeMethodBase")):
+            self.qm = None
+
+    def __enter__(self):
+        qm, owner = self.qm, self.layer
+        if qm is None:
+            return self
+        orig = qm.process_weights_after_loading
+        info_of = _get(_LAYERWISE, "get_layerwise_info")
+
+        def process(layer):
+            if layer is owner:
+                _PROCESSING.add(owner)  # the tied layers share a quant method: never back to the owner
+                try:
+                    for other, oname, name in _TIED.get(owner, []):
+                        if other in _PROCESSING or not info_of(other).can_load():  # not reloading
+                            continue
+                        materialize(other)
+                        getattr(other, oname).data.copy_(getattr(owner, name).data)
+                        process_layer(other)
+                finally:
+                    _PROCESSING.discard(owner)
+            orig(layer)
+
+        # an instance attribute over the class's method; the one it covers (if any) is put back on exit
+        self.covered = qm.__dict__.get("process_weights_after_loading")
+        qm.process_weights_after_loading = process
+        return self
+
+    def __exit__(self, *exc):
+        if self.qm is not None:
+            if self.covered is None:
+                self.qm.__dict__.pop("process_weights_after_loading", None)
+            else:
+                self.qm.process_weights_after_loading = self.covered
+        return False
+
+
+_PROCESSING: weakref.WeakSet = weakref.WeakSet()  # tied layers whose processing is under way
 
 
 def finish_reload(model_: Any, model_config: Any) -> None:
@@ -142,7 +218,7 @@ def clear_processed_marks(layer: Any) -> None:
 def process_layer(layer: Any) -> None:
     """vLLM's per-layer post-load processing (quant method / CPU repack) and copy into kernel tensors."""
     clear_processed_marks(layer)
-    with cpu_moe_update(layer):
+    with cpu_moe_update(layer), tied_update(layer):
         _get(_LAYERWISE, "_layerwise_process")(layer, _get(_LAYERWISE, "get_layerwise_info")(layer))
 
 
@@ -194,7 +270,7 @@ class reprocessing:  # noqa: N801 - used as a context manager
 
         def process(layer, info):
             clear_processed_marks(layer)
-            with cpu_moe_update(layer):
+            with cpu_moe_update(layer), tied_update(layer):
                 return orig(layer, info)
 
         lw._layerwise_process = process

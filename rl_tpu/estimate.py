@@ -44,9 +44,10 @@ What is counted, per device (bytes; GiB = 2**30):
   state + the engine's share <= device memory. Devices needed: world_size + engines x TP, or
   max(world_size, engines) colocated.
 
-Model shapes: the model folder's config.json when `model.path` is a local folder; a hub id without a
-local copy takes `plan_shapes.PUBLISHED` (the published config.json values); an empty path is the tiny
-model of `model.arch` / `model.size`. The named hardware: `--hardware`, else the recipe file's name
+Model shapes: the model folder's config.json when `model.path` is a local folder; a hub id in
+`plan_shapes.PUBLISHED` takes the published config.json values; another source (a catalog name, a GGUF
+file, a Hub id in the local cache) its resolved folder's (rl_tpu/model_source.py); an empty path is the
+tiny model of `model.arch` / `model.size`. The named hardware: `--hardware`, else the recipe file's name
 (`...-v5p.toml`), else the device's default (below).
 """
 
@@ -93,10 +94,14 @@ def hf_config(cfg: Config) -> tuple[dict, str]:
         return json.loads(local.read_text()), str(local)
     if path in PUBLISHED:
         return dict(PUBLISHED[path]), f"published config.json of {path} (rl_tpu.plan_shapes.PUBLISHED)"
-    raise EstimateError(
-        f"model.path {path!r} is neither a local folder with config.json nor one of the built-in "
-        f"models ({', '.join(sorted(PUBLISHED))})"
-    )
+    from rl_tpu.errors import ModelError
+    from rl_tpu.model_source import resolve_model_path
+
+    try:  # a catalog name, a GGUF file, or a Hub id in the local cache
+        local = Path(resolve_model_path(path)) / "config.json"
+    except ModelError as e:
+        raise EstimateError(f"{e}; the estimate also knows {', '.join(sorted(PUBLISHED))}") from None
+    return json.loads(local.read_text()), f"{local} ({path})"
 
 
 def _activation_elems(m: dict) -> tuple[int, int]:

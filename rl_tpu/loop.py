@@ -287,8 +287,15 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
 
                 ray.shutdown()
             raise
-        if roles is None:
-            own = start_shared_roles(cfg, model_path)
+        preflight = None
+        if cfg.trainer.preflight:  # the largest batch through the trainer before step 1 (rl_tpu/preflight.py)
+            vocab = min(len(tok), int(read_hf_config(model_path).get("vocab_size", len(tok))))
+
+            def preflight(trainer: Any) -> None:
+                run_preflight(cfg, trainer, longest_prompt, vocab)
+
+        if roles is None:  # the preflight runs while the engines start
+            own = start_shared_roles(cfg, model_path, trainer_then=preflight)
         else:
             roles.trainer.restart_from(model_path, cfg.trainer)
             roles.rollout.load_state_dict({"calls": 0})
@@ -313,9 +320,8 @@ def train(cfg: Config, roles: Roles | None = None) -> dict[str, Any]:
             step = state["step"]
             sync.push()  # the engines restart from the original weights: give them the checkpoint's
             log.info("resumed from %s at step %d", resume, step)
-        if cfg.trainer.preflight:  # the largest batch through the trainer before step 1 (rl_tpu/preflight.py)
-            vocab = read_hf_config(model_path).get("vocab_size", len(tok))
-            run_preflight(cfg, trainer, longest_prompt, min(len(tok), int(vocab)))
+        if preflight is not None and roles is not None:  # started by the caller: the preflight now
+            preflight(trainer)
         rollouts = Rollouts(
             cfg,
             rollout,

@@ -33,12 +33,15 @@ class Roles:
         self.groups.remove()
 
 
-def start_shared_roles(cfg: Config, model_path: str) -> Roles:
+def start_shared_roles(
+    cfg: Config, model_path: str, trainer_then: Callable[[Any], Any] | None = None
+) -> Roles:
     """Reserve the loop's placement for `cfg` and start its trainer group and engines on `model_path`, side
-    by side (Ray must be running: `start_ray`). The caller ends them with `Roles.shutdown()`."""
+    by side (Ray must be running: `start_ray`). `trainer_then(trainer)` runs as soon as the trainer is up,
+    while the engines may still be starting (the preflight). The caller ends them with `Roles.shutdown()`."""
     groups = PlacementGroups(plan_from_config(cfg, os.cpu_count() or 1))
     try:
-        return Roles(*start_roles(cfg, model_path, groups), groups)
+        return Roles(*start_roles(cfg, model_path, groups, trainer_then), groups)
     except BaseException:
         groups.remove()
         raise
@@ -76,16 +79,26 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
         )
 
 
-def start_roles(cfg: Config, model_path: str, groups: PlacementGroups):
+def start_roles(
+    cfg: Config, model_path: str, groups: PlacementGroups, trainer_then: Callable[[Any], Any] | None = None
+):
     """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
-    TorchTitan builds, vLLM engine start-up)."""
+    TorchTitan builds, vLLM engine start-up); `trainer_then(trainer)` in the trainer's thread once it is
+    up (an engine takes longer to start: its warm-up generations)."""
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
-    return start_side_by_side(
-        lambda: TrainerGroup(cfg, model_path, placement=groups),
-        lambda: RolloutGroup(cfg, model_path, placement=groups),
-    )
+    def trainer():
+        group = TrainerGroup(cfg, model_path, placement=groups)
+        if trainer_then is not None:
+            try:
+                trainer_then(group)
+            except BaseException:
+                group.shutdown()
+                raise
+        return group
+
+    return start_side_by_side(trainer, lambda: RolloutGroup(cfg, model_path, placement=groups))
 
 
 def start_side_by_side(*makers: Callable[[], Any]) -> tuple:

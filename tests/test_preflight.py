@@ -18,10 +18,18 @@ def test_largest_batch_is_every_row_at_full_length_in_the_loss():
     assert bool((b.attention_mask == 1).all()) and bool((b.response_mask == 1).all())
     assert b.prompt_lens.tolist() == [5] * 6
     assert bool((b.advantages != 0).all())  # no row is skipped as all-zero advantage
-    # no two rows share a prompt, so packing shared prompts cannot make it smaller
+    # no two rows share a prompt by default, so packing shared prompts cannot make it smaller
     assert len({tuple(r) for r in b.input_ids[:, :5].tolist()}) == 6
     again = largest_batch(rows=6, prompt_len=5, response_len=7, vocab_size=11, seed=3)
     assert torch.equal(b.input_ids, again.input_ids)
+
+
+def test_largest_batch_shares_prompts_within_groups_only():
+    b = largest_batch(rows=6, prompt_len=5, response_len=7, vocab_size=1000, seed=3, group_size=3)
+    prompts = [tuple(r) for r in b.input_ids[:, :5].tolist()]
+    assert prompts[0] == prompts[1] == prompts[2] and prompts[3] == prompts[4] == prompts[5]
+    assert prompts[0] != prompts[3]
+    assert len({tuple(r) for r in b.input_ids[:, 5:].tolist()}) == 6  # every response its own
 
 
 def test_largest_batch_refuses_empty_sizes():

@@ -549,3 +549,34 @@ def test_fsdp2_to_engine_in_other_processes_bit_exact(trained, ray_session, tiny
         ws.close()
     finally:
         g.shutdown()
+
+
+def test_derived_layout_is_cached_on_disk_and_a_damaged_file_is_derived_again(
+    rollout1, tiny_qwen3, monkeypatch
+):
+    """An engine's layout (vLLM's loaders on index codes) is kept under RL_TPU_CACHE_DIR/layouts, keyed by
+    vLLM's version, the model's config, the TP rank, dtype, HF shapes and the deriving code: a later
+    derivation reads the same layout back; an unreadable file is derived again and rewritten."""
+    import os
+    from pathlib import Path
+
+    from rl_tpu.weight_sync.names import checkpoint_shapes
+
+    hf_order = sorted(checkpoint_shapes(tiny_qwen3).items())
+    worker = rollout1.workers[0]
+    cache = Path(os.environ["RL_TPU_CACHE_DIR"]) / "layouts"
+    first = ray.get(worker.ws_derive.remote(hf_order))
+    files = sorted(cache.glob("*.json"))
+    assert len(files) >= 1
+    newest = max(files, key=lambda p: p.stat().st_mtime_ns)
+    stamp = newest.stat().st_mtime_ns
+    assert ray.get(worker.ws_derive.remote(hf_order)) == first
+    assert newest.stat().st_mtime_ns == stamp  # read, not written again
+    newest.write_text("{not json")
+    assert ray.get(worker.ws_derive.remote(hf_order)) == first
+    assert newest.stat().st_mtime_ns != stamp and newest.read_text().startswith("{")
+    # another set of HF tensors (one left out) is another key: derived, not the cached one
+    fewer = [(n, s) for n, s in hf_order if n != "model.norm.weight"]
+    before = set(cache.glob("*.json"))
+    other = ray.get(worker.ws_derive.remote(fewer))
+    assert len(set(cache.glob("*.json")) - before) == 1 and other != first

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from . import vllm_compat
-from .engine_layout import derive_layout, reference_layout, reference_layouts
+from .engine_layout import cached_layout, reference_layout, reference_layouts
 from .rows import rows_cols
 from .transports import Collective, Region, get_transport, join_group, leave_group, visible_cuda_uuids
 from .wire import bucket_nbytes, unpack
@@ -130,7 +130,7 @@ class EngineSide:
         self.verified: dict[str, str] = {}  # last verify: param -> "kernel" or "loaded" comparison
 
     def derive(self, hf_specs: list) -> dict:
-        return derive_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
+        return cached_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
 
     def setup(self, tables: dict) -> int:
         """Keep this rank's part of the plan: `tables[str(tp_rank)]` = {names, shapes, numel, buckets}

@@ -10,8 +10,8 @@ once: an out-of-memory stops the run before step 1, and the trainer's memory sta
 The batch: `data.batch_size x rollout.n` rows, each the data set's longest prompt followed by the whole
 response budget, random token ids, each prompt shared by the `rollout.n` rows of its group as in every
 step's batch (where the trainer packs shared prompts, a group's prompt runs once) and by no other row;
-a multi-turn run's prompts differ between turns, so there no row shares its prompt. It runs the passes a step runs: the pre-update log-probs (and the reference's, the critic's values
-where configured), then the update's forward and backward over every row in its micro-batches. No
+a multi-turn run's prompts differ between turns, so there no row shares its prompt. It runs the passes
+a step runs: the pre-update log-probs (and the reference's, the critic's values where configured), then the update's forward and backward over every row in its micro-batches. No
 optimizer step is taken and the gradients are dropped (`TrainerWorker.preflight`): weights, optimizer
 state, step counters and metrics are as they were.
 """

@@ -11,9 +11,10 @@ The batch: `data.batch_size x rollout.n` rows, each the data set's longest promp
 response budget, random token ids, each prompt shared by the `rollout.n` rows of its group as in every
 step's batch (where the trainer packs shared prompts, a group's prompt runs once) and by no other row;
 a multi-turn run's prompts differ between turns, so there no row shares its prompt. It runs the passes
-a step runs: the pre-update log-probs (and the reference's, the critic's values where configured), then the update's forward and backward over every row in its micro-batches. No
-optimizer step is taken and the gradients are dropped (`TrainerWorker.preflight`): weights, optimizer
-state, step counters and metrics are as they were.
+a step runs: the pre-update log-probs (and the reference's, the critic's values where configured), then
+the update's forward and backward over every row in its micro-batches. No optimizer step is taken and
+the gradients are dropped (`TrainerWorker.preflight`): weights, optimizer state, step counters and
+metrics are as they were. The loop runs it while the engines start (`start_shared_roles`).
 """
 
 from __future__ import annotations

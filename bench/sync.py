@@ -20,6 +20,7 @@ average at the start and end of the run (timings on a loaded box are only good f
 
     python bench/sync.py                       # sizes 2,4,5 layers of hidden 1024 (~110, ~210, ~260 MB)
     python bench/sync.py --layers 1,2 --transports shm
+    python bench/sync.py --model smollm2-135m-instruct --transports shm   # a real model's weights
 """
 
 from __future__ import annotations
@@ -118,6 +119,23 @@ def build_model(out: Path, layers: int, hidden: int, inter: int, seed: int = 0) 
     return dst
 
 
+def titan_state_of(model_dir: Path):
+    """A real model's TorchTitan-named full tensors, nudged (the trainer's adapter and model spec: Llama
+    and tied embeddings included), and its `to_hf`."""
+    import functools
+
+    import torch
+
+    from rl_tpu.trainer import model as tm
+
+    spec = tm.build_model_spec(model_dir)
+    titan = tm.hf_to_titan(spec, tm.load_hf_state_dict(model_dir))
+    torch.manual_seed(1)
+    return {k: v + 1e-3 * torch.randn_like(v) for k, v in titan.items()}, functools.partial(
+        tm.titan_to_hf, spec
+    )
+
+
 def titan_state(model_dir: Path):
     """TorchTitan-named full tensors (through TorchTitan's adapter) and its `to_hf`."""
     import torch
@@ -183,7 +201,13 @@ def _timed(fn) -> float:
 
 
 def run_size(
-    layers: int, hidden: int, inter: int, transports: list[str], bucket_mb: float, repeats: int
+    layers: int,
+    hidden: int,
+    inter: int,
+    transports: list[str],
+    bucket_mb: float,
+    repeats: int,
+    model: str = "",
 ) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -194,9 +218,16 @@ def run_size(
 
     from rl_tpu.weight_sync import EngineReceiver, ParamSpec, WeightSync
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
-    model_dir = build_model(tmp, layers, hidden, inter)
-    titan, to_hf = titan_state(model_dir)
+    if model:  # a real model (--model): its own weights, nudged, its own config
+        from rl_tpu.model_source import resolve_model_path
+
+        model_dir = Path(resolve_model_path(model, key="--model"))
+        titan, to_hf = titan_state_of(model_dir)
+        hf_cfg = json.loads((model_dir / "config.json").read_text())
+        layers, hidden = hf_cfg["num_hidden_layers"], hf_cfg["hidden_size"]
+    else:
+        model_dir = build_model(Path(tempfile.mkdtemp(prefix="bench_sync_")), layers, hidden, inter)
+        titan, to_hf = titan_state(model_dir)
     world = 2
     specs = [
         ParamSpec(
@@ -304,17 +335,23 @@ def main() -> None:
     ap.add_argument("--transports", default="inprocess,shm,ray,collective")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--model",
+        default="",
+        help="sync this model instead of the built sizes (a folder, Hub id, GGUF file or smollm2-135m-instruct)",
+    )
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     transports = a.transports.split(",")
     load0 = os.getloadavg()[0]
     if a.worker:
         print(
-            "RESULT " + json.dumps(run_size(a.worker, a.hidden, a.inter, transports, a.bucket_mb, a.repeats))
+            "RESULT "
+            + json.dumps(run_size(a.worker, a.hidden, a.inter, transports, a.bucket_mb, a.repeats, a.model))
         )
         return
     sizes = []
-    for layers in [int(x) for x in a.layers.split(",")]:
+    for layers in [1] if a.model else [int(x) for x in a.layers.split(",")]:
         cmd = [
             sys.executable,
             __file__,
@@ -330,6 +367,8 @@ def main() -> None:
             str(a.bucket_mb),
             "--repeats",
             str(a.repeats),
+            "--model",
+            a.model,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]

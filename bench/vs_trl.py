@@ -3,7 +3,8 @@
     bash scripts/setup.sh --extra bench && .venv/bin/python bench/vs_trl.py            # 8x8x64, 6 steps
     .venv/bin/python bench/vs_trl.py --size tiny --steps 3 --max-tokens 16              # a quick look
 
-Both sides get the same model (a `small` Qwen3 built locally by `make_tiny_model`, fp32), the same
+Both sides get the same model (a `small` Qwen3 built locally by `make_tiny_model`, fp32, or `--model`:
+e.g. `--model smollm2-135m-instruct`, the real instruct model), the same
 prompts (synthetic arithmetic chat prompts, in data-set order on both sides: no shuffling), the same
 reward (`rl_tpu.rewards.arithmetic:compute_score`, through a thin adapter on the TRL side), the same
 group size, completion length, prompts per step, number of steps, learning rate (constant, AdamW,
@@ -742,7 +743,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds between peak-memory samples of each side's process tree; 0: no sampling",
     )
     p.add_argument("--worker", choices=["trl", "trl-vllm"], help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--model",
+        help="a model.path for both sides (a folder, a Hub id, a GGUF file or smollm2-135m-instruct: "
+        "docs/models.md); default: a Qwen3 of --size built locally",
+    )
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     check_workload_args(p, a)
@@ -767,11 +772,19 @@ def main(argv: list[str] | None = None) -> int:
 
     a.workdir = Path(a.workdir or tempfile.mkdtemp(prefix="vs_trl_")).resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    model = str(make_tiny_model(a.workdir / "model", "qwen3", a.size, seed=a.seed))
+    if a.model:
+        from rl_tpu.model_source import resolve_model_path
+
+        name, model = a.model, resolve_model_path(a.model, key="--model")
+    else:
+        name, model = (
+            f"qwen3-{a.size}",
+            str(make_tiny_model(a.workdir / "model", "qwen3", a.size, seed=a.seed)),
+        )
     params = count_params(model)
     have_trl = importlib.util.find_spec("trl") is not None
     print(
-        f"vs_trl: Qwen3 {a.size} ({params / 1e6:.1f} M params, fp32), {a.prompts} prompts x {a.n} samples x "
+        f"vs_trl: {name} ({params / 1e6:.1f} M params, fp32), {a.prompts} prompts x {a.n} samples x "
         f"{a.max_tokens} tokens, {a.steps} steps (step 1 = warm-up), lr {a.lr}, {a.threads} threads, "
         f"micro-batch {a.micro_batch}; work dir {a.workdir}",
         flush=True,
@@ -865,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "bench": "vs_trl",
-        "model": f"qwen3-{a.size}",
+        "model": name,
         "params": params,
         "prompts": a.prompts,
         "n": a.n,

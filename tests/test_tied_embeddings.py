@@ -18,33 +18,14 @@ import json
 
 import pytest
 import torch
+from toy_stack import PROMPTS, TOL, toy_batch  # tests/: what the real-stack sync tests share
+from toy_stack import small_cfg as _cfg
 
-from rl_tpu.config import load_config
 from rl_tpu.types import TrainBatch
 
-TOL = 1e-5
-PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
 
-
-def _cfg(*overrides: str):
-    return load_config(
-        None,
-        [
-            "--trainer.lr=1e-3",
-            "--trainer.micro_batch_size=4",
-            "--rollout.max_model_len=256",
-            "--rollout.kv_cache_gb=1",
-            *overrides,
-        ],
-    )
-
-
-def _batch(seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    plens, rlens = [3, 5, 2, 7], [4, 2, 6, 3]
-    P = [torch.randint(5, 200, (n,), generator=g).tolist() for n in plens]
-    R = [torch.randint(5, 200, (n,), generator=g).tolist() for n in rlens]
-    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5])
+def _batch(seed: int = 0):
+    return toy_batch(seed, high=200)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

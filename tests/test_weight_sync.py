@@ -22,32 +22,11 @@ import math
 import pytest
 import ray
 import torch
+from toy_stack import PROMPTS, TOL  # tests/: what the real-stack sync tests share
+from toy_stack import small_cfg as _cfg
+from toy_stack import toy_batch as _batch
 
-from rl_tpu.config import load_config
 from rl_tpu.types import TrainBatch
-
-TOL = 1e-5
-
-
-def _cfg(*overrides: str):
-    return load_config(
-        None,
-        [
-            "--trainer.lr=1e-3",
-            "--trainer.micro_batch_size=4",
-            "--rollout.max_model_len=256",
-            "--rollout.kv_cache_gb=1",
-            *overrides,
-        ],
-    )
-
-
-def _batch(seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    plens, rlens = [3, 5, 2, 7], [4, 2, 6, 3]
-    P = [torch.randint(5, 500, (n,), generator=g).tolist() for n in plens]
-    R = [torch.randint(5, 500, (n,), generator=g).tolist() for n in rlens]
-    return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5])
 
 
 def _to_hf(model_path: str):
@@ -97,9 +76,6 @@ def _weight_sync(trainer, rollout, model_path, transport="shm", bucket_mb=0.25):
 
 def _greedy(rollout, prompts, max_tokens=12):
     return [g[0].response_ids for g in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
-
-
-PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
 
 
 # ---------------------------------------------------------------------------------------------- tests

@@ -123,8 +123,9 @@ def hub_snapshot(source: str, *, key: str = "model.path") -> str:
             folder = download(offline)
         except (OSError, httpx.HTTPError) as e:
             # the Hub unreachable: huggingface_hub falls back to its cache for branch names but not for
-            # a commit hash, which it goes to download; the cache alone answers then
-            if offline or isinstance(e, LocalEntryNotFoundError):
+            # a commit hash, which it goes to download; the cache alone answers then. An answer from the
+            # Hub (HfHubHTTPError: no such repository or revision, gated) is the answer.
+            if offline or isinstance(e, (LocalEntryNotFoundError, HfHubHTTPError)):
                 raise
             folder = download(True)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:

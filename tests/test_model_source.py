@@ -174,3 +174,35 @@ def test_real_gguf_converts_once_into_a_tied_hf_folder_with_its_chat_template(sm
 def test_check_gguf_accepts_the_shipped_file():
     check_gguf(catalog_file("smollm2-135m-instruct"))  # llama, Q4_1 / Q8_0 / F32: raises on a problem
     assert set(CATALOG) == {"smollm2-135m-instruct"}
+
+
+def test_hub_unreachable_falls_back_to_the_cache_but_a_hub_answer_is_final(monkeypatch, tiny_qwen3):
+    """Online (HF_HUB_OFFLINE unset): a connection error is answered from the cache alone (huggingface_hub
+    does not for a commit hash); an answer from the Hub (no such repository) is reported, not retried."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    calls: list[bool] = []
+
+    def unreachable(repo_id, **kw):
+        calls.append(kw["local_files_only"])
+        if not kw["local_files_only"]:
+            raise httpx.ConnectError("no route to host")
+        return tiny_qwen3
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    assert resolve_model_path(f"someorg/tiny@{COMMIT}") == tiny_qwen3 and calls == [False, True]
+
+    def refused(repo_id, **kw):
+        calls.append(kw["local_files_only"])
+        url = "https://hub.invalid/api/models/someorg/private"
+        response = httpx.Response(404, request=httpx.Request("GET", url))
+        raise RepositoryNotFoundError("404 Client Error: Repository Not Found for url", response=response)
+
+    calls.clear()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
+    with pytest.raises(ModelError, match=r"'someorg/private': the Hub refused it: 404"):
+        resolve_model_path("someorg/private")
+    assert calls == [False]

@@ -100,7 +100,7 @@ def hf_config(cfg: Config) -> tuple[dict, str]:
     try:  # a catalog name, a GGUF file, or a Hub id in the local cache
         local = Path(resolve_model_path(path)) / "config.json"
     except ModelError as e:
-        raise EstimateError(f"{e}; the estimate also knows {', '.join(sorted(PUBLISHED))}") from None
+        raise EstimateError(f"{e}; or one of the built-in models ({', '.join(sorted(PUBLISHED))})") from None
     return json.loads(local.read_text()), f"{local} ({path})"
 
 

@@ -186,6 +186,10 @@ def test_train_sync_multi_turn_with_verify_and_evaluation_from_the_catalog_name(
         # rows take ~9.4 GB per trainer rank on this model
         "--rollout.max_total_tokens=64",
         "--data.max_prompt_length=64",
+        # a smaller step: verify's reference copies of the model in the engine, two replicated trainer
+        # ranks and this test process's own Ray came near Ray's memory-monitor threshold on a 24 GB box
+        "--data.batch_size=4",
+        "--trainer.micro_batch_size=4",
         "--trainer.total_steps=2",
         "--trainer.test_freq=2",
         "--data.synthetic_test_size=8",

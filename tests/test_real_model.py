@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy_stack import hf_logprobs  # tests/: transformers' per-token log-probs
 
 from rl_tpu.config import load_config
 from rl_tpu.types import TrainBatch
@@ -59,17 +60,6 @@ def _chat_prompts(model: str) -> list[list[int]]:
             [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
         )
         out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
-
-
-def _hf_logprobs(model, batch: TrainBatch) -> torch.Tensor:
-    out = torch.zeros_like(batch.response_mask)
-    with torch.no_grad():
-        for i in range(batch.input_ids.shape[0]):
-            n, r = int(batch.attention_mask[i].sum()), int(batch.response_mask[i].sum())
-            ids = batch.input_ids[i, :n]
-            lp = torch.log_softmax(model(ids[None]).logits[0, n - r - 1 : n - 1].float(), dim=-1)
-            out[i, :r] = lp.gather(-1, ids[n - r :, None])[:, 0]
     return out
 
 
@@ -116,7 +106,8 @@ def test_logprob_parity_engine_trainer_transformers_before_and_after_a_synced_up
     lp = trainer.compute_log_probs(batch)
     engine = _diffs(lp, comps)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=getattr(torch, dtype)).eval()
-    ref = _hf_logprobs(hf, batch)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, batch)
     vs_hf = ((ref - lp) * batch.response_mask).abs()
     print(
         f"{dtype}: engine-trainer max {engine.max():.2e} mean {engine.mean():.2e}; hf-trainer max {vs_hf.max():.2e}"

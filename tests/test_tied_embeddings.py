@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from toy_stack import PROMPTS, TOL, toy_batch  # tests/: what the real-stack sync tests share
+from toy_stack import PROMPTS, TOL, hf_logprobs, toy_batch  # tests/: what the real-stack sync tests share
 from toy_stack import small_cfg as _cfg
 
 from rl_tpu.types import TrainBatch
@@ -46,19 +46,6 @@ def trainer(ray_session, tied):
     g.shutdown()
 
 
-def _hf_logprobs(model, batch: TrainBatch) -> torch.Tensor:
-    """Per-token log-probs of the response tokens under a transformers model, `[B, T]` (0 past the end)."""
-    out = torch.zeros_like(batch.response_mask)
-    for i in range(batch.input_ids.shape[0]):
-        n = int(batch.attention_mask[i].sum())
-        r = int(batch.response_mask[i].sum())
-        ids = batch.input_ids[i, :n]
-        logits = model(ids[None]).logits[0].float()
-        lp = torch.log_softmax(logits[n - r - 1 : n - 1], dim=-1)
-        out[i, :r] = lp.gather(-1, ids[n - r :, None])[:, 0]
-    return out
-
-
 def test_folder_is_tied(tied):
     from safetensors import safe_open
 
@@ -83,7 +70,7 @@ def test_one_parameter_with_the_gradient_of_both_uses(trainer, tied):
     # transformers on the same tied weights: PPO-clip at ratio 1 with token-mean is -sum(A * logp) / tokens
     hf = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    lp = _hf_logprobs(hf, b)
+    lp = hf_logprobs(hf, b)
     assert ((lp - b.old_log_probs) * b.response_mask).abs().max().item() <= TOL
     (-(b.advantages * lp * b.response_mask).sum() / b.response_mask.sum()).backward()
     ref = hf.model.embed_tokens.weight.grad
@@ -155,7 +142,7 @@ def test_sync_verify_and_parity_after_an_update(trainer, tied, ray_session, tmp_
         assert torch.equal(f.get_tensor("model.embed_tokens.weight"), hf_sd["model.embed_tokens.weight"])
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    assert ((_hf_logprobs(hf, batch) - lp) * batch.response_mask).abs().max().item() <= TOL
+    assert ((hf_logprobs(hf, batch) - lp) * batch.response_mask).abs().max().item() <= TOL
     fresh = RolloutGroup(_cfg(), out, num_workers=1)
     try:
         again = [g[0].response_ids for g in fresh.generate(PROMPTS, n=1, temperature=0.0, max_tokens=10)]

@@ -33,3 +33,15 @@ def toy_batch(seed: int = 0, high: int = 500) -> TrainBatch:
     P = [torch.randint(5, high, (n,), generator=g).tolist() for n in plens]
     R = [torch.randint(5, high, (n,), generator=g).tolist() for n in rlens]
     return TrainBatch.from_sequences(P, R, pad_id=3, advantages=[1.0, -1.0, 0.5, -0.5])
+
+
+def hf_logprobs(model, batch: TrainBatch) -> torch.Tensor:
+    """Per-token log-probs of the response tokens under a transformers model, `[B, T]` (0 past the end);
+    differentiable (call it under `torch.no_grad()` where no gradient is wanted)."""
+    out = torch.zeros_like(batch.response_mask)
+    for i in range(batch.input_ids.shape[0]):
+        n, r = int(batch.attention_mask[i].sum()), int(batch.response_mask[i].sum())
+        ids = batch.input_ids[i, :n]
+        lp = torch.log_softmax(model(ids[None]).logits[0, n - r - 1 : n - 1].float(), dim=-1)
+        out[i, :r] = lp.gather(-1, ids[n - r :, None])[:, 0]
+    return out

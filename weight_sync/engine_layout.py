@@ -67,7 +67,7 @@ def cached_layout(worker, hf_specs: list[tuple[str, tuple[int, ...]]]) -> Engine
     """`derive_layout`, kept on disk: a layout depends only on vLLM's loaders (its version), the model's
     config as vLLM read it, this rank's TP position and dtype, the HF names and shapes, and the code that
     derives it, so a file keyed by all of them is reused by every later engine of the same model (a
-    second run skips the derivation: ~12 s for a 135 M model on 2 cores). Files that cannot be read are
+    second run skips the derivation, seconds for a 100 M-parameter model on 2 cores). Files that cannot be read are
     derived again; `RL_TPU_LAYOUT_CACHE=0` turns the cache off."""
     import hashlib
     import json

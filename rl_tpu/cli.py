@@ -113,6 +113,15 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise ConfigError(f"demo: unrecognised argument(s) {extra}")
+    if args.model is not None:
+        from rl_tpu.demo_model import run_model_demo
+
+        if args.task != "addition":
+            raise ConfigError("demo: --model runs its own task; leave out --task")
+        run_model_demo(
+            args.model, out=args.out or Path("runs/demo-model"), quick=args.quick, verbose=args.verbose
+        )
+        return 0
     if args.task == "tools":
         from rl_tpu.demo_tools import run_tools_demo
 
@@ -200,7 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="addition",
         help="addition: 2-digit addition (default); tools: 3-digit multiplication with a calculator tool",
     )
-    s.add_argument("--out", type=Path, help="output folder (default: runs/demo, runs/demo-tools)")
+    s.add_argument(
+        "--model",
+        help="GRPO on a real pretrained model instead (smollm2-135m-instruct, a folder, a Hub id, a GGUF "
+        "file), against the model as shipped and rejection-sampling fine-tuning for the same time",
+    )
+    s.add_argument(
+        "--out", type=Path, help="output folder (default: runs/demo, runs/demo-tools, runs/demo-model)"
+    )
     s.add_argument("--quick", action="store_true", help="a shortened run (for tests)")
     s.add_argument("--verbose", action="store_true", help="show Ray's, vLLM's and the actors' logs")
     s.set_defaults(fn=cmd_demo)

@@ -288,6 +288,8 @@ class DataConfig:
     synthetic: Literal["arithmetic", "countdown"] = "arithmetic"
     synthetic_train_size: int = F(2048, ge=1)
     synthetic_test_size: int = F(128, ge=1)
+    # the synthetic task's own options, e.g. {digits = 1, ops = "+*"} (rl_tpu/data/synthetic.py)
+    synthetic_options: dict[str, int | str] = F({})
     batch_size: int = F(8, ge=1)  # prompts per RL step
     max_prompt_length: int = F(128, ge=1)
     truncation: Literal["error", "left"] = "error"  # an over-long prompt: fail naming it, or keep its tail

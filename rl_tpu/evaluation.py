@@ -69,8 +69,7 @@ class Evaluator:
         """The `eval/` metrics (see the module docstring); `model_dir`: a HF folder whose weights the
         engines get first (the demos; the loop's engines hold the policy already)."""
         if model_dir is not None:
-            self.version += 1
-            self.rollout.load_weights_full(str(Path(model_dir) / "model.safetensors"), self.version)
+            self.install(model_dir)
         if not self.test_set:
             return {}
         metrics: dict[str, float] = {}
@@ -94,6 +93,11 @@ class Evaluator:
             "eval/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
             "eval/reward_mean": sum(scores) / len(scores),
         } | metrics
+
+    def install(self, model_dir: str | Path) -> None:
+        """The engines serve `model_dir`'s weights (a HF folder) from now on, as the next version."""
+        self.version += 1
+        self.rollout.load_weights_full(str(Path(model_dir) / "model.safetensors"), self.version)
 
     def accuracy(self, model_dir: str | Path | None = None) -> float:
         return self.evaluate(model_dir)["eval/accuracy"]

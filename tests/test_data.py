@@ -343,3 +343,24 @@ def test_a_directory_without_shards_or_with_two_kinds_is_named(tmp_path):
     (tmp_path / "blank" / "a.jsonl").write_text("\n")
     with pytest.raises(DataError, match=r"blank is a directory whose 1 data file\(s\) have no rows"):
         load_examples(tmp_path / "blank")
+
+
+def test_synthetic_options_from_the_config_and_a_wrong_option_named():
+    from rl_tpu.config import load_config
+    from rl_tpu.data import build_datasets
+
+    cfg = load_config(
+        None,
+        [
+            '--data.synthetic_options={digits = 1, ops = "+*"}',
+            "--data.synthetic_train_size=150",
+            "--data.synthetic_test_size=50",
+        ],
+    )
+    train, test = build_datasets(cfg.data)
+    questions = [e.messages[0]["content"] for e in train + test]
+    assert len(set(questions)) == 200  # the whole space of one-digit sums and products, none twice
+    assert {q[9] for q in questions} == {"+", "*"} and all(len(q) == 12 for q in questions)  # "What is 7*8?"
+    cfg.data.synthetic_options = {"digit": 1}
+    with pytest.raises(DataError, match=r"unknown option\(s\) \['digit'\].*\['digits', 'ops'\]"):
+        build_datasets(cfg.data)

@@ -155,3 +155,73 @@ def test_quick_tools_demo_writes_report(tmp_path):
     assert len(report["grpo_no_tool_curve"]) == report["plan"]["grpo_steps"]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "GRPO with the tool" in r.stdout and "GRPO without the tool" in r.stdout
+
+
+class _ScriptedRollout:
+    """Fixed completions per prompt (pure logic: what rejection sampling keeps)."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def generate(self, ids, n, temperature, max_tokens):
+        from rl_tpu.types import Completion
+
+        return [
+            [
+                Completion(
+                    prompt_index=i,
+                    sample_index=j,
+                    prompt_ids=p,
+                    response_ids=[1],
+                    logprobs=[],
+                    finish_reason=reason,
+                    text=text,
+                    policy_version=0,
+                )
+                for j, (text, reason) in enumerate(self.texts[i][:n])
+            ]
+            for i, p in enumerate(ids)
+        ]
+
+
+def test_rejection_sampling_keeps_correct_finished_responses_once_each(tiny_qwen3):
+    from rl_tpu.config import load_config
+    from rl_tpu.data import make_synthetic
+    from rl_tpu.demo_model import rft_samples
+    from rl_tpu.model_folder import load_tokenizer
+    from rl_tpu.rewards import RewardPool
+
+    cfg = load_config(
+        None, ['--reward.functions=["rl_tpu.rewards.arithmetic:compute_score"]', "--reward.workers=1"]
+    )
+    train, _ = make_synthetic("arithmetic", 2, 1, seed=3)
+    a, b = (int(e.ground_truth) for e in train)
+    texts = [
+        [
+            (f"It is {a}.", "stop"),
+            (f"It is {a}.", "stop"),
+            (f"{a}", "stop"),
+            (f"{a}", "length"),
+            ("0", "stop"),
+        ],
+        [
+            (f"{b + 1}", "stop"),
+            (f"so {b}", "length"),
+            (f"= {b}", "stop"),
+            (f"{b}!", "stop"),
+            (f"= {b}", "stop"),
+        ],
+    ]
+    pool = RewardPool(cfg.reward)
+    try:
+        kept, counts = rft_samples(cfg, _ScriptedRollout(texts), load_tokenizer(tiny_qwen3), pool, train, 5)
+    finally:
+        pool.close()
+    assert counts == {"samples": 10, "correct": 8, "kept": 4}
+    assert [(k.messages, k.ground_truth, k.extra_info["response"]) for k in kept] == [
+        (train[0].messages, train[0].ground_truth, f"It is {a}."),
+        (train[0].messages, train[0].ground_truth, f"{a}"),
+        (train[1].messages, train[1].ground_truth, f"= {b}"),
+        (train[1].messages, train[1].ground_truth, f"{b}!"),
+    ]
+    assert len({k.uid for k in kept}) == 4

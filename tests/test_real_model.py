@@ -255,3 +255,23 @@ def test_sft_from_a_hub_id_in_a_prefilled_cache_then_generate_and_estimate(smoll
     est = _cli("estimate", "examples/tiny_cpu.toml", "--model.path=smollm2-135m-instruct").stdout
     figures = json.loads(est.strip().splitlines()[-1])
     assert figures["params"] == 134_515_008 and figures["sync"]["bytes"] == 134_515_008 * 4
+
+
+@pytest.mark.timeout(1200)
+def test_quick_model_demo_runs_grpo_and_the_rejection_sampling_control(smollm2, tmp_path):
+    """`rl-tpu demo --model smollm2-135m-instruct --quick`: the plumbing and the report (whether GRPO beats
+    the control is what the full demo measures, docs/demo.md)."""
+    out = tmp_path / "demo"
+    r = _cli("demo", "--model", "smollm2-135m-instruct", "--quick", "--out", str(out), timeout=1100)
+    report = json.loads((out / "report.json").read_text())
+    plan, control = report["plan"], report["control"]
+    assert report["model"] == "smollm2-135m-instruct" and report["steps"] == plan["grpo_steps"]
+    for key in ("accuracy_base", "accuracy_rl", "accuracy_control"):
+        assert 0.0 <= report[key] <= 1.0
+    # the control saw as many responses to as many prompts as GRPO, and spent at least GRPO's time
+    assert control["samples"] == plan["grpo_steps"] * plan["grpo_prompts"] * plan["grpo_n"]
+    assert 0 <= control["kept"] <= control["correct"] <= control["samples"]
+    assert report["control_seconds"] >= report["grpo_seconds"] or control["kept"] == 0
+    assert control["curve"][-1]["accuracy"] == report["accuracy_control"]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "control: RFT, same time" in r.stdout and "GRPO (verifier only)" in r.stdout

@@ -145,5 +145,7 @@ def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
         train = load_examples(cfg.train_files)
         test = load_examples(cfg.test_files) if cfg.test_files else []
         return train, test
-    train, test = make_synthetic(cfg.synthetic, cfg.synthetic_train_size, cfg.synthetic_test_size, cfg.seed)
+    train, test = make_synthetic(
+        cfg.synthetic, cfg.synthetic_train_size, cfg.synthetic_test_size, cfg.seed, **cfg.synthetic_options
+    )
     return train, (load_examples(cfg.test_files) if cfg.test_files else test)

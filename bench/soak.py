@@ -147,7 +147,7 @@ _RAY_CLASSES = {
 }
 # (text in the command line, kind), first match wins
 _CMDLINE_KINDS = (
-    ("rl_tpu.cli", "driver"),
+    ("rl_tpu.commands.cli", "driver"),
     ("dashboard/dashboard.py", "dashboard head"),
     ("log_monitor.py", "log monitor"),
     ("autoscaler/_private/monitor.py", "autoscaler monitor"),
@@ -536,7 +536,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "rl_tpu.cli",
+        "rl_tpu.commands.cli",
         "train",
         f"--logging.run_dir={run_dir}",
         "--logging.progress=false",

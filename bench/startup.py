@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import json_line, load_average  # noqa: E402
 
 IMPORTS = {
-    "driver": "import rl_tpu.loop",
+    "driver": "import rl_tpu.controller.loop",
     "trainer": "import rl_tpu.trainer.worker, torchtitan.models.common, torchtitan.models.common.attention",
     "engine": "import vllm; from vllm import LLM; import rl_tpu.rollout.worker",
 }
@@ -58,7 +58,7 @@ def train_once(run_dir: Path, extra: list[str], env: dict | None = None) -> dict
     cmd = [
         sys.executable,
         "-m",
-        "rl_tpu.cli",
+        "rl_tpu.commands.cli",
         "train",
         f"--logging.run_dir={run_dir}",
         "--trainer.total_steps=1",

@@ -190,7 +190,7 @@ def summaries(sides: dict[str, dict[str, Any]], thresholds: list[float]) -> dict
 
 
 def demo_plan(quick: bool):
-    from rl_tpu.demo import DemoPlan
+    from rl_tpu.commands.demo import DemoPlan
 
     return DemoPlan.quick() if quick else DemoPlan()
 
@@ -202,7 +202,7 @@ def sft_checkpoint(a: argparse.Namespace, work: Path) -> str:
         if not (Path(a.sft_model) / "config.json").is_file():
             sys.exit(f"--sft-model {a.sft_model}: not a model folder (no config.json)")
         return a.sft_model
-    from rl_tpu.demo import run_demo
+    from rl_tpu.commands.demo import run_demo
 
     print("no --sft-model: running the demo for its SFT checkpoint", flush=True)
     run_demo(work / "demo", plan=demo_plan(a.quick))
@@ -216,7 +216,7 @@ def ours_command(
     return [
         sys.executable,
         "-m",
-        "rl_tpu.cli",
+        "rl_tpu.commands.cli",
         "train",
         str(config),
         f"--model.path={model}",
@@ -235,8 +235,8 @@ def ours_command(
 
 
 def run_ours(a: argparse.Namespace, model: str, side: str, work: Path, seed: int) -> dict[str, Any]:
+    from rl_tpu.commands.demo import demo_config
     from rl_tpu.config import to_toml
-    from rl_tpu.demo import demo_config
     from rl_tpu.metrics import read_metrics
 
     run_dir = work / f"ours-{side}-seed{seed}"

@@ -208,8 +208,8 @@ def main() -> None:
 
     from rl_tpu.cluster import init_ray
     from rl_tpu.config import load_config
+    from rl_tpu.controller.loop import old_log_prob_rows
     from rl_tpu.devices import get_device
-    from rl_tpu.loop import old_log_prob_rows
     from rl_tpu.tiny_model import make_tiny_model
     from rl_tpu.trainer import TrainerGroup
 

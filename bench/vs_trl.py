@@ -94,7 +94,7 @@ TRL_GENERATION_NOTE = (
 
 
 # ---------------------------------------------------------------------------------------------------
-# pure helpers (tested in tests/test_bench_vs_trl.py)
+# pure helpers (tested in tests/unit/test_bench_vs_trl.py)
 
 
 def completion_text(completion: Any) -> str:
@@ -616,7 +616,7 @@ RAY_STARTUP_FLAKE = re.compile(r"node timed out during startup|GCS cannot find t
 def run_ours(a: argparse.Namespace, model: str, work: Path, mode: str) -> dict[str, Any]:
     run_dir = work / f"ours-{mode}"
     cmd = (
-        [sys.executable, "-m", "rl_tpu.cli", "train"]
+        [sys.executable, "-m", "rl_tpu.commands.cli", "train"]
         + ours_overrides(a, model, mode, str(run_dir))
         + a.ours_override
     )

@@ -1,6 +1,6 @@
 """CallPool: call user functions, loaded by spec string, in worker processes with a deadline per call.
 
-Rewards (`rl_tpu.rewards.RewardPool`) and tools (`rl_tpu.tools.Tools`) run user code through it.
+Rewards (`rl_tpu.rewards.RewardPool`) and tools (`rl_tpu.rollout.tools.Tools`) run user code through it.
 
 Why not `concurrent.futures.ProcessPoolExecutor`: it cannot cancel a running call, so one hung function
 would stall the run forever. Here each worker is a spawn-context process with its own pipe; the parent
@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
+
+from rl_tpu.user_code import SpecError
 
 # rl_tpu.rewards.loader is imported where used: rl_tpu.rewards imports this module (RewardPool) first
 
@@ -89,13 +91,13 @@ def _limit_memory(memory_mb: int) -> None:
 
 
 def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any], memory_mb: int = 0) -> None:
-    from rl_tpu.rewards.loader import load_reward_fn
+    from rl_tpu.user_code import load_callable
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
     if memory_mb:
         _limit_memory(memory_mb)  # before the user's modules load: their imports count too
     try:
-        fns = [load_reward_fn(s, label) for s in specs]
+        fns = [load_callable(s, label) for s in specs]
     except BaseException as e:  # noqa: BLE001 - reported to the parent verbatim
         conn.send(("load_error", str(e), traceback.format_exc()))
         return
@@ -175,6 +177,10 @@ class _Run:
 class CallPool:
     """Call the functions `specs` names in `workers` processes, each call within `timeout_s` seconds."""
 
+    spec_error: type[Exception] = (
+        SpecError  # raised when a worker cannot load a spec (a subclass may narrow it)
+    )
+
     def __init__(
         self,
         specs: list[str],
@@ -188,9 +194,9 @@ class CallPool:
         memory_mb: int = 0,
     ):
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
-        # `error_type` is what startup failures raise (a spec that does not load raises RewardSpecError);
+        # `error_type` is what startup failures raise (a spec that does not load raises `spec_error`);
         # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none
-        from rl_tpu.rewards.loader import resolve_spec
+        from rl_tpu.user_code import resolve_spec
 
         self.specs = [resolve_spec(s) for s in specs]
         self.name, self.error_type, self.check = name, error_type, check
@@ -332,9 +338,7 @@ class CallPool:
                 w.ready, w.since = True, time.monotonic()
                 self._startup_deaths = 0
             elif kind == "load_error":
-                from rl_tpu.rewards.loader import RewardSpecError
-
-                raise RewardSpecError(msg[1])
+                raise self.spec_error(msg[1])
             elif w.pending and w.pending[0] == msg[1]:
                 w.pending.popleft()
                 w.since = time.monotonic()

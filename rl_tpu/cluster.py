@@ -37,7 +37,7 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
         # Ray records every task's state changes and profile events in each worker and sends them to the
         # GCS every second, which keeps up to 100,000 tasks (`ray list tasks`, the dashboard's timeline):
         # ~3 KB of GCS memory per task, so the GCS grew ~4.5 MB per 100 steps of `bench/soak.py`, linearly,
-        # toward ~330 MB (bench/RESULTS.md, 2026-12-05). Nothing here reads them; 0 turns the recording off
+        # toward ~330 MB (bench/RESULTS.md). Nothing here reads them; 0 turns the recording off
         # in every process of a cluster we start (set the variable, e.g. to 1000, to have them back).
         os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
         # Ray's log monitor (ray/_private/log_monitor.py), which streams the workers' stdout/stderr files
@@ -122,8 +122,7 @@ def start_ray(cfg: Config, plan=None) -> bool:
 
     if ray.is_initialized():
         return False
-    from rl_tpu.devices import get_device
-    from rl_tpu.rollout.engine import rollout_device
+    from rl_tpu.devices import get_device, rollout_device
 
     get_device(cfg.trainer.device).apply_env()  # actors inherit the driver's environment
     rollout_device(cfg).apply_env()

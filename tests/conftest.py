@@ -26,9 +26,9 @@ if "RL_TPU_CACHE_DIR" not in os.environ:
 # and hardware the CI box may lack, which no setup step can give it (HARDWARE_SKIPS).
 EXTRA_SKIP = re.compile(r"`[\w.-]+` extra")
 HARDWARE_SKIPS = (
-    "needs an x86_64 CPU with AMX tiles",  # tests/test_rollout.py
-    "needs 2 or more cores",  # tests/test_placement.py
-    "needs a CPU on which vLLM-CPU repacks",  # tests/test_weight_sync.py (bf16 without AVX-512 BF16)
+    "needs an x86_64 CPU with AMX tiles",  # tests/integration/test_rollout.py
+    "needs 2 or more cores",  # tests/integration/test_placement.py
+    "needs a CPU on which vLLM-CPU repacks",  # tests/integration/test_weight_sync.py (bf16 without AVX-512 BF16)
 )
 
 
@@ -121,7 +121,7 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def loop_ray():
-    """A local Ray for a module of `rl_tpu.loop.train` runs (the loop joins a running Ray instead of
+    """A local Ray for a module of `rl_tpu.controller.loop.train` runs (the loop joins a running Ray instead of
     starting its own): 8 CPUs advertised, as the loop itself does on a small box."""
     import ray
 

@@ -1,4 +1,4 @@
-"""A trainer-rank stand-in for the cross-environment weight-sync test (tests/test_role_env.py): a Ray actor
+"""A trainer-rank stand-in for the cross-environment weight-sync test (tests/integration/test_role_env.py): a Ray actor
 started with `.venv-xla/bin/python` (torch 2.9 + torch_xla 2.9) that holds TorchTitan-named parameters on
 `xla:0` and serves them to `WeightSync` as a real `SyncSender` (the same `ws_*` methods as
 `TrainerWorker`). It stands in for the TorchTitan model only, which does not build on torch 2.9

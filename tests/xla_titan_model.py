@@ -1,5 +1,5 @@
 """The trainer's Qwen3 as `.venv-xla` builds it (TorchTitan 0.2.0 through `rl_tpu.trainer.titan_compat`), run
-by tests/test_devices.py in that environment: `python tests/xla_titan_model.py MODEL_DIR OUT.pt`.
+by tests/integration/test_devices.py in that environment: `python tests/xla_titan_model.py MODEL_DIR OUT.pt`.
 
 Builds the model the way the trainer does (`build_model_spec`, meta device, `to_empty`, `init_weights`,
 weights through the spec's adapter), on the CPU and on `xla:0`, and saves the parameter names, the

@@ -1,5 +1,5 @@
-"""The trainer's own math on `xla:0`, run by tests/test_devices.py inside .venv-xla (torch 2.9, torch_xla 2.9,
-PJRT_DEVICE=CPU); prints one JSON line of measurements.
+"""The trainer's own math on `xla:0`, run by tests/integration/test_devices.py inside .venv-xla (torch 2.9,
+torch_xla 2.9, PJRT_DEVICE=CPU); prints one JSON line of measurements.
 
 What is real here: `Device.init()` for the xla row, the `xla` torch.distributed process group (one rank,
 `parallel.init_process_group`), `TrainBatch.pad_to` with `ops.static_buckets`, `ops.response_index`,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -70,6 +70,7 @@ class TrainerGroup:
 
         from rl_tpu.trainer.worker import TrainerWorker
 
+        self._worker = TrainerWorker  # the class whose methods `_call` runs on every rank, by reference
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"TrainerGroup: model folder {model_path!r} has no config.json")
         self.cfg, self.model_path = cfg, str(model_path)
@@ -122,7 +123,7 @@ class TrainerGroup:
                 for r in range(self.world_size)
             ]
             try:
-                self.info = self._call("ready")
+                self.info = self._call(self._worker.ready)
                 break
             except TrainerError as e:
                 self._kill_actors()
@@ -135,13 +136,14 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ fan-out
 
-    def _call(self, method: str, *args, ranks: Sequence[int] | None = None, **kwargs) -> list:
-        """`method(*args, **kwargs)` on every rank (or on `ranks`); results in rank order. A rank's failure
-        is raised as `TrainerError` naming it."""
+    def _call(self, method: Callable, *args, ranks: Sequence[int] | None = None, **kwargs) -> list:
+        """`method(*args, **kwargs)` (a `TrainerWorker` method) on every rank (or on `ranks`); results in
+        rank order. A rank's failure is raised as `TrainerError` naming it."""
         import ray
 
         ranks = range(len(self.actors)) if ranks is None else ranks
-        refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
+        name = method.__name__
+        refs = [getattr(self.actors[r], name).remote(*args, **kwargs) for r in ranks]
         rank_of = {ref.hex(): r for ref, r in zip(refs, ranks)}
         pending, results = list(refs), {}
         while pending:
@@ -151,7 +153,7 @@ class TrainerGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - re-raised with the rank attached
-                    raise self._root_cause(TrainerError(rank, method, e), pending, rank_of) from e
+                    raise self._root_cause(TrainerError(rank, name, e), pending, rank_of) from e
         return [results[r] for r in ranks]
 
     @staticmethod
@@ -197,20 +199,24 @@ class TrainerGroup:
         Positions outside `response_mask` hold unspecified values. With `rows` (indices) only those
         sequences are run, split over the ranks; the other rows hold zeros."""
         res = self._assemble(
-            batch, self._call("compute_log_probs", self._put(batch), entropy, rows), 2 if entropy else 1
+            batch,
+            self._call(self._worker.compute_log_probs, self._put(batch), entropy, rows),
+            2 if entropy else 1,
         )
         return (res[0], res[1]) if entropy else res[0]
 
     def compute_ref_log_probs(self, batch: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The reference model's log-probs, as `compute_log_probs` (`rows`: the same)."""
-        return self._assemble(batch, self._call("compute_ref_log_probs", self._put(batch), rows), 1)[0]
+        return self._assemble(
+            batch, self._call(self._worker.compute_ref_log_probs, self._put(batch), rows), 1
+        )[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self._assemble(batch, self._call("compute_values", self._put(batch)), 1)[0]
+        return self._assemble(batch, self._call(self._worker.compute_values, self._put(batch)), 1)[0]
 
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> dict[str, float]:
         """One update (PPO epochs over mini-batches); the weights become the next policy version."""
-        per_rank = self._call("train_step", self._put(batch), algo_cfg)
+        per_rank = self._call(self._worker.train_step, self._put(batch), algo_cfg)
         metrics = per_rank[0]  # the loss metrics are all-reduced: every rank has the same
         for key in [k for k in metrics if k.startswith("memory/")]:  # each rank its own: the largest
             metrics[key] = max(m[key] for m in per_rank)
@@ -219,23 +225,23 @@ class TrainerGroup:
 
     def preflight(self, batch: TrainBatch, algo_cfg: AlgorithmConfig) -> None:
         """The update's forward and backward over `batch` on every rank, changing nothing (weights,
-        optimizer state, policy version): rl_tpu/preflight.py."""
-        self._call("preflight", self._put(batch), algo_cfg)
+        optimizer state, policy version): rl_tpu/controller/preflight.py."""
+        self._call(self._worker.preflight, self._put(batch), algo_cfg)
 
     def policy_grads(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, with_metrics: bool = False):
         """Full policy-loss gradient (TorchTitan names) over the whole batch, without an optimizer step;
         with `with_metrics`, also the loss metrics `train_step` would report: (grads, metrics)."""
-        grads, metrics = self._call("policy_grads", self._put(batch), algo_cfg)[0]
+        grads, metrics = self._call(self._worker.policy_grads, self._put(batch), algo_cfg)[0]
         return (grads, metrics) if with_metrics else grads
 
     def save_checkpoint(self, path: str) -> str:
         Path(path).mkdir(parents=True, exist_ok=True)
-        return self._call("save_checkpoint", str(path))[0]
+        return self._call(self._worker.save_checkpoint, str(path))[0]
 
     def load_checkpoint(self, path: str, policy_version: int | None = None) -> int:
         """Restore model, optimizer, scheduler, step and RNG; returns the policy's optimizer step. The
         loop passes the `policy_version` the checkpoint was saved at (None: leave it as it is)."""
-        step = self._call("load_checkpoint", str(path))[0]
+        step = self._call(self._worker.load_checkpoint, str(path))[0]
         if policy_version is not None:
             self.policy_version = int(policy_version)
         return step
@@ -248,27 +254,27 @@ class TrainerGroup:
             from rl_tpu.trainer.checkpoint import check_restartable
 
             check_restartable(self.cfg.trainer, trainer_cfg, "TrainerGroup.restart_from")
-        self._call("restart_from", str(model_path), trainer_cfg)
+        self._call(self._worker.restart_from, str(model_path), trainer_cfg)
         self.model_path, self.policy_version = str(model_path), 0
         if trainer_cfg is not None:
             self.cfg = dataclasses.replace(self.cfg, trainer=trainer_cfg)
 
     def export_hf(self, out_dir: str) -> str:
-        return self._call("export_hf", str(out_dir))[0]
+        return self._call(self._worker.export_hf, str(out_dir))[0]
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._call("hf_state_dict")[0]
+        return self._call(self._worker.hf_state_dict)[0]
 
     def param_specs(self) -> list[ParamSpec]:
-        return self._call("param_specs")[0]
+        return self._call(self._worker.param_specs)[0]
 
     def name_maps(self):
         """The weight-sync plan's HF names, shapes and rows, from rank 0's adapter (`NameMaps`)."""
-        return self._call("ws_name_maps", ranks=[0])[0]
+        return self._call(self._worker.ws_name_maps, ranks=[0])[0]
 
     def check_alive(self) -> None:
         """Raise `TrainerError` naming the first rank that is dead or failing; return if all answer."""
-        self._call("ping")
+        self._call(self._worker.ping)
 
     def _kill_actors(self) -> None:
         import ray

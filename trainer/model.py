@@ -16,7 +16,7 @@ Invariants and decisions:
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit
   (the adapters only rename, reshape and permute).
 
-Qwen3-MoE (`model_type: "qwen3_moe"`, Qwen3MoeForCausalLM; issue #43, first increment): TorchTitan's
+Qwen3-MoE (`model_type: "qwen3_moe"`, Qwen3MoeForCausalLM): TorchTitan's
 Qwen3 with `moe` blocks (`make_moe_config`) where HF has sparse layers (`decoder_sparse_step`,
 `mlp_only_layers`), dense `feed_forward` elsewhere. HF -> TorchTitan: `num_experts` (written as
 `num_local_experts` by transformers 5) -> `num_experts`, `num_experts_per_tok` -> `top_k`,
@@ -40,7 +40,6 @@ experts (Qwen2-MoE style).
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 
 from rl_tpu.errors import ModelError
+from rl_tpu.hf_config import MOE_MODEL_TYPES, check_hf_config, moe_settings, read_hf_config, rope_theta
 
 # Files copied next to exported weights so the folder loads in transformers and vLLM as-is.
 _SIDE_FILES = (
@@ -74,101 +74,6 @@ class ModelSpec:
     hf_config: dict
     shares_prompts: bool = False  # its attention runs shared-prompt rows (trainer/attention.py)
     attention: str = "sdpa"  # its inner attention (trainer.attention, resolved by rl_tpu/devices/kernels.py)
-
-
-def read_hf_config(model_path: str | Path) -> dict:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"model folder {str(model_path)!r} has no config.json")
-    return json.loads(path.read_text())
-
-
-MOE_MODEL_TYPES = ("qwen3_moe",)  # mixture of experts (#43)
-MODEL_TYPES = ("qwen3", "llama") + MOE_MODEL_TYPES  # what the trainer trains (build_model_spec builds these)
-_MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size")  # plus num_experts / num_local_experts
-_REQUIRED_KEYS = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "intermediate_size",
-    "vocab_size",
-)
-
-
-def check_hf_config(hf: dict, where: str | Path) -> None:
-    """Raise `ModelError` naming `where` (the config.json) if `build_model_spec` cannot build this model.
-    Pure (no TorchTitan import): the driver runs it before any trainer actor starts, since an error
-    raised inside an actor's constructor reaches the user as a Ray traceback."""
-    model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
-        archs = f" (architectures {hf['architectures']})" if hf.get("architectures") else ""
-        raise ModelError(
-            f"{where}: model_type {model_type!r}{archs} is not supported; the trainer builds "
-            f"{', '.join(map(repr, MODEL_TYPES))} models"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ModelError(f"{where}: `{key}: true` is not supported")
-    missing = [k for k in _REQUIRED_KEYS if type(hf.get(k)) is not int]
-    if missing:
-        raise ModelError(f"{where}: {', '.join(f'`{k}`' for k in missing)} missing or not an integer")
-    _rope_theta(hf, where)
-    if model_type in MOE_MODEL_TYPES:
-        _moe_settings(hf, where)
-
-
-def check_routing_replay(cfg: Any) -> None:
-    """Raise before any actor starts if `rollout.routing_replay` is set where it cannot work: on a dense
-    model (the tiny default included), or with rollouts stitched from several engine calls (partial
-    rollouts, multi-turn), whose completions carry no routing of their whole sequence."""
-    rc = cfg.rollout
-    if not rc.routing_replay:
-        return
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3 (the tiny default)"}
-    if hf.get("model_type") not in MOE_MODEL_TYPES:
-        raise ModelError(
-            f"`rollout.routing_replay = true` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
-            f"model.path = {cfg.model.path!r} is model_type {hf.get('model_type')!r}"
-        )
-    for key, on in (("partial", rc.partial), ("env", rc.env), ("tools", rc.tools)):
-        if on:
-            raise ModelError(f"`rollout.routing_replay = true` does not support `rollout.{key}` yet")
-
-
-def _moe_settings(hf: dict, where: str | Path = "config.json") -> dict:
-    """Qwen3-MoE's HF keys, checked: num_experts, top_k, expert width, renormalisation, sparse layers."""
-    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    missing = [k for k in _MOE_KEYS if type(hf.get(k)) is not int]
-    if type(num_experts) is not int:
-        missing.insert(0, "num_experts")
-    if missing:
-        raise ModelError(f"{where}: {', '.join(f'`{k}`' for k in missing)} missing or not an integer")
-    top_k = hf["num_experts_per_tok"]
-    if not 1 <= top_k <= num_experts:
-        raise ModelError(f"{where}: `num_experts_per_tok` {top_k} must be in 1..num_experts ({num_experts})")
-    if hf.get("shared_expert_intermediate_size"):
-        raise ModelError(f"{where}: shared experts (`shared_expert_intermediate_size`) are not supported")
-    step = hf.get("decoder_sparse_step", 1)
-    mlp_only = hf.get("mlp_only_layers") or []
-    if type(step) is not int or step < 1 or not all(type(i) is int for i in mlp_only):
-        raise ModelError(f"{where}: `decoder_sparse_step` / `mlp_only_layers` must be integers")
-    n_layers = hf["num_hidden_layers"]
-    sparse = [i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
-    return dict(
-        num_experts=num_experts,
-        top_k=top_k,
-        hidden_dim=hf["moe_intermediate_size"],
-        route_norm=bool(hf.get("norm_topk_prob", False)),
-        sparse=sparse,  # per layer, as transformers' Qwen3MoeDecoderLayer decides
-    )
-
-
-def _rope_theta(hf: dict, where: str | Path = "config.json") -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelError(f"{where}: rope_type {rope_type!r} is not supported (only 'default')")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def build_model_spec(
@@ -199,7 +104,7 @@ def build_model_spec(
                 "`models.common` API (TorchTitan >= 0.3.0)"
             )
         return titan_compat.build_model_spec(
-            hf, seq, head_dim, _rope_theta(hf), Path(model_path) / "config.json"
+            hf, seq, head_dim, rope_theta(hf), Path(model_path) / "config.json"
         )
 
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
@@ -222,7 +127,7 @@ def build_model_spec(
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as Adapter
 
         model_cls, parallelize_fn = Qwen3Model, parallelize_qwen3
-        rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=seq, theta=_rope_theta(hf))
+        rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=seq, theta=rope_theta(hf))
         qk_norm = norm(head_dim)
     else:
         from torchtitan.models.llama3 import Llama3Model, parallelize_llama
@@ -230,7 +135,7 @@ def build_model_spec(
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as Adapter
 
         model_cls, parallelize_fn = Llama3Model, parallelize_llama
-        rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=seq, theta=_rope_theta(hf))
+        rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=seq, theta=rope_theta(hf))
         qk_norm = None
 
     layers = [
@@ -279,7 +184,7 @@ def _mlp(hf: dict, layer: int, dim: int, lin_init: dict) -> dict:
     """The block's MLP: `feed_forward` (dense SwiGLU) or, on an MoE model's sparse layer, `moe`."""
     from torchtitan.models.common.config_utils import make_ffn_config
 
-    if hf["model_type"] not in MOE_MODEL_TYPES or not _moe_settings(hf)["sparse"][layer]:
+    if hf["model_type"] not in MOE_MODEL_TYPES or not moe_settings(hf)["sparse"][layer]:
         return {
             "feed_forward": make_ffn_config(
                 dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=lin_init, w2w3_param_init=lin_init
@@ -292,7 +197,7 @@ def _mlp(hf: dict, layer: int, dim: int, lin_init: dict) -> dict:
     )
     from torchtitan.models.common.moe import RoutedExperts
 
-    m = _moe_settings(hf)
+    m = moe_settings(hf)
     n, k = m["num_experts"], m["top_k"]
     experts_init = {name: torch.nn.init.zeros_ for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
     return {

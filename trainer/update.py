@@ -89,7 +89,7 @@ class Updater:
         ref: torch.nn.Module | None,
     ) -> None:
         """The update's forward and backward over every row of `batch` as one mini-batch (the policy's,
-        then the critic's), with no optimizer step and the gradients dropped (rl_tpu/preflight.py)."""
+        then the critic's), with no optimizer step and the gradients dropped (rl_tpu/controller/preflight.py)."""
         rows = torch.arange(batch.num_seqs)
         parts = [(policy, self.policy_loss(algo, tc, policy.model, ref))]
         if critic is not None and batch.returns is not None:

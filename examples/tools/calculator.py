@@ -2,8 +2,8 @@
 
     rl-tpu train CONFIG '--rollout.tools=["examples/tools/calculator.py:calculator"]'
 
-`rl-tpu demo --task tools` uses a narrower one (`rl_tpu.demo_tools:multiply`, two integers); this one
-takes an expression. It evaluates integer and decimal arithmetic (+ - * / // % **, parentheses, unary
+`rl-tpu demo --task tools` uses a narrower one (`rl_tpu.commands.demo_tools:multiply`, two integers);
+this one takes an expression. It evaluates integer and decimal arithmetic (+ - * / // % **, parentheses, unary
 minus) by walking Python's syntax tree, never `eval`: a model-written expression cannot call anything.
 Exponents are bounded so one call cannot spend the worker's time limit on a huge power.
 """

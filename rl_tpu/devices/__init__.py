@@ -15,7 +15,7 @@ the position of Ray's id in the visible-devices variable where one is set (Ray s
 id itself where none is (verl's `RAY_EXPERIMENTAL_NOSET_*` mode, or a TPU allocation of the whole host),
 `LOCAL_RANK` where Ray assigned none. `local_device()` then returns that device.
 
-Tested on this project's CPU machines: `cpu` (gloo) and `xla` on PJRT_DEVICE=CPU (tests/test_devices.py,
+Tested on this project's CPU machines: `cpu` (gloo) and `xla` on PJRT_DEVICE=CPU (tests/integration/test_devices.py,
 in .venv-xla). `cuda` and `tpu` are written from their packages' documented behaviour and are untested on
 hardware (docs/devices.md).
 """
@@ -307,6 +307,11 @@ def get_device(name: str) -> Device:
         return DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r}; choose one of {sorted(DEVICES)}") from None
+
+
+def rollout_device(cfg: Any) -> Device:
+    """The engines' device row: `rollout.device`, or the trainer's (`trainer.device`) when that is empty."""
+    return get_device(cfg.rollout.device or cfg.trainer.device)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ picks one of them by data_source (verl's default_compute_score). Importing this 
 no built-in (math_verify alone takes seconds to import); workers import what their specs name.
 """
 
-from rl_tpu.rewards.loader import RewardError, RewardSpecError, load_reward_fn, resolve_spec, reward_name
+from rl_tpu.rewards.loader import RewardError, RewardSpecError, load_reward_fn, reward_name
 from rl_tpu.rewards.pool import RewardInput, RewardPool, RewardResult
+from rl_tpu.user_code import resolve_spec
 
 BUILTINS = ("arithmetic", "countdown", "gsm8k", "math", "format", "auto")
 

@@ -1,63 +1,32 @@
-"""Load a reward function from a spec string: `module:function` or `path/to/file.py:function`.
-
-Invariants:
-- The function has verl's signature: `compute_score(data_source, solution_str, ground_truth,
-  extra_info=None, **kw) -> float | dict` (a dict holds "score" plus numeric extras), sync or async.
-- A spec without `:` names `compute_score` in that module or file (verl's default name).
-- A file path is resolved against the current directory; `resolve_spec` turns it absolute so worker
-  processes started elsewhere load the same file. A file is imported once per process under a
-  private module name derived from its absolute path (re-loading returns the same function).
-- Every failure raises `RewardSpecError` naming the spec and what is wrong: file not found, module not
-  importable (with the import error), attribute missing (with the callables that do exist), not callable.
-"""
+"""Reward functions load as any user code does (`rl_tpu.user_code`), from `module:function` or
+`path/to/file.py:function`, with verl's signature: `compute_score(data_source, solution_str, ground_truth,
+extra_info=None, **kw) -> float | dict` (a dict holds "score" plus numeric extras), sync or async. A
+spec without `:` names `compute_score`."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
-from rl_tpu.errors import UserError
-
-DEFAULT_FUNCTION = "compute_score"
+from rl_tpu.user_code import DEFAULT_FUNCTION, SpecError, load_callable, split_spec
 
 
 class RewardError(RuntimeError):
     """A reward function failed (raised, hung, returned junk) under the `raise` policy, or could not load."""
 
 
-class RewardSpecError(RewardError, UserError, ValueError):
+class RewardSpecError(SpecError, RewardError):
     """A reward spec string does not lead to a callable; the message says which part is wrong."""
 
 
-def split_spec(spec: str, label: str = "reward spec") -> tuple[str, str, bool]:
-    """`spec` -> (module or path, function name, is_file). Pure string logic, no imports."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise RewardSpecError(
-            f"{label} {spec!r} must be a non-empty string like 'pkg.module:function' "
-            "or 'path/to/file.py:function'"
-        )
-    spec = spec.strip()
-    target, sep, fn = spec.rpartition(":")
-    # `C:\x.py` style drive letters or a spec without ':' leave no usable module part on the left.
-    if not sep or not target or fn.endswith(".py") or "/" in fn or "\\" in fn:
-        target, fn = spec, DEFAULT_FUNCTION
-    if not fn.isidentifier():
-        raise RewardSpecError(f"{label} {spec!r}: {fn!r} is not a valid function name")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    return target, fn, is_file
-
-
-def resolve_spec(spec: str) -> str:
-    """The spec with a file path made absolute (so it means the same in any working directory)."""
-    target, fn, is_file = split_spec(spec)
-    if is_file:
-        target = str(Path(target).expanduser().resolve())
-    return f"{target}:{fn}"
+def load_reward_fn(spec: str, label: str = "reward spec") -> Callable:
+    """The reward function `spec` names; `RewardSpecError` naming what is wrong otherwise."""
+    try:
+        return load_callable(spec, label)
+    except RewardSpecError:
+        raise
+    except SpecError as e:
+        raise RewardSpecError(str(e)) from e
 
 
 def reward_name(spec: str) -> str:
@@ -66,66 +35,3 @@ def reward_name(spec: str) -> str:
     if fn != DEFAULT_FUNCTION:
         return fn
     return Path(target).stem if is_file else target.rsplit(".", 1)[-1]
-
-
-def _import_file(path: Path, spec: str, label: str = "reward spec") -> ModuleType:
-    if not path.is_file():
-        raise RewardSpecError(
-            f"{label} {spec!r}: file {str(path)!r} not found (relative paths are "
-            f"resolved against the current directory {str(Path.cwd())!r})"
-        )
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    name = f"rl_tpu_user_reward_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    mspec = importlib.util.spec_from_file_location(name, path)
-    if mspec is None or mspec.loader is None:
-        raise RewardSpecError(f"{label} {spec!r}: {str(path)!r} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(mspec)
-    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
-    try:
-        mspec.loader.exec_module(module)
-    except BaseException as e:
-        del sys.modules[name]
-        raise RewardSpecError(
-            f"{label} {spec!r}: importing {str(path)!r} raised {type(e).__name__}: {e}"
-        ) from e
-    return module
-
-
-def _import_module(name: str, spec: str, label: str = "reward spec") -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except BaseException as e:  # SyntaxError, SystemExit in user code, ...: all mean "not importable"
-        raise RewardSpecError(
-            f"{label} {spec!r}: module {name!r} is not importable: {type(e).__name__}: {e}"
-        ) from e
-
-
-def _callables(module: ModuleType) -> list[str]:
-    own = [
-        n
-        for n, v in vars(module).items()
-        if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__
-    ]
-    return sorted(own) or sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v))
-
-
-def load_reward_fn(spec: str, label: str = "reward spec") -> Callable:
-    """Import and return the function named by `spec` (see module docstring); `label` names the spec's
-    field in errors (a tool or an environment class loads the same way)."""
-    target, fn_name, is_file = split_spec(spec, label)
-    if is_file:
-        module = _import_file(Path(target).expanduser().resolve(), spec, label)
-    else:
-        module = _import_module(target, spec, label)
-    if not hasattr(module, fn_name):
-        names = _callables(module)
-        raise RewardSpecError(
-            f"{label} {spec!r}: {target!r} has no attribute {fn_name!r}; "
-            f"callables defined there: {', '.join(names) if names else '(none)'}"
-        )
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise RewardSpecError(f"{label} {spec!r}: {target}.{fn_name} is a {type(fn).__name__}, not callable")
-    return fn

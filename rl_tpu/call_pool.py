@@ -45,9 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
-from rl_tpu.user_code import SpecError
-
-# rl_tpu.rewards.loader is imported where used: rl_tpu.rewards imports this module (RewardPool) first
+from rl_tpu.user_code import SpecError, load_callable, resolve_spec
 
 MAX_CHUNK = 64  # calls per message to one worker: amortises pipe latency, keeps re-queues small
 MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before "ready" that make the pool give up
@@ -91,8 +89,6 @@ def _limit_memory(memory_mb: int) -> None:
 
 
 def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any], memory_mb: int = 0) -> None:
-    from rl_tpu.user_code import load_callable
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
     if memory_mb:
         _limit_memory(memory_mb)  # before the user's modules load: their imports count too
@@ -177,9 +173,8 @@ class _Run:
 class CallPool:
     """Call the functions `specs` names in `workers` processes, each call within `timeout_s` seconds."""
 
-    spec_error: type[Exception] = (
-        SpecError  # raised when a worker cannot load a spec (a subclass may narrow it)
-    )
+    # raised when a worker cannot load a spec (a subclass may narrow it)
+    spec_error: type[Exception] = SpecError
 
     def __init__(
         self,
@@ -196,8 +191,6 @@ class CallPool:
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
         # `error_type` is what startup failures raise (a spec that does not load raises `spec_error`);
         # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none
-        from rl_tpu.user_code import resolve_spec
-
         self.specs = [resolve_spec(s) for s in specs]
         self.name, self.error_type, self.check = name, error_type, check
         self.timeout_s = float(timeout_s)

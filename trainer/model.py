@@ -16,9 +16,9 @@ Invariants and decisions:
 - `hf_to_titan(load_hf_state_dict(dir))` then `titan_to_hf(...)` reproduces the HF tensors bit for bit
   (the adapters only rename, reshape and permute).
 
-Qwen3-MoE (`model_type: "qwen3_moe"`, Qwen3MoeForCausalLM): TorchTitan's
-Qwen3 with `moe` blocks (`make_moe_config`) where HF has sparse layers (`decoder_sparse_step`,
-`mlp_only_layers`), dense `feed_forward` elsewhere. HF -> TorchTitan: `num_experts` (written as
+Qwen3-MoE (`model_type: "qwen3_moe"`, Qwen3MoeForCausalLM): TorchTitan's Qwen3 with `moe` blocks
+(`make_moe_config`) where HF has sparse layers (`decoder_sparse_step`, `mlp_only_layers`), dense
+`feed_forward` elsewhere. HF -> TorchTitan: `num_experts` (written as
 `num_local_experts` by transformers 5) -> `num_experts`, `num_experts_per_tok` -> `top_k`,
 `moe_intermediate_size` -> the experts' `hidden_dim`, `norm_topk_prob` -> `route_norm`; routing is
 HF's: softmax over all experts in fp32, top-k, optional renormalisation (`score_func="softmax"`,
@@ -33,9 +33,9 @@ logits equal HF's to ~1e-6; under FSDP2 mixed precision the parameters arrive in
 math). Same parameter names, so the adapter and DCP see TorchTitan's layout.
 Training: FSDP2 alone or with TorchTitan's expert parallelism (`trainer.expert_parallel`,
 trainer/parallel.py), weight sync of the grouped experts into vLLM's fused w13 / w2 (docs/moe.md).
-Routing replay and `moe/router_agreement`: trainer/metrics.MoeStats (`check_routing_replay` refuses it
-before the run starts where it cannot work). Not covered yet: TorchTitan 0.2.0 (`titan_compat`), shared
-experts (Qwen2-MoE style).
+Routing replay and `moe/router_agreement`: trainer/metrics.MoeStats (`check_routing_replay`,
+rl_tpu/hf_config.py, refuses it before the run starts where it cannot work). Not covered yet: TorchTitan
+0.2.0 (`titan_compat`), shared experts (Qwen2-MoE style).
 """
 
 from __future__ import annotations

@@ -147,11 +147,11 @@ class Training:
     started for this run or the caller's attached, the weight sync planned, a checkpoint resumed), `steps`,
     `finish` (the trained policy exported); `close` ends what was started, whichever stage failed."""
 
-    def __init__(self, cfg: Config, inputs: Inputs, roles: Roles | None = None, t_start: float | None = None):
+    def __init__(self, cfg: Config, inputs: Inputs, roles: Roles | None, t_start: float):
         self.cfg, self.inputs = cfg, inputs
         self.shared = roles  # the caller's roles (`start_shared_roles`), kept running after the run
         self.own: Roles | None = None  # roles this run started, ended by `close`
-        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.t_start = t_start  # when `train` was called: `time/startup` counts from here
         self.model_path: str | None = None
         self.sync: WeightSync | None = None
         self.rollouts: Rollouts | None = None
@@ -186,10 +186,8 @@ class Training:
         sync.build()  # plan now: a name/shape mismatch stops the run before step 1, and routes are known
 
         def engine_restarted(engine: int) -> None:
-            sync.engine_restarted(engine)
-            write_placement_json(
-                inputs.run_dir, roles.groups, rollout, sync.routes(), trainer
-            )  # the new engine
+            sync.engine_restarted(engine)  # and placement.json names the new engine
+            write_placement_json(inputs.run_dir, roles.groups, rollout, sync.routes(), trainer)
 
         rollout.on_restart = engine_restarted
         write_placement_json(inputs.run_dir, roles.groups, rollout, sync.routes(), trainer)

@@ -23,8 +23,6 @@ def load_reward_fn(spec: str, label: str = "reward spec") -> Callable:
     """The reward function `spec` names; `RewardSpecError` naming what is wrong otherwise."""
     try:
         return load_callable(spec, label)
-    except RewardSpecError:
-        raise
     except SpecError as e:
         raise RewardSpecError(str(e)) from e
 

@@ -21,7 +21,7 @@ test:
 	@bash scripts/setup.sh --role-env tpu  # .venv-tpu (Python 3.12, locks/tpu.txt): ~3 min and ~7 GB of uv cache the first time
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
-	.venv/bin/pytest $(PYTEST_ARGS)
+	.venv/bin/pytest --durations=30 $(PYTEST_ARGS)
 
 test-all: test
 

@@ -311,7 +311,9 @@ def run_size(
             "peak_extra_mb_sender": round(snd_peak / MB, 1) if senders is actors else None,
             "buckets": st.buckets,
             "plan_s": round(ws.plan_seconds, 2),
-            "region_mb": round(sum(r.get("nbytes", 0) for e in ws.regions for r in e.values()) / MB, 1),
+            "region_mb": round(
+                sum(r.get("nbytes", 0) for e in ws.installer.regions for r in e.values()) / MB, 1
+            ),
         }
         ws.close()
     ray.shutdown()

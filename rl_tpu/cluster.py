@@ -67,6 +67,10 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
 _RAY_CAUSES = ("Some common causes include", "There are some potential root causes")
 _CRASH = re.compile(r"Fatal Python error: .*|\*\*\* SIG[A-Z]+ received")
 
+# faulthandler's dump of the crashing thread (most recent call first), and one frame of it
+_STACK = re.compile(r"Current thread 0x[0-9a-f]+ \(most recent call first\):\n((?:[ \t]+File .*\n?)+)")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
+
 
 def actor_death_summary(e: BaseException, logs_dir: str | None = None) -> str:
     """Ray's actor-death message, short: its sentences without the indented details (ids, namespace) and
@@ -103,15 +107,31 @@ def _worker_log(pid: int, logs_dir: str | None) -> Path | None:
 
 
 def _crash_line(log: Path, tail_bytes: int = 65536) -> str | None:
-    """The last line in the log's tail saying how the process died (a fatal signal, Python's fatal error)."""
+    """The last line in the log's tail saying how the process died (a fatal signal, Python's fatal error),
+    with the innermost Python frame of faulthandler's dump after it when there is one (where it died)."""
     try:
         with open(log, "rb") as fh:
             fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
             text = fh.read().decode(errors="replace")
     except OSError:
         return None
-    found = _CRASH.findall(text)
-    return found[-1].strip() if found else None
+    found = list(_CRASH.finditer(text))
+    if not found:
+        return None
+    crash = found[-1].group(0).strip()
+    stack = _STACK.search(text, found[-1].end())
+    frames = [m.groupdict() for m in _FRAME.finditer(stack.group(1))] if stack else []
+    if not frames:
+        return crash
+    # the innermost frame, and the innermost outside the libraries (ours, or a user's) if it is another
+    where = [frames[0]]
+    if _library(frames[0]["file"]):
+        where += [f for f in frames[1:] if not _library(f["file"])][:1]
+    return crash + " in " + ", called from ".join(f"{f['fn']}() at {f['file']}:{f['line']}" for f in where)
+
+
+def _library(path: str) -> bool:
+    return "site-packages" in path or "/lib/python3." in path or path.startswith("<")
 
 
 def start_ray(cfg: Config, plan=None) -> bool:

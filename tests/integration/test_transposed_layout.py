@@ -122,7 +122,7 @@ def test_transposed_kernel_layout_layerwise_install_verify_on_served_kernels_and
 
         ws = _weight_sync(trained, llm, tiny_qwen3)
         ws.build()
-        (info,) = ws.installs[0].values()
+        (info,) = ws.installer.installs[0].values()
         assert info["install"] == "layerwise" and info["probed"] == "layerwise" and not info["forced"]
         # the linears, and nothing else, are found processed; the reason names the layouts
         linears = {
@@ -217,7 +217,7 @@ def test_cpu_engine_probes_layerwise_and_verifies_packed_linears_loaded(trained,
         assert served["model.layers.0.self_attn.qkv_proj.weight"].numel() == 0  # packed outside tensors
         ws = _weight_sync(trained, llm, tiny_qwen3)
         ws.build()
-        (info,) = ws.installs[0].values()
+        (info,) = ws.installer.installs[0].values()
         assert info["install"] == "layerwise" and len(info["processed"]) >= 8
         assert "kernel (0,)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
         ws.sync(1, keep_for_verify=True)

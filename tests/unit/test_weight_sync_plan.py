@@ -2,9 +2,10 @@
 
 No vLLM, Ray or TorchTitan here: engine layouts are built by hand in the shape vLLM's loaders produce
 (q/k/v fused and narrowed per TP rank, a row-parallel weight narrowed on columns, a padding row),
-coded with one full int64 index per element and compressed by `full_code_runs` below: the plain reference
-decoder, which `test_byte_pass_decoding_equals_full_index_codes` checks the engine's byte-pass decoder
-(`rows.Segments`) against; the real layouts are derived from vLLM in tests/integration/test_weight_sync.py.
+coded with one full int64 index per element and compressed by `full_code_runs` (tests/toy_layouts.py):
+the plain reference decoder, which `test_byte_pass_decoding_equals_full_index_codes` checks the engine's
+byte-pass decoder (`rows.Segments`) against; the real layouts are derived from vLLM in
+tests/integration/test_weight_sync.py.
 """
 
 from __future__ import annotations
@@ -14,124 +15,18 @@ import math
 import numpy as np
 import pytest
 import torch
+from toy_layouts import PERM, SHAPES, engine_tensors, full_code_runs, hand_layout, local_chunk, specs, to_hf
 
 from rl_tpu.weight_sync.engine_layout import EngineLayout
 from rl_tpu.weight_sync.engine_side import apply_bucket
+from rl_tpu.weight_sync.installers import receiver_tables
 from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
 from rl_tpu.weight_sync.plan import PlanError, build_plan, check_names, owners
-from rl_tpu.weight_sync.rows import merge_rows, rows_cols, runs_1d, split_at
+from rl_tpu.weight_sync.rows import rows_cols, runs_1d, split_at
 from rl_tpu.weight_sync.sender import LocalSender
 from rl_tpu.weight_sync.specs import ParamSpec
-from rl_tpu.weight_sync.sync import receiver_tables
 from rl_tpu.weight_sync.transports import get_transport
 from rl_tpu.weight_sync.wire import pack, pack_into, unpack
-
-
-def full_code_runs(codes: torch.Tensor, hf_offsets: np.ndarray, hf_cols: np.ndarray) -> np.ndarray:
-    """Reference decoder: an engine parameter (2-D) whose elements hold `1 + global HF flat index` (0:
-    padding) -> its `ENGINE_COLS` run table. Row segments are maximal runs of one HF tensor and row with
-    columns stepping by one inside an engine row; `rows.merge_rows` stacks them into multi-row runs."""
-    R, C = codes.shape
-    offs = torch.from_numpy(np.asarray(hf_offsets, dtype=np.int64))
-    cols = torch.from_numpy(np.asarray(hf_cols, dtype=np.int64))
-    flat = codes.reshape(-1).to(torch.int64) - 1
-    if flat.numel() == 0:
-        return merge_rows(np.zeros((0, 6), dtype=np.int64))
-    valid = flat >= 0
-    tid = (torch.searchsorted(offs, flat.clamp(min=0), right=True) - 1).clamp(min=0)
-    local = flat - offs[tid]
-    hr, hc = local // cols[tid], local % cols[tid]
-    brk = torch.ones(R * C, dtype=torch.bool)
-    brk[1:] = ~(
-        (tid[1:] == tid[:-1]) & (hr[1:] == hr[:-1]) & (hc[1:] == hc[:-1] + 1) & valid[1:] & valid[:-1]
-    )
-    brk[torch.arange(0, R * C, C)] = True  # segments never wrap engine rows
-    starts = torch.nonzero(brk & valid).flatten()
-    ends = torch.nonzero(brk).flatten()
-    nxt = torch.searchsorted(ends, starts, right=True)  # each segment ends at the next break after its start
-    seg_end = torch.where(nxt < ends.numel(), ends[nxt.clamp(max=ends.numel() - 1)], torch.tensor(R * C))
-    return merge_rows(
-        np.stack(
-            [
-                (starts // C).numpy(),
-                (starts % C).numpy(),
-                (seg_end - starts).numpy(),
-                tid[starts].numpy(),
-                hr[starts].numpy(),
-                hc[starts].numpy(),
-            ],
-            axis=1,
-        )
-    )
-
-
-# A toy "model": TorchTitan names, HF names by a rename + (for wq) a row permutation, like Llama's adapter.
-SHAPES = {"wq": (6, 4), "wk": (5, 4), "wv": (5, 4), "wo": (4, 6), "norm": (4,)}
-PERM = torch.tensor([1, 0, 3, 2, 5, 4])  # HF row i = TorchTitan row PERM[i]
-
-
-HF_NAME = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "norm": "norm"}
-
-
-def to_hf(sd: dict) -> dict:
-    """Like TorchTitan's adapters: one entry per TorchTitan tensor given, renamed (q rows permuted)."""
-    return {HF_NAME[n]: (t[PERM] if n == "wq" and t.device.type != "meta" else t) for n, t in sd.items()}
-
-
-def specs(world: int = 2, placement: str = "S(0)") -> list[ParamSpec]:
-    return [
-        ParamSpec(
-            name=n,
-            shape=s,
-            dtype="float32",
-            mesh_shape=(world,),
-            mesh_dim_names=("fsdp",),
-            placements=(placement,),
-        )
-        for n, s in SHAPES.items()
-    ]
-
-
-def hand_layout(hf_order, tp: int, rank: int) -> EngineLayout:
-    """qkv = cat(q, k, v) narrowed to this rank's rows (QKVParallelLinear) plus a padding row; o narrowed
-    to this rank's columns (RowParallelLinear); norm replicated. Codes as vLLM's loaders leave them."""
-    shapes = dict(hf_order)
-    off, o = {}, 0
-    for n, sh in hf_order:
-        off[n] = o
-        o += math.prod(sh)
-
-    def coded(n):
-        return torch.arange(off[n] + 1, off[n] + 1 + math.prod(shapes[n])).view(shapes[n])
-
-    qkv = torch.cat(
-        [
-            coded("q").chunk(tp)[rank],
-            coded("k").chunk(tp)[rank],
-            coded("v").chunk(tp)[rank],
-            torch.zeros(1, 4, dtype=torch.int64),
-        ]
-    )
-    wo = coded("o").chunk(tp, dim=1)[rank]
-    norm = coded("norm")
-    offsets = np.array([off[n] for n, _ in hf_order])
-    cols = np.array([rows_cols(sh)[1] for _, sh in hf_order])
-    params = {"qkv": qkv, "o_proj": wo, "norm": norm}
-    return EngineLayout(
-        tp_rank=rank,
-        tp_size=tp,
-        dtype="float32",
-        shapes={n: tuple(t.shape) for n, t in params.items()},
-        runs={
-            n: full_code_runs(t.reshape(rows_cols(tuple(t.shape))), offsets, cols) for n, t in params.items()
-        },
-    )
-
-
-def local_chunk(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """Rank's Shard(0) piece as DTensor/FSDP2 lay it out (torch.chunk sizes; trailing ranks may be empty)."""
-    cs = math.ceil(t.shape[0] / world)
-    return t[rank * cs : (rank + 1) * cs].contiguous()
 
 
 def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess"):
@@ -162,11 +57,7 @@ def run_plan(tp: int, world: int, bucket_bytes: int, transport: str = "inprocess
                 lambda n, i=i: got[i][n].view(rows_cols(tuple(got[i][n].shape))),
             )
             tr.release(handle)
-    hf = to_hf(full)
-    want = []
-    for r in range(tp):
-        qkv = torch.cat([hf["q"].chunk(tp)[r], hf["k"].chunk(tp)[r], hf["v"].chunk(tp)[r], torch.zeros(1, 4)])
-        want.append({"qkv": qkv, "o_proj": hf["o"].chunk(tp, dim=1)[r], "norm": hf["norm"]})
+    want = [engine_tensors(full, tp, r) for r in range(tp)]
     return plan, got, want, per_receiver_bytes
 
 
@@ -531,7 +422,7 @@ def test_checkpoint_shapes_reads_headers_of_a_file_or_a_folder(tmp_path):
 
 
 def test_auto_route_takes_cuda_ipc_only_where_every_engine_rank_maps_the_senders_gpu():
-    from rl_tpu.weight_sync.sync import auto_route
+    from rl_tpu.weight_sync.installers import auto_route
 
     assert auto_route(True, "GPU-a", [["GPU-a", "GPU-b"], ["GPU-a"]]) == "cuda_ipc"
     assert auto_route(True, "GPU-a", [["GPU-a"], ["GPU-b"]]) == "shm"  # one TP rank cannot map it

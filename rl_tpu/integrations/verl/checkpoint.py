@@ -265,7 +265,7 @@ class RlTpuCheckpointEngine(CheckpointEngine):
                 "(a worker restarted?); rebuilding one side's plan is not implemented: restart the run"
             )
         plan, engines = _build_plan(trainers, rollouts)
-        from rl_tpu.weight_sync.sync import receiver_tables
+        from rl_tpu.weight_sync.installers import receiver_tables
 
         pid = uuid.uuid4().hex[:12]
         actor_setup = [
@@ -388,7 +388,7 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     from rl_tpu.trainer import model as titan
     from rl_tpu.weight_sync.names import NameMaps
     from rl_tpu.weight_sync.plan import build_plan, check_names
-    from rl_tpu.weight_sync.sync import engine_layouts
+    from rl_tpu.weight_sync.installers import engine_layouts
 
     t0 = trainers[0]
     specs = t0["specs"]

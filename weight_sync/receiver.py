@@ -269,7 +269,7 @@ class SyncReceiver:
 
     def ws_install(self, direct: bool | None = None) -> list[dict]:
         """Per rank, the install path its engine's own processing calls for (decided at setup, see
-        `engine_side.EngineSide.probe_install`) and the one used given the driver's `direct`."""
+        `engine_side.EngineSide._ws_probe_install`) and the one used given the driver's `direct`."""
         return self._ws_ranks().install(direct)
 
     def ws_device(self) -> list[str]:

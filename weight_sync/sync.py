@@ -13,8 +13,8 @@ Who does what (each side is one class that its actor takes on whole):
   rank's local DTensor shards into the transport and returns a small handle.
 - receiver = one engine's host (`receiver.SyncReceiver`, a mixin of `RolloutWorker`): pulls its buckets
   from the senders in install order and hands each round to its engine's TP ranks, where our vLLM worker
-  extension (`rl_tpu.rollout.worker_extension`, state in `engine_side.EngineSide`) copies the pieces
-  and runs vLLM's per-layer processing.
+  extension (`rl_tpu.rollout.worker_extension`, its `rl_ws_*` methods mixed in from
+  `engine_side.EngineSide`) copies the pieces and runs vLLM's per-layer processing.
 
 Transports (`sync.transport`): `inprocess`, `shm` (/dev/shm files, or straight into a receiver region),
 `ray` (object store), `collective` (one torch.distributed group over senders and engine ranks), `auto`

@@ -91,7 +91,7 @@ class PlannedInstall(Installer):
         self.plan_seconds = 0.0
         self.route_transport: list[dict[int, str]] = []
         self.regions: list[dict] = []  # per engine: {str(tp): each rank's answer (region table or why not)}
-        # per engine: {str(tp): the rank's install path, "direct" or "layerwise", and why (install_info)}
+        # per engine: {str(tp): the rank's install path, "direct" or "layerwise", and why (rl_ws_install)}
         self.installs: list[dict] = []
 
     def build(self) -> SyncPlan | None:
@@ -133,7 +133,7 @@ class PlannedInstall(Installer):
 
     def _installs(self, engine: int, per_rank: list[dict]) -> dict:
         """{str(tp): install info} of one engine's ranks, logged: the path each rank's installs take,
-        decided from the engine's own processing (`EngineSide.probe_install`) unless `direct` forces it."""
+        decided from the engine's own processing (`EngineSide._ws_probe_install`) unless `direct` forces it."""
         out = {}
         for info in per_rank:
             out[str(info["rank"])] = info

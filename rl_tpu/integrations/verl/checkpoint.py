@@ -386,9 +386,9 @@ def _build_plan(trainers: list[dict], rollouts: list[dict]):
     """The plan from trainer rank 0's specs and each replica leader's derived layouts; checks names, shapes
     and that every (trainer rank, engine) route stays on one host."""
     from rl_tpu.trainer import model as titan
+    from rl_tpu.weight_sync.installers import engine_layouts
     from rl_tpu.weight_sync.names import NameMaps
     from rl_tpu.weight_sync.plan import build_plan, check_names
-    from rl_tpu.weight_sync.installers import engine_layouts
 
     t0 = trainers[0]
     specs = t0["specs"]

@@ -9,7 +9,7 @@ It is verl's own extension (`vLLMColocateWorkerExtension`: LoRA, fp8 and the ful
 (vllm_rollout.py:229, `ServerAdapter.update_weights`). Once our plan is set up on this worker, the stream
 verl sends carries exactly one control record (`checkpoint.RECORD`: version and bucket handles from
 `RlTpuCheckpointEngine.receive_weights`) and no weights; this worker then copies the pieces of its TP
-rank's buckets into its parameters (`EngineSide`: begin, receive, finish). verl's own final step,
+rank's buckets into its parameters (`EngineSide`'s rl_ws_begin, rl_ws_receive, rl_ws_finish). verl's own final step,
 `process_weights_after_loading` over the whole model (utils.py:353), is not run: our install already
 processed each layer once, and on CPU a second repack of a processed layer is wrong. Without a plan
 (another backend, e.g. `naive`), verl's method runs unchanged.
@@ -40,8 +40,7 @@ class VerlWeightReceiver(WorkerExtension, vLLMColocateWorkerExtension):
         os.replace(path + ".part", path)
 
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-        side = getattr(self, "_rl_engine_side", None)
-        if side is None or not side.buckets:  # no rl_tpu plan on this worker: verl's full-tensor path
+        if not self._rl_ws.buckets:  # no rl_tpu plan on this worker: verl's full-tensor path
             return super().update_weights_from_ipc(
                 peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
             )
@@ -71,9 +70,9 @@ class VerlWeightReceiver(WorkerExtension, vLLMColocateWorkerExtension):
                 f"rl_tpu checkpoint backend: expected one control record in the stream, got {len(records)}"
             )
         rec = json.loads(records[0])
-        side.begin(int(rec["version"]), bool(rec.get("keep", False)), None)
-        side.receive(rec["handles"])
-        self._rl_last_ack = side.finish()  # raises naming any parameter that did not fully arrive
+        self.rl_ws_begin(int(rec["version"]), bool(rec.get("keep", False)), None)
+        self.rl_ws_receive(rec["handles"])
+        self._rl_last_ack = self.rl_ws_finish()  # raises naming any parameter that did not fully arrive
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)  # what vLLM's own reload resets too
             if fn is not None:

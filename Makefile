@@ -12,11 +12,12 @@ demo: setup
 	.venv/bin/rl-tpu demo
 
 # Every test, the real-stack ones included (docs/development.md: about an hour on 2 cores). The `verl` extra is
-# installed for tests/integration/test_verl.py (rl-tpu as a verl plugin, docs/verl.md).
+# installed for tests/integration/test_verl.py (rl-tpu as a verl plugin, docs/verl.md), the `bench` extra (TRL)
+# for the check that bench/vs_trl.py's settings are TRL's GRPOConfig fields.
 # .venv-xla (torch 2.9 + torch_xla, locks/xla.txt) hosts the xla trainer tests; it takes about 8 GB of disk
 # plus uv's download cache. It is always made: without it the xla tests skip, which fails the run under CI=true.
 test:
-	@bash scripts/setup.sh --extra verl
+	@bash scripts/setup.sh --extra verl --extra bench
 	@bash scripts/setup.sh --role-env xla
 	@bash scripts/setup.sh --role-env tpu  # .venv-tpu (Python 3.12, locks/tpu.txt): ~3 min and ~7 GB of uv cache the first time
 	.venv/bin/ruff format --check .
@@ -28,17 +29,17 @@ test-all: test
 # The quick tier for working on the code: tests/unit, pure logic (docs/development.md: under 2 minutes on
 # 2 cores). `make test` runs it too, with everything else.
 test-unit:
-	@bash scripts/setup.sh --extra verl
+	@bash scripts/setup.sh --extra verl --extra bench
 	.venv/bin/pytest tests/unit $(PYTEST_ARGS)
 
 # ruff (pinned in the `test` extra, configured in pyproject.toml): `make test` checks, `make format` fixes
 lint:
-	@bash scripts/setup.sh --extra verl
+	@bash scripts/setup.sh --extra verl --extra bench
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
 
 format:
-	@bash scripts/setup.sh --extra verl
+	@bash scripts/setup.sh --extra verl --extra bench
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 

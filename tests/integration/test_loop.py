@@ -315,12 +315,12 @@ def test_async_resume_continues_with_the_same_prompts_and_versions(tmp_path, rew
 
 # Engine/trainer log-prob parity on the sampled tokens: (bound of |mismatch/kl|, the signed token mean,
 # bound of mismatch/max_abs_logprob_diff, the largest per-token gap, which no cancellation can hide).
-# The trainer still reduces the max metric as a token-weighted mean of each rank's (and micro-batch's) max,
-# so until it reduces it with a max (losses.MAX_METRICS) the logged value is a lower bound of the step's max.
+# The max is reduced as a max across micro-batches and ranks (losses.MAX_METRICS), over the sequences the
+# step runs (trainer.skip_zero_advantage skips rows with no advantage).
 # fp32: 1e-5 per token (measured 9.5e-7, 2 fp32 ulps of a log-prob near -ln 512).
 FP32_PARITY = (1e-5, 1e-5)
 # bf16 (engine in bf16, trainer bf16 over fp32 masters): measured per-token max 5.3e-3 and 4.0e-3 on the two
-# steps (|kl| 7e-5); 2e-2 leaves 4x for the mean-of-maxima reduction and other samples, and is still under
+# steps (|kl| 7e-5); 2e-2 leaves 4x for other samples, and is still under
 # half a bf16 ulp of such a log-prob (0.031 / 2 in [4, 8)) and far below what a wrong token or an off-by-one
 # position gives (O(1) on this model).
 BF16_PARITY = (1e-3, 2e-2)

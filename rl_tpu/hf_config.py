@@ -71,6 +71,24 @@ def check_routing_replay(cfg: Any) -> None:
             raise ModelError(f"`rollout.routing_replay = true` does not support `rollout.{key}` yet")
 
 
+def check_expert_parallel(cfg: Any) -> None:
+    """Raise before any actor starts if `trainer.expert_parallel` > 1 cannot split the model's experts: a
+    dense model, or a number of experts it does not divide (a trainer rank would fail in its constructor)."""
+    ep = cfg.trainer.expert_parallel
+    if ep == 1:
+        return
+    where = f"{cfg.model.path}/config.json" if cfg.model.path else "the tiny default model"
+    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3"}
+    if hf.get("model_type") not in MOE_MODEL_TYPES:
+        raise ModelError(
+            f"`trainer.expert_parallel = {ep}` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
+            f"{where} is model_type {hf.get('model_type')!r}, which has no experts (use 1)"
+        )
+    n = moe_settings(hf, where)["num_experts"]
+    if n % ep:
+        raise ModelError(f"`trainer.expert_parallel = {ep}` must divide the model's {n} experts ({where})")
+
+
 def moe_settings(hf: dict, where: str | Path = "config.json") -> dict:
     """Qwen3-MoE's HF keys, checked: num_experts, top_k, expert width, renormalisation, sparse layers."""
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))

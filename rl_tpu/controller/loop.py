@@ -50,7 +50,7 @@ from rl_tpu.controller.producer import Rollouts, Scored, generate_and_score
 from rl_tpu.controller.roles import Roles, check_roles, start_shared_roles, write_placement_json
 from rl_tpu.controller.step import Run, old_log_prob_rows, on_policy_update, prepare_batch, rl_step
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths
-from rl_tpu.hf_config import check_routing_replay, read_hf_config
+from rl_tpu.hf_config import check_expert_parallel, check_routing_replay, read_hf_config
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.model_source import resolve_model_path
@@ -126,6 +126,7 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
     if resume is not None:  # a checkpoint of another model would fail once every actor has started
         check_resume_model(cfg)
     check_routing_replay(cfg)  # an MoE model, one engine call per completion
+    check_expert_parallel(cfg)  # experts to split, evenly
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
     if roles is not None:

@@ -619,6 +619,12 @@ def _check_cross_fields(cfg: Config) -> None:
             f"config error: {multi_turn} (multi-turn) does not run with `rollout.partial = true` yet: "
             "set one of them"
         )
+    if (cfg.rollout.env or cfg.rollout.tools) and response_budget(cfg) < 1:
+        raise ConfigError(
+            f"config error: {multi_turn} (multi-turn): `rollout.max_model_len = {cfg.rollout.max_model_len}` "
+            f"leaves no token for the trajectory after `data.max_prompt_length = {cfg.data.max_prompt_length}`: "
+            "raise max_model_len, lower max_prompt_length, or set `rollout.max_total_tokens`"
+        )
     if cfg.rollout.partial and cfg.rollout.stop:
         raise ConfigError(
             "config error: `rollout.partial = true` generates in chunks, and a stop string can span two "

@@ -52,6 +52,20 @@ def test_response_budget_single_turn_and_multi_turn():
     assert response_budget(auto) == 824  # max_total_tokens 0: whatever the prompt leaves
 
 
+def test_a_multi_turn_config_that_leaves_no_trajectory_budget_is_named():
+    from rl_tpu.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_model_len = 128.*leaves no token.*max_prompt_length = 128"):
+        load_config(
+            None,
+            [
+                "--rollout.env=examples/envs/retry.py:Retry",
+                "--rollout.max_model_len=128",
+                "--data.max_prompt_length=128",
+            ],
+        )
+
+
 def test_check_prompt_lengths_returns_the_longest_prompt(tiny_qwen3):
     from rl_tpu.data import encode_prompts
     from rl_tpu.model_folder import load_tokenizer

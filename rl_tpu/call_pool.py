@@ -189,7 +189,8 @@ class CallPool:
         memory_mb: int = 0,
     ):
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
-        # `error_type` is what startup failures raise (a spec that does not load raises `spec_error`);
+        # `error_type` is what startup failures raise (a spec that does not load, or whose workers do not
+        # start in `startup_timeout_s`, raises `spec_error`);
         # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none
         self.specs = [resolve_spec(s) for s in specs]
         self.name, self.error_type, self.check = name, error_type, check
@@ -236,9 +237,10 @@ class CallPool:
             waiting = [w for w in self._workers if not w.ready]
             left = min(w.since for w in waiting) + self.startup_timeout_s - time.monotonic()
             if left <= 0:
-                raise self.error_type(
-                    f"{self.name} workers did not start within {self.startup_timeout_s:.0f} s "
-                    f"(loading {self.specs})"
+                raise self.spec_error(  # the user's module, as a rule: a spec that does not load
+                    f"{self.name} workers did not start within {self.startup_timeout_s:.0f} s (loading "
+                    f"{', '.join(self.specs)}): does a module block or loop at import time? move that work "
+                    "into the function"
                 )
             for conn in wait_conns([w.conn for w in waiting], timeout=left):
                 self._on_message(self._by_conn(conn), None)
@@ -320,7 +322,7 @@ class CallPool:
                     # which would repeat in every replacement: retry a few times, then give up.
                     self._startup_deaths += 1
                     if self._startup_deaths >= MAX_STARTUP_DEATHS:
-                        raise self.error_type(
+                        raise self.spec_error(  # a module that kills its process at import, as a rule
                             f"{self.name} workers exited during startup {self._startup_deaths} times in "
                             f"a row (last exit code {w.proc.exitcode}) while loading {self.specs}"
                         ) from None

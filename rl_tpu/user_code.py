@@ -8,7 +8,7 @@ Invariants:
   private module name derived from its absolute path (re-loading returns the same function).
 - Every failure raises `SpecError` naming the spec's field, the spec and what is wrong: file not found,
   module not importable (with the import error), attribute missing (with the callables that do exist),
-  not callable.
+  not callable, or (with `timeout_s`: the driver's loads) an import that did not finish in time.
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from rl_tpu.errors import UserError
 
 DEFAULT_FUNCTION = "compute_score"
+# how long the driver waits for a user module's import (the reward pool's workers wait as long to start)
+IMPORT_TIMEOUT_S = 120.0
+_FILE_MODULE_PREFIX = "rl_tpu_user_"  # a file's private module name: this, its stem, a digest of its path
 
 
 class SpecError(UserError, ValueError):
@@ -63,7 +68,7 @@ def _import_file(path: Path, spec: str, label: str = "spec") -> ModuleType:
             f"resolved against the current directory {str(Path.cwd())!r})"
         )
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    name = f"rl_tpu_user_{path.stem}_{digest}"
+    name = f"{_FILE_MODULE_PREFIX}{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     mspec = importlib.util.spec_from_file_location(name, path)
@@ -74,7 +79,7 @@ def _import_file(path: Path, spec: str, label: str = "spec") -> ModuleType:
     try:
         mspec.loader.exec_module(module)
     except BaseException as e:
-        del sys.modules[name]
+        sys.modules.pop(name, None)
         raise SpecError(f"{label} {spec!r}: importing {str(path)!r} raised {type(e).__name__}: {e}") from e
     return module
 
@@ -97,9 +102,39 @@ def _callables(module: ModuleType) -> list[str]:
     return sorted(own) or sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v))
 
 
-def load_callable(spec: str, label: str = "spec") -> Callable:
+def load_callable(spec: str, label: str = "spec", timeout_s: float | None = None) -> Callable:
     """Import and return the function or class named by `spec` (see module docstring); `label` names the
-    spec's field in errors ("reward spec", "rollout.tools", ...)."""
+    spec's field in errors ("reward spec", "rollout.tools", ...). With `timeout_s`, an import that has not
+    finished by then (a module that blocks or loops at import time) raises `SpecError` instead of holding
+    the caller: the import goes on in a daemon thread, which cannot be stopped, and is abandoned."""
+    if timeout_s is None:
+        return _load(spec, label)
+    done: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            done["fn"] = _load(spec, label)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            done["error"] = e
+
+    before = set(sys.modules)
+    worker = threading.Thread(target=load, daemon=True, name="rl_tpu-user-import")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        for name in set(sys.modules) - before:  # a half-run file module: a later load runs the file again
+            if name.startswith(_FILE_MODULE_PREFIX):
+                sys.modules.pop(name, None)
+        raise SpecError(
+            f"{label} {spec!r}: importing it did not finish within {timeout_s:.0f} s (does the module block "
+            "or loop at import time? move that work into the function)"
+        )
+    if "error" in done:
+        raise done["error"]
+    return done["fn"]
+
+
+def _load(spec: str, label: str) -> Callable:
     target, fn_name, is_file = split_spec(spec, label)
     if is_file:
         module = _import_file(Path(target).expanduser().resolve(), spec, label)

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 from rl_tpu.errors import UserError
 from rl_tpu.rollout.tools import ToolResult, Tools, parse_tool_calls
 from rl_tpu.types import Completion
-from rl_tpu.user_code import SpecError, load_callable
+from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def load_env(spec: str, field_name: str = "rollout.env") -> type:
     if ":" not in str(spec):
         raise EnvError(f"{field_name} {spec!r}: name the class, as 'module:Class' or 'path/to/file.py:Class'")
     try:
-        cls = load_callable(spec, label=field_name)
+        cls = load_callable(spec, label=field_name, timeout_s=IMPORT_TIMEOUT_S)
     except SpecError as e:
         raise EnvError(str(e)) from e
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

@@ -48,7 +48,7 @@ from typing import Any
 
 from rl_tpu.call_pool import CallPool
 from rl_tpu.errors import UserError
-from rl_tpu.user_code import SpecError, load_callable
+from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def load_tools(specs: list[str], field_name: str = "rollout.tools") -> tuple[lis
     fns = []
     for spec in specs:
         try:
-            fns.append(load_callable(spec, label=field_name))
+            fns.append(load_callable(spec, label=field_name, timeout_s=IMPORT_TIMEOUT_S))
         except SpecError as e:
             raise ToolError(str(e)) from e
     schemas = [describe_tool(fn, spec, field_name) for fn, spec in zip(fns, specs)]

@@ -321,14 +321,30 @@ def test_pool_raise_policy_names_function_sample_and_exception(flaky_file):
 
 def test_pool_bad_spec_fails_in_constructor(flaky_file):
     # No clock: a pool that missed the worker's load error would wait out its startup timeout and raise
-    # RewardError("did not start within ..."), which is not a RewardSpecError naming the function.
+    # "did not start within ...", which does not name the function's attribute.
     with pytest.raises(RewardSpecError, match="no attribute 'nope'"):
         RewardPool(RewardConfig(functions=[f"{flaky_file}:nope"], workers=1))
 
 
+def test_pool_names_a_module_that_blocks_at_import(tmp_path):
+    """The user's mistake, one line from the CLI (a RewardSpecError is a UserError), not a traceback."""
+    (tmp_path / "slow_import.py").write_text(
+        "import time\ntime.sleep(60)\n\ndef compute_score(**kw):\n    return 1.0\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(
+        RewardSpecError, match=r"did not start within 2 s \(loading .*slow_import.py.*block or loop"
+    ):
+        RewardPool(
+            RewardConfig(functions=[f"{tmp_path}/slow_import.py:compute_score"], workers=1),
+            startup_timeout_s=2,
+        )
+    assert time.monotonic() - t0 < 20
+
+
 def test_pool_gives_up_when_workers_crash_while_loading(tmp_path):
     (tmp_path / "crash_on_import.py").write_text("import os\nos._exit(5)\n")
-    with pytest.raises(RewardError, match=r"exited during startup 3 times in a row \(last exit code 5\)"):
+    with pytest.raises(RewardSpecError, match=r"exited during startup 3 times in a row \(last exit code 5\)"):
         RewardPool(RewardConfig(functions=[f"{tmp_path}/crash_on_import.py:compute_score"], workers=1))
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import numbers
 import threading
 import time
 import traceback
@@ -277,7 +278,11 @@ class MultiTurn:
         env = self.env_cls() if self.env_cls is not None else None
         if env is None:
             return list(sample["messages"]), None
-        return _check_messages(_resolve(env.reset(sample), loop), f"{self.env_cls.__name__}.reset"), env
+        where = f"{self.env_cls.__name__}.reset"
+        messages = _check_messages(_resolve(env.reset(sample), loop), where)
+        if not messages:
+            raise EnvError(f"{where} returned no messages: a trajectory opens with at least one (the prompt)")
+        return messages, env
 
     def start(self, sample: dict, messages: list[dict]) -> Trajectory:
         """The trajectory of `messages`: their rendering with the tools, tokenized once. Called on the
@@ -334,6 +339,8 @@ class MultiTurn:
         if not isinstance(result, tuple) or len(result) != 3:
             raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
         new, reward, done = _check_messages(result[0], where), result[1], result[2]
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
+            raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
         if reward is not None:
             t.reward = float(reward)
         return new, bool(done)

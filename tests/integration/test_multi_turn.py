@@ -149,6 +149,16 @@ class BadMessages(Echo):
         return ["again"], None, False
 
 
+class WordReward(Echo):
+    def step(self, messages):
+        return [], "high", True
+
+
+class EmptyReset(Echo):
+    def reset(self, sample):
+        return []
+
+
 def test_environment_errors_name_the_culprit(tok, tmp_path):
     with pytest.raises(EnvError, match="no step method"):
         load_env(f"{__name__}:NoStep")
@@ -168,6 +178,16 @@ def test_environment_errors_name_the_culprit(tok, tmp_path):
         )
     with pytest.raises(EnvError, match="BadMessages.step must return a list of"):
         MultiTurn(tok, BadMessages, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+            [{"question": "q"}]
+        )
+    with pytest.raises(
+        EnvError, match="WordReward.step must return a number or None as its reward, got 'high'"
+    ):
+        MultiTurn(tok, WordReward, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+            [{"question": "q"}]
+        )
+    with pytest.raises(EnvError, match="EmptyReset.reset returned no messages"):
+        MultiTurn(tok, EmptyReset, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
             [{"question": "q"}]
         )
 

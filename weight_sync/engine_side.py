@@ -288,6 +288,15 @@ class EngineSide:
                 "weight sync: this rank's receiver region serves the CPU layerwise install, "
                 "not a direct one (build the plan with the same `direct`)"
             )
+        if direct:  # pieces go straight into the served tensors: they must be in the plan's layout
+            served = {n: tuple(getattr(layer, attr).shape) for n, (layer, attr) in st.layers.items()}
+            wrong = [f"{n} {served[n]} (plan {st.shapes[n]})" for n in st.names if served[n] != st.shapes[n]]
+            if wrong:
+                raise RuntimeError(
+                    f"weight sync: a direct install copies into the tensors the engine serves, and {len(wrong)} "
+                    f"differ in shape from the plan's loaded layout (the engine's processing changed them; "
+                    f"install layerwise): {', '.join(wrong[:3])}"
+                )
         if st.region is not None:
             st.region.unlink()  # every sender mapped it during setup: no name is left to leak
         layer_left = {lid: sum(st.numel[n] for n in names) for lid, names in st.params_of.items()}

@@ -40,6 +40,7 @@ import torch
 
 from rl_tpu.config import Config, engine_config
 from rl_tpu.devices import bind
+from rl_tpu.fault_hooks import fault_hook
 from rl_tpu.metrics import process_rss_mb
 from rl_tpu.placement import apply_threads, omp_threads
 from rl_tpu.rollout.engine import (
@@ -54,7 +55,7 @@ from rl_tpu.rollout.held import HeldRequests, Key, Piece
 from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
-from rl_tpu.weight_sync.receiver import SyncReceiver, fault_hook, reset_kv
+from rl_tpu.weight_sync.receiver import SyncReceiver, reset_kv
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class RolloutWorker(SyncReceiver):
         if not prompt_token_ids:
             return []
         check_prompts(prompt_token_ids)
-        fault_hook("generate", self.index, self.version)  # test-only, see weight_sync.receiver
+        fault_hook("generate", self.index, self.version)  # test-only, see rl_tpu/fault_hooks.py
         self.held.park()  # LLM.generate runs the engine until it is empty: held sequences must not be in it
         if seeds is not None and self.traits.per_request_seed:
             params = [sampling_params(self.cfg.rollout, self.device, seed=s, **sampling) for s in seeds]
@@ -307,7 +308,7 @@ class RolloutWorker(SyncReceiver):
         if not seqs:
             return []
         check_prompts([p for _, p, _ in seqs])
-        fault_hook("generate", self.index, self.version)  # test-only, see weight_sync.receiver
+        fault_hook("generate", self.index, self.version)  # test-only, see rl_tpu/fault_hooks.py
         params = sampling_params(self.cfg.rollout, self.device, **{**sampling, "n": 1})
         per_request = seeds is not None and self.traits.per_request_seed
         if seeds is not None and not per_request:

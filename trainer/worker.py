@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device, kernels
+from rl_tpu.fault_hooks import fault_hook
 from rl_tpu.metrics import process_rss_mb
 from rl_tpu.trainer import checkpoint, modes, parallel
 from rl_tpu.trainer import model as tmodel
@@ -141,6 +142,7 @@ class TrainerWorker(SyncSender):
     def train_step(self, batch: TrainBatch, algo: AlgorithmConfig) -> dict[str, float]:
         if batch.advantages is None:
             raise ValueError("train_step: TrainBatch.advantages is None (run the advantage estimator first)")
+        fault_hook("train_step", self.rank, self.step)  # test-only, see rl_tpu/fault_hooks.py
         t0 = time.perf_counter()
         critic = self._trained().get("critic")
         out = self.updater.train_step(batch, algo, self.tc, self._trained()["policy"], critic, self.ref)

@@ -3,7 +3,7 @@ engine process killed (SIGKILL, as an operator or the OOM killer would) during g
 sync or in async mode, an engine that hangs past the call timeout, and a trainer rank killed mid-step,
 then resumed. Every run must finish with every step's batch whole (`data.batch_size x rollout.n`).
 
-The moments are made exact by the engines' test-only hook (`weight_sync.receiver.fault_hook`): the engine
+The moments are made exact by the engines' test-only hook (`rl_tpu.fault_hooks.fault_hook`): the engine
 stops at the chosen point and says so (its pid in a file); the test then kills it or lets it hang."""
 
 import json
@@ -116,7 +116,7 @@ def _engine_pid(run_dir: Path, engine: int) -> int:
 
 
 def _kill_when_stopped(hook, point: str, out: dict) -> threading.Thread:
-    """A thread that SIGKILLs the engine that stops at the hook's `point`; its pid goes to out["killed"]."""
+    """A thread that SIGKILLs the actor that stops at the hook's `point`; its pid goes to out["killed"]."""
 
     def kill() -> None:
         pid = hook.pid(point)
@@ -266,38 +266,26 @@ def test_engine_killed_during_async_generation_is_restarted_and_no_sample_lost(t
 
 
 @real_stack
-def test_trainer_rank_killed_mid_step_fails_fast_then_resume_auto_finishes(tmp_path, monkeypatch, caplog):
-    """Trainer rank 1 is SIGKILLed in step 2, after its generation, as the update is handed to the ranks
-    (rank 0 then enters the update's collectives with a dead peer). The run stops with an error naming
-    the rank, promptly, and leaves nothing behind; `checkpoint.resume=auto` then continues from the
-    step-1 checkpoint to the end without training step 1 again."""
-    import ray
-
+def test_trainer_rank_killed_mid_step_fails_fast_then_resume_auto_finishes(tmp_path, hook, caplog):
+    """Trainer rank 1 is SIGKILLed inside step 2's update (it stops at the `train_step` hook as it enters;
+    rank 0 is in the update's collectives with it by then). The run stops with an error naming the rank,
+    promptly, and leaves nothing behind; `checkpoint.resume=auto` then continues from the step-1
+    checkpoint to the end without training step 1 again."""
     from rl_tpu.controller.loop import train
-    from rl_tpu.trainer import TrainerGroup
     from rl_tpu.trainer.group import TrainerError
 
     caplog.set_level(logging.INFO, logger="rl_tpu")
     opts = ["--trainer.total_steps=3", "--checkpoint.every=1", "--rollout.engines=1"]
     killed: dict = {}
-    original = TrainerGroup.train_step
-
-    def train_step(self, batch, algo_cfg):
-        if self.policy_version == 1 and not killed:  # step 2's update
-            pid = ray.get(self.actors[1].__ray_call__.remote(lambda actor: os.getpid()))
-            os.kill(pid, signal.SIGKILL)
-            killed["pid"] = pid
-        return original(self, batch, algo_cfg)
-
-    monkeypatch.setattr(TrainerGroup, "train_step", train_step)
+    hook("train_step", 1, 1, 600)  # rank 1, after one optimizer step: step 2's update
+    _kill_when_stopped(hook, "train_step", killed)
     t = time.monotonic()
     with pytest.raises(TrainerError, match=r"trainer rank 1 died in train_step\(\)"):
         train(_cfg(tmp_path, *opts))
     failed_after = time.monotonic() - t
-    monkeypatch.setattr(TrainerGroup, "train_step", original)
     run_dir = tmp_path / "run"
     first = _rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in first] == [1] and "pid" in killed
+    assert [r["step"] for r in first] == [1] and "killed" in killed
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
 
     out = train(_cfg(tmp_path, *opts, "--checkpoint.resume=auto"))

@@ -2,7 +2,7 @@
 bounded staleness with partial rollouts, and an engine SIGKILLed in the middle of a partial rollout.
 
 Engine 1 is killed at its first generation call with version 1 (the engines' test-only hook,
-`weight_sync.receiver.fault_hook`): its restart holds that chunk for a while, the trainer meanwhile
+`rl_tpu.fault_hooks.fault_hook`): its restart holds that chunk for a while, the trainer meanwhile
 finishes an update, and the sync goes between that chunk and the next, so the batch's unfinished
 sequences continue on newer weights (`rollout/partial_fraction` > 0)."""
 

@@ -406,7 +406,9 @@ def _check_synthetic_layouts(ws, model_path: str) -> None:
         vocab=c["vocab_size"],
         tie=c["tie_word_embeddings"],
     )
-    synth = dict(plan_scale.synthetic_layouts(m, sorted(hf_shapes(ws.installer.specs, ws.installer.to_hf).items()), 2))
+    synth = dict(
+        plan_scale.synthetic_layouts(m, sorted(hf_shapes(ws.installer.specs, ws.installer.to_hf).items()), 2)
+    )
     for key, lay in ws.installer.layouts:
         assert set(lay.runs) == set(synth[key].runs), key
         for n, r in lay.runs.items():

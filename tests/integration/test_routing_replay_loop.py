@@ -87,4 +87,6 @@ def test_router_agreement_without_replay_falls_below_one(tmp_path):
     agreement = [r["moe/router_agreement"] for r in rows]  # reported every step
     print("no replay:", agreement, [r["mismatch/kl"] for r in rows])
     assert all(0.0 <= a <= 1.0 for a in agreement), agreement
-    assert min(agreement[1:]) < 1.0, agreement  # one update behind, the routers pick other experts
+    # step 1 samples and trains the same weights: the routers agree (measured 1.0; fp32 near-ties aside);
+    # one large update behind, they pick other experts (measured 0.06, 0.86, 0.0)
+    assert agreement[0] >= 0.99 and min(agreement[1:]) < 0.9, agreement

@@ -85,11 +85,13 @@ def _limit_memory(memory_mb: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # hard too: the user's code cannot raise it
 
 
 def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any], memory_mb: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    if hasattr(os, "setsid"):
+        os.setsid()  # a process group of its own: killing the worker kills what its calls started too
     if memory_mb:
         _limit_memory(memory_mb)  # before the user's modules load: their imports count too
     try:
@@ -131,6 +133,14 @@ class _Worker:
 
 
 def _kill(worker: _Worker) -> None:
+    """SIGKILL the worker's process group (the worker and every process its calls started that did not
+    leave the group), then reap the worker."""
+    pid = worker.proc.pid
+    if pid is not None and hasattr(os, "killpg"):
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the worker leads its group (setsid)
+        except (ProcessLookupError, PermissionError):
+            pass
     if worker.proc.is_alive():
         worker.proc.kill()
     worker.proc.join(timeout=5)

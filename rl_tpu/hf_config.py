@@ -53,6 +53,19 @@ def check_hf_config(hf: dict, where: str | Path) -> None:
         moe_settings(hf, where)
 
 
+def _moe_model(cfg: Any, setting: str) -> tuple[dict, str]:
+    """The HF config of `cfg.model.path` and where it is read from; a `ModelError` naming `setting` when the
+    model has no experts (the tiny default is a dense Qwen3)."""
+    where = f"{cfg.model.path}/config.json" if cfg.model.path else "the tiny default model"
+    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3"}
+    if hf.get("model_type") not in MOE_MODEL_TYPES:
+        raise ModelError(
+            f"`{setting}` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
+            f"{where} is model_type {hf.get('model_type')!r}, which has no experts"
+        )
+    return hf, where
+
+
 def check_routing_replay(cfg: Any) -> None:
     """Raise before any actor starts if `rollout.routing_replay` is set where it cannot work: on a dense
     model (the tiny default included), or with rollouts stitched from several engine calls (partial
@@ -60,12 +73,7 @@ def check_routing_replay(cfg: Any) -> None:
     rc = cfg.rollout
     if not rc.routing_replay:
         return
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3 (the tiny default)"}
-    if hf.get("model_type") not in MOE_MODEL_TYPES:
-        raise ModelError(
-            f"`rollout.routing_replay = true` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
-            f"model.path = {cfg.model.path!r} is model_type {hf.get('model_type')!r}"
-        )
+    _moe_model(cfg, "rollout.routing_replay = true")
     for key, on in (("partial", rc.partial), ("env", rc.env), ("tools", rc.tools)):
         if on:
             raise ModelError(f"`rollout.routing_replay = true` does not support `rollout.{key}` yet")
@@ -77,13 +85,7 @@ def check_expert_parallel(cfg: Any) -> None:
     ep = cfg.trainer.expert_parallel
     if ep == 1:
         return
-    where = f"{cfg.model.path}/config.json" if cfg.model.path else "the tiny default model"
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else {"model_type": "qwen3"}
-    if hf.get("model_type") not in MOE_MODEL_TYPES:
-        raise ModelError(
-            f"`trainer.expert_parallel = {ep}` needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); "
-            f"{where} is model_type {hf.get('model_type')!r}, which has no experts (use 1)"
-        )
+    hf, where = _moe_model(cfg, f"trainer.expert_parallel = {ep}")
     n = moe_settings(hf, where)["num_experts"]
     if n % ep:
         raise ModelError(f"`trainer.expert_parallel = {ep}` must divide the model's {n} experts ({where})")

@@ -339,9 +339,9 @@ class MultiTurn:
         if not isinstance(result, tuple) or len(result) != 3:
             raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
         new, reward, done = _check_messages(result[0], where), result[1], result[2]
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
-            raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
         if reward is not None:
+            if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+                raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
             t.reward = float(reward)
         return new, bool(done)
 

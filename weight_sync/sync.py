@@ -108,7 +108,7 @@ class WeightSync:
         self.group = None if isinstance(receivers, (list, tuple)) else receivers
         if self.group is not None:
             receivers = self.group.workers  # the group's own list: a restart replaces its entry in place
-        self.receivers, self.transport = receivers, transport
+        self.receivers = receivers
         self.verify_each, self.trainer = verify, trainer
         self.lock = threading.Lock()
         self.installer: Installer = (

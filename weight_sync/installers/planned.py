@@ -245,9 +245,9 @@ class PlannedInstall(Installer):
     def replace(self, engine: int) -> None:
         """The restarted engine's loaders are run again on codes and must lay weights out exactly as the
         plan says; then it gets its tables (it holds the weights it started with until synced)."""
-        receiver = self.receivers[engine]
         if self.plan is None:
             return
+        receiver = self.receivers[engine]
         if self.transport == "collective":
             raise RuntimeError(
                 "weight sync: the collective transport cannot take back a restarted engine (its "

@@ -176,9 +176,7 @@ def reference_layouts(worker, hf_weights) -> tuple[dict[str, torch.Tensor], dict
     """Verify mode's references from full HF tensors, both on copies (the engine's weights are left as
     they are): (loaded, kernel) where `loaded` is what vLLM's loaders put in each engine parameter of this
     rank (as `reference_layout`) and `kernel` what vLLM's per-layer processing then makes of it, by
-    engine tensor name: the tensors the engine serves after an install of the same weights. `loaded` keeps
-    only the parameters whose processed form holds no elements (vLLM-CPU's packed linears), the ones verify
-    compares in the loaded layout, so the references cost about one copy of the rank's weights."""
+    engine tensor name. About two copies of the rank's weights."""
     model = vllm_compat.model(worker)
     names = {id(m): n for n, m in model.named_modules()}
     loaded: dict[str, torch.Tensor] = {}
@@ -192,15 +190,5 @@ def reference_layouts(worker, hf_weights) -> tuple[dict[str, torch.Tensor], dict
 
         return capture
 
-    keep_kernel = into(kernel)
-
-    def processed(layer, tensors):
-        keep_kernel(layer, tensors)
-        prefix = names.get(id(layer), "")
-        for pname in tensors:
-            name = f"{prefix}.{pname}" if prefix else pname
-            if name in loaded and kernel[name].numel() > 0:
-                del loaded[name]
-
-    vllm_compat.run_loaders(worker, iter(hf_weights), into(loaded), processed=processed)
+    vllm_compat.run_loaders(worker, iter(hf_weights), into(loaded), processed=into(kernel))
     return loaded, kernel

@@ -34,13 +34,17 @@ Install paths for policy version v: `rl_ws_begin(v)`, `rl_ws_receive(...)` once 
   each processed layer's reason are logged and reported to the driver (`rl_ws_install`,
   `WeightSync.routes()` field `install`). The driver may force either path (`direct`).
 
-Verify (`rl_ws_verify`) compares the tensors the engine serves (`named_parameters()` / buffers after the
-install, kernel layout) with a reference that runs vLLM's loaders AND its per-layer processing on the
-trainer's tensors, on copies (`vllm_compat.capture_mode(processed=...)`), so a wrong install path or a
-wrong layout shows. Where processing leaves no tensor to compare (vLLM-CPU's oneDNN / sgl packing: the
-weight becomes an empty tensor and the packed copy lives in a closure), that parameter is compared in
-the loaded layout instead: the tensors the install assembled (kept when its layer completed) against
-vLLM's loaders' output. `verified` says which comparison each parameter had.
+Verify (`rl_ws_verify`) compares what the engine serves after the install with the trainer's tensors as
+vLLM's loaders lay them out for this rank (run on copies), reading the engine through the same code its
+forward pass uses wherever it can, so a skipped or wrong processing step shows rather than being
+repeated on the reference: every linear's and the LM head's weight is read back by applying the layer's
+own `quant_method.apply` to the identity (exact: one product per output), whatever the kernel keeps it
+as (a oneDNN handle on vLLM-CPU, `[in, out]` on TorchTPU); a tensor processing leaves as loaded
+(norms, embeddings, biases) is read live. Only a tensor processed into another layout that no layer
+applies (MoE experts) falls back to vLLM's processing run on the reference, or, where that leaves no
+tensor, to the install's copy of the loaded layout. `verified` says which way each was read
+(`VERIFY_HOW`). Tests that break an install after the fact and expect verify to name exactly the broken
+tensor: tests/integration/test_verify_mutation.py.
 
 Invariants: pieces of a bucket are applied in plan order; a layer is processed exactly once, when its
 last element arrives; `finish` raises (naming each parameter) if any element is missing.
@@ -65,6 +69,17 @@ from .wire import bucket_nbytes, unpack
 
 log = logging.getLogger("rl_tpu")
 
+# how verify reads each tensor the engine serves, most independent first
+VERIFY_HOW = {
+    "applied": "a linear's or the LM head's weight as its kernel multiplies by it: the layer's own "
+    "`quant_method.apply` on the identity, against vLLM's loaders' layout of the trainer's tensor",
+    "served": "the live tensor, where vLLM's processing leaves the loaded layout as it is, against the "
+    "loaders' layout",
+    "kernel": "the live tensor, processed into another layout, against vLLM's processing of the "
+    "loaders' layout (shares the install's processing code)",
+    "loaded": "processed into no tensor and not applied: the install's copy of the loaded layout "
+    "(taken before processing)",
+}
 PIECE_FIELDS = 5  # dst, dst_row, dst_col, nrows, ncols
 REGION_ALIGN = 4096  # byte alignment of each parameter in a receiver region (page: SIMD loads, huge pages)
 
@@ -130,7 +145,7 @@ class _EngineState:
     # layer; `processed` names each layer it is not for, with the reason
     install: str = "layerwise"
     processed: dict[str, str] = field(default_factory=dict)
-    verified: dict[str, str] = field(default_factory=dict)  # last verify: param -> "kernel" or "loaded"
+    verified: dict[str, str] = field(default_factory=dict)  # last verify: tensor -> a key of VERIFY_HOW
 
 
 class EngineSide:
@@ -413,12 +428,12 @@ class EngineSide:
         self._rl_ws.kept = reference_layout(self, hf_weights)
 
     def rl_ws_verify(self, hf_weights: Any) -> dict[str, float]:
-        """Max |diff| per engine tensor between what the engine serves now (kernel layout, after the last
-        install) and what vLLM's own loaders and per-layer processing make of `hf_weights` (pairs, or a
-        safetensors path across a process boundary); inf where shapes or dtypes differ. A parameter
-        whose processed form holds no elements (vLLM-CPU packs linears outside tensors) is compared in
-        the loaded layout instead: the install's kept tensors against the loaders' output (`verified`
-        says which). The reference is computed on copies: the engine keeps serving the synced weights."""
+        """Max |diff| per engine tensor between what the engine serves now and the trainer's weights
+        `hf_weights` (pairs, or a safetensors path across a process boundary) laid out by vLLM's own
+        loaders on copies; inf where shapes or dtypes differ, or a value is not finite. How each tensor
+        is read (`verified` keeps it, see `VERIFY_HOW`) does not go through vLLM's per-layer processing
+        where that can be avoided, so a processing step that was skipped or went wrong shows. The engine
+        keeps serving the synced weights."""
         st = self._rl_ws
         if isinstance(hf_weights, str):
             from safetensors.torch import load_file
@@ -429,17 +444,30 @@ class EngineSide:
         served = dict(model.named_parameters(remove_duplicate=False))
         served.update(model.named_buffers(remove_duplicate=False))
         out, st.verified = {}, {}
-        for name, r in kernel.items():
-            if r.numel() == 0 and name in loaded and loaded[name].numel() > 0:
-                mine, r, how = st.kept.get(name), loaded[name], "loaded"
+        for prefix, module in vllm_compat.applied_modules(model).items():
+            name = f"{prefix}.weight"
+            ref = loaded.get(name)
+            if ref is None:  # a tied LM head: its weight is another parameter's (the embedding's)
+                ref = next((loaded[n] for n, p in served.items() if p is module.weight and n in loaded), None)
+            if ref is None or ref.dim() != 2:
+                continue
+            mine = vllm_compat.applied_weight(module, ref.shape[1], ref.dtype, module.weight.device)
+            out[name], st.verified[name] = _max_diff(mine, ref), "applied"
+        for name, k in kernel.items():
+            if name in out:
+                continue
+            mine, ref = served.get(name), loaded.get(name)
+            if ref is not None and mine is not None and mine.shape == ref.shape and _max_diff(k, ref) == 0:
+                how = "served"  # processing leaves it as loaded: the live tensor must be the loaded one
+            elif k.numel() == 0 and ref is not None and ref.numel() > 0:
+                mine, how = st.kept.get(name), "loaded"  # processed into no tensor: the install's copy
             else:
-                mine, how = served.get(name), "kernel"
-            st.verified[name] = how
-            out[name] = _max_diff(mine, r)
+                ref, how = k, "kernel"  # processed into another layout: vLLM's processing of the reference
+            out[name], st.verified[name] = _max_diff(mine, ref), how
         return out
 
     def rl_ws_verified(self) -> dict[str, str]:
-        """Which comparison the last verify made per parameter: "kernel" or "loaded"."""
+        """How the last verify read each tensor (`VERIFY_HOW`)."""
         return dict(self._rl_ws.verified)
 
     def rl_ws_device(self) -> str:
@@ -479,12 +507,11 @@ class EngineSide:
 def _max_diff(mine: torch.Tensor | None, ref: torch.Tensor) -> float:
     if mine is None or tuple(mine.shape) != tuple(ref.shape) or mine.dtype != ref.dtype:
         return float("inf")
+    if not ref.numel():
+        return 0.0
     # on the host: the engine serves from its device, the reference may be built elsewhere (CPU)
-    return (
-        (mine.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
-        if ref.numel()
-        else 0.0
-    )
+    d = (mine.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
+    return d if math.isfinite(d) else float("inf")  # NaN compares as a difference, never as none
 
 
 def _fill_probe(t: torch.Tensor) -> None:

@@ -293,3 +293,12 @@ class EngineReceiver(SyncReceiver):
 
     def ws_crosses_process(self) -> bool:
         return self.crosses_process
+
+    def load_weights(self, payload: Any, version: int, full: bool = True, keep: bool = False) -> dict:
+        """The `reload` transport's install: vLLM's own loader takes every tensor of `payload` (pairs or a
+        safetensors path), then the prefix cache is reset (`RolloutWorker.load_weights` without the
+        actor's shape checks and engine restart)."""
+        loaded = EngineRanks(self.llm).load_full(payload, keep)
+        reset_kv(self.llm)
+        self.version = version
+        return {"version": version, "engine_params": len(loaded[0])}

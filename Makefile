@@ -20,6 +20,7 @@ test:
 	@bash scripts/setup.sh --extra verl --extra bench
 	@bash scripts/setup.sh --role-env xla
 	@bash scripts/setup.sh --role-env tpu  # .venv-tpu (Python 3.12, locks/tpu.txt): ~3 min and ~7 GB of uv cache the first time
+	@bash scripts/setup.sh --sandbox  # bubblewrap, for the rollout.sandbox tests (tests/unit/test_containment.py)
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
 	.venv/bin/pytest --durations=30 $(PYTEST_ARGS)

@@ -3,7 +3,8 @@
 Rewards (`rl_tpu.rewards.RewardPool`) and tools (`rl_tpu.rollout.tools.Tools`) run user code through it.
 
 Why not `concurrent.futures.ProcessPoolExecutor`: it cannot cancel a running call, so one hung function
-would stall the run forever. Here each worker is a spawn-context process with its own pipe; the parent
+would stall the run forever. Here each worker is a process of its own (`rl_tpu.containment.start`: a fresh
+interpreter, its own process group, the pool's limits) with its own connection; the parent
 sends chunks of calls and the worker answers each call as it finishes, so the parent always knows which
 call a worker is on and since when. A call running longer than `timeout_s` gets its worker killed
 (SIGKILL: works on sleeping, spinning or deadlocked code alike) and replaced; the rest of its chunk is
@@ -22,6 +23,9 @@ Invariants:
   "timed out after T s", "worker process died (exit code N)") with a timeout flag. `on_failure(index,
   result)` sees each failure as it happens; if it raises, the busy workers are replaced (none keeps
   working on that batch) and the exception propagates.
+- Answers travel as JSON (`_answer`): the parent never unpickles anything a worker sends, so code
+  running in a worker cannot run code in the driver through the connection; bytes that are not one of
+  our answers cost that worker (replaced) and its call. Calls go to workers pickled (the driver's own).
 - The pool is reusable across batches until `close()`. One `run` at a time (not thread-safe). A worker
   killed from outside is replaced; three deaths in a row before a worker reports ready (a crash while
   importing the functions) raise `error_type`.
@@ -31,20 +35,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import multiprocessing as mp
+import json
 import os
-import signal
-import sys
 import time
 import traceback
-import types
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
+from rl_tpu.containment import Limits, start
 from rl_tpu.user_code import SpecError, load_callable, resolve_spec
 
 MAX_CHUNK = 64  # calls per message to one worker: amortises pipe latency, keeps re-queues small
@@ -73,34 +75,26 @@ def identity(value: Any) -> Any:
 # worker process
 
 
-def _limit_memory(memory_mb: int) -> None:
-    """Cap this process's address space (RLIMIT_AS) at `memory_mb` MiB: an allocation past it raises
-    MemoryError in the call that made it (reported as that call's error), instead of the machine's
-    out-of-memory killer picking a process. Linux and macOS; a no-op where `resource` is missing."""
+def _answer(conn, msg: tuple) -> None:
+    """Send `msg` to the parent as JSON: the parent never unpickles what user code produced, so a hostile
+    function cannot run code in the driver through its answer. A value JSON cannot write fails its call."""
     try:
-        import resource
-    except ImportError:  # Windows
-        return
-    limit = memory_mb * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # hard too: the user's code cannot raise it
+        data = json.dumps(msg)
+    except (TypeError, ValueError) as e:
+        data = json.dumps(("err", msg[1], f"TypeError: the answer cannot be sent as JSON: {e}", ""))
+    conn.send_bytes(data.encode())
 
 
-def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any], memory_mb: int = 0) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
-    if hasattr(os, "setsid"):
-        os.setsid()  # a process group of its own: killing the worker kills what its calls started too
-    if memory_mb:
-        _limit_memory(memory_mb)  # before the user's modules load: their imports count too
+def _worker_main(conn, init: tuple) -> None:
+    """A worker's loop (`containment.start` entry): load the functions, then answer chunks of calls."""
+    specs, label, check, load = init
     try:
-        fns = [load_callable(s, label) for s in specs]
+        fns = [load(s, label) for s in specs]
     except BaseException as e:  # noqa: BLE001 - reported to the parent verbatim
-        conn.send(("load_error", str(e), traceback.format_exc()))
+        _answer(conn, ("load_error", str(e), traceback.format_exc()))
         return
     loop = asyncio.new_event_loop()  # one loop per worker: async functions cost no loop setup per call
-    conn.send(("ready", os.getpid()))
+    _answer(conn, ("ready", os.getpid()))
     while True:
         try:
             tasks = conn.recv()
@@ -116,7 +110,7 @@ def _worker_main(conn, specs: list[str], label: str, check: Callable[[Any], Any]
                 msg = ("ok", call_id, check(out))
             except BaseException as e:  # noqa: BLE001 - user code may even raise SystemExit
                 msg = ("err", call_id, f"{type(e).__name__}: {e}", traceback.format_exc())
-            conn.send(msg)
+            _answer(conn, msg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,16 +129,7 @@ class _Worker:
 def _kill(worker: _Worker) -> None:
     """SIGKILL the worker's process group (the worker and every process its calls started that did not
     leave the group), then reap the worker."""
-    pid = worker.proc.pid
-    if pid is not None and hasattr(os, "killpg"):
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the worker leads its group (setsid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if worker.proc.is_alive():
-        worker.proc.kill()
-    worker.proc.join(timeout=5)
-    worker.conn.close()
+    worker.proc.kill()
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -197,17 +182,25 @@ class CallPool:
         check: Callable[[Any], Any] = identity,
         startup_timeout_s: float = 120.0,
         memory_mb: int = 0,
+        env_allow: Sequence[str] | None = None,
+        sandbox: bool = False,
+        load: Callable[[str, str], Callable] = load_callable,
     ):
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
         # `error_type` is what startup failures raise (a spec that does not load, or whose workers do not
         # start in `startup_timeout_s`, raises `spec_error`);
-        # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none
+        # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none; `env_allow`: the
+        # environment variables workers see (None: all); `sandbox`: bubblewrap (rl_tpu/containment.py);
+        # `load(spec, label)` turns a spec into the function in each worker (a module-level function)
         self.specs = [resolve_spec(s) for s in specs]
-        self.name, self.error_type, self.check = name, error_type, check
+        self.name, self.error_type, self.check, self.load = name, error_type, check, load
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = startup_timeout_s
-        self.memory_mb = int(memory_mb)
-        self._ctx = mp.get_context("spawn")
+        self.limits = Limits(
+            memory_mb=int(memory_mb),
+            env_allow=None if env_allow is None else tuple(env_allow),
+            sandbox=sandbox,
+        )
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self._next_call = 0
@@ -223,24 +216,13 @@ class CallPool:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def _spawn(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_worker_main,
-            args=(child, self.specs, f"{self.name} spec", self.check, self.memory_mb),
-            daemon=True,
+        proc = start(
+            "rl_tpu.call_pool:_worker_main",
+            (self.specs, f"{self.name} spec", self.check, self.load),
+            self.limits,
             name=f"rl-tpu-{self.name}-worker",
         )
-        # Spawn re-runs the parent's __main__ in the child unless __main__ has no file: hide it, since
-        # workers load everything by spec. This makes the pool work from stdin, notebooks, Ray workers
-        # and unguarded scripts, and saves the child a re-import of the driver.
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            proc.start()
-        finally:
-            sys.modules["__main__"] = main
-        child.close()
-        return _Worker(proc=proc, conn=parent)
+        return _Worker(proc=proc, conn=proc.conn)
 
     def _wait_ready(self) -> None:
         while not all(w.ready for w in self._workers):
@@ -324,7 +306,7 @@ class CallPool:
             try:
                 if not w.conn.poll():
                     return
-                msg = w.conn.recv()
+                raw = w.conn.recv_bytes()
             except (EOFError, OSError):
                 w.proc.join(timeout=1)
                 if not w.ready:
@@ -338,7 +320,12 @@ class CallPool:
                         ) from None
                 self._replace(w, run, queue, failure=f"worker process died (exit code {w.proc.exitcode})")
                 return
-            kind = msg[0]
+            try:
+                msg = json.loads(raw)
+                kind = msg[0]
+            except (ValueError, TypeError, IndexError, KeyError):  # not what our worker loop sends
+                self._replace(w, run, queue, failure="its worker sent an unreadable answer")
+                return
             if kind == "ready":
                 w.ready, w.since = True, time.monotonic()
                 self._startup_deaths = 0

@@ -237,6 +237,22 @@ class RolloutConfig:
     tool_timeout_s: float = F(10.0, gt=0)  # seconds per tool call before it is killed (see `tools`)
     tool_workers: int = F(2, ge=1)  # processes running tool calls
     tool_memory_mb: int = F(4096, ge=0)  # address-space limit of a tool call in MiB; 0: none
+    # seconds an environment's `reset` or `step` may run; past it, its trajectory ends with reward 0
+    # (`rollout/env_timeouts`) and its worker, taking no new trajectories, is killed once its others end
+    env_timeout_s: float = F(30.0, gt=0)
+    # processes holding the environment's instances (one per trajectory, many per process)
+    env_workers: int = F(2, ge=1)
+    # address-space limit of an environment worker in MiB (RLIMIT_AS: a runaway allocation is that call's
+    # MemoryError, ending its trajectory); 0: none
+    env_memory_mb: int = F(4096, ge=0)
+    # environment variables the processes running tools and environments see, beyond a default allow-list
+    # of harmless ones (PATH, HOME, LANG, ...: rl_tpu/containment.py): fnmatch patterns such as "MY_API_*".
+    # Everything else (API keys, tokens) is left out of their environment
+    worker_env: list[str] = F([])
+    # run tools and environments under bubblewrap (`bwrap`, the Debian package bubblewrap): no network, no
+    # other process visible, the filesystem read-only except a scratch folder per worker
+    # (docs/multi_turn.md, "What a tool or environment can do")
+    sandbox: bool = False
     # MoE models (docs/moe.md): the trainer's routers take the experts the engine routed each token to
     # (routing replay, "R3"; the router's probabilities of those experts still carry the gradient), so
     # training and sampling use the same experts and the router's drift between the two cannot blow up the

@@ -3,6 +3,8 @@
 
 Invariants:
 - A spec without `:` names `compute_score` in that module or file (verl's default name for a reward).
+- `path/to/tools.yaml:name` (a verl tool config file) is resolved like a file path; its tools load with
+  `rl_tpu.rollout.verl_tools.load_spec`, not here.
 - A file path is resolved against the current directory; `resolve_spec` turns it absolute so worker
   processes started elsewhere load the same file. A file is imported once per process under a
   private module name derived from its absolute path (re-loading returns the same function).
@@ -49,7 +51,7 @@ def split_spec(spec: str, label: str = "spec") -> tuple[str, str, bool]:
         target, fn = spec, DEFAULT_FUNCTION
     if not fn.isidentifier():
         raise SpecError(f"{label} {spec!r}: {fn!r} is not a valid function name")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    is_file = target.endswith((".py", ".yaml", ".yml")) or "/" in target or "\\" in target
     return target, fn, is_file
 
 

@@ -1,9 +1,10 @@
 """vLLM rollout workers: `RolloutGroup` (M engines as Ray actors), `RolloutWorker` (one engine),
 the `WorkerExtension` vLLM worker extension, and `generate_text` (one in-process engine, no Ray); the
-driver side of multi-turn rollouts (`multi_turn`) and the tools they call (`tools`).
+driver side of multi-turn rollouts (`multi_turn`), the environments' worker processes (`env_pool`), the
+tools they call (`tools`) and verl's tool config files as tools (`verl_tools`).
 
 Importing this package does not import vLLM or start Ray, and its names load on first use: a tool's
-worker process imports `rl_tpu.rollout.tools` alone, without torch or Ray (it runs under a memory limit
+or environment's worker process imports `rl_tpu.rollout.tools` / `env_pool` alone, without torch or Ray (it runs under a memory limit
 counted from its start).
 """
 

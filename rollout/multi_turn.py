@@ -18,6 +18,13 @@ Either may be `async`. `messages` is the conversation so far as text (the assist
 decoded them, tool calls and results included). The trajectory's reward is the last one `step` gave, or
 None (the caller then scores the final answer with the reward functions).
 
+Environments run in contained worker processes (`rl_tpu.rollout.env_pool.EnvPool`, `rollout.env_workers`
+of them, started like the tools' workers), each instance in one of them, released when its trajectory
+ends. A `reset` or `step` that raises, runs past `rollout.env_timeout_s` or loses its worker ends its
+trajectory with reward 0 (`finish_reason` "env_error", or "env_timeout"; counted in `env_error`,
+`env_timeout`); a trajectory whose `reset` failed has no response tokens. A return value of the wrong
+shape is a bug in the class: an `EnvError` stops the run.
+
 Tools (`rollout.tools`, rollout/tools.py): their schemas go to the chat template's `tools=` wherever it
 renders (the prompt, and `ChatDelta`). The rule for each assistant turn that stopped:
 - it has tool calls (`<tool_call>...</tool_call>`): they run (on the next free tool worker, in order),
@@ -34,28 +41,29 @@ assistant turn ends without stopping (`max_tokens` reached), after `max_turns` a
 the next turn would start past `max_total_tokens` tokens after the prompt.
 
 Trajectories run independently (`MultiTurn`'s `scheduling`): one waiting on a tool or its environment
-does not hold up the others' next turns; environments of different trajectories run on several threads
-(the async ones side by side on one event loop), each instance's calls one after another.
+(its `reset` included) does not hold up the others' next turns; each instance's calls come one after
+another, and instances of different trajectories run at the same time.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import numbers
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rl_tpu.errors import UserError
 from rl_tpu.rollout.tools import ToolResult, Tools, parse_tool_calls
 from rl_tpu.types import Completion
 from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable
+
+if TYPE_CHECKING:
+    from rl_tpu.call_pool import CallResult
+    from rl_tpu.rollout.env_pool import EnvPool
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +74,6 @@ SCHEDULING = ("independent", "lockstep")
 # independent scheduling: how long free engines wait for trajectories still in a tool or an environment
 # before generating the ready turns without them (tools that answer within it join the same call)
 TURN_WAIT_S = 0.05
-# environments' `reset`/`step` of different trajectories run on this many threads at once
-ENV_THREADS = 8
 
 
 class Environment(Protocol):
@@ -96,17 +102,6 @@ def load_env(spec: str, field_name: str = "rollout.env") -> type:
     return cls
 
 
-async def _awaited(value: Any) -> Any:
-    return await value
-
-
-def _resolve(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
-    """`value`, or what it resolves to on `loop` (running in another thread) when it is awaitable."""
-    if not inspect.isawaitable(value):
-        return value
-    return asyncio.run_coroutine_threadsafe(_awaited(value), loop).result()
-
-
 def _check_messages(messages: Any, where: str) -> list[dict]:
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -116,6 +111,25 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
             f"{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}"
         )
     return messages
+
+
+def check_opening(result: Any, where: str) -> list[dict]:
+    """`reset`'s return value, checked: at least one message (an `EnvError` saying what is wrong)."""
+    messages = _check_messages(result, where)
+    if not messages:
+        raise EnvError(f"{where} returned no messages: a trajectory opens with at least one (the prompt)")
+    return messages
+
+
+def check_answer(result: Any, where: str) -> tuple[list[dict], float | None, bool]:
+    """`step`'s return value, checked (an `EnvError` saying what is wrong): the new messages, the reward
+    as a float or None, done as a bool."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
+    new, reward, done = _check_messages(result[0], where), result[1], result[2]
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
+        raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
+    return new, None if reward is None else float(reward), bool(done)
 
 
 class ChatDelta:
@@ -182,7 +196,12 @@ class Trajectory:
     tool_calls: int = 0  # calls the model wrote, malformed ones included
     tool_errors: int = 0  # of which answered with an error (malformed, raised, bad return, dead worker)
     tool_timeouts: int = 0  # of which timed out
-    env_error: bool = False  # the environment's `step` raised: ended with reward 0
+    tool_reward: float = 0.0  # the step rewards the calls gave (`ToolReply`: verl's tools), summed
+    env_error: bool = False  # its environment's reset or step raised or lost its worker: ended, reward 0
+    env_timeout: bool = False  # its environment's reset or step ran past env_timeout_s: ended, reward 0
+    # the policy version a trajectory without sampled tokens (its reset failed) reports: the oldest that
+    # sampled the others of its rollout, so staleness checks see it as of its batch
+    empty_version: int = -1
     engine_rss_mb: float | None = None  # the engine's resident memory after the last turn's call
 
     @property
@@ -215,7 +234,7 @@ class Trajectory:
             logprobs=list(self.logprobs) if self.engine_logprobs else [],
             finish_reason=self.finish_reason,
             text=self.last_text,
-            policy_version=min(sampled, default=-1),
+            policy_version=min(sampled, default=self.empty_version),
             token_versions=list(self.versions),
             loss_mask=list(self.mask),
             extra={"turns": self.turns, "env_reward": self.reward}
@@ -234,8 +253,9 @@ def retokenize_drift(tokenizer: Any, traj: Trajectory) -> bool:
 class MultiTurn:
     """Runs trajectories turn by turn: a trajectory's assistant turn comes from `generate` (called with
     the turns of every trajectory ready for one), its tool calls go to the next free tool worker
-    (`Tools.submit`) or its environment's `step` answers it, and it is ready again. `env_cls` may be
-    None when `tools` are given (see the module docstring for the rule).
+    (`Tools.submit`) or its environment's `step` answers it, and it is ready again. `envs` holds the
+    environment's instances (`EnvPool`, which the caller owns and closes); None when `tools` are given
+    and there is no environment (see the module docstring for the rule).
 
     `scheduling`: "independent" (trajectories waiting on a tool or an environment do not hold up the
     others: once the engines are free, the ready turns wait at most `TURN_WAIT_S` for the rest, then
@@ -247,7 +267,7 @@ class MultiTurn:
     def __init__(
         self,
         tokenizer: Any,
-        env_cls: type | None,
+        envs: EnvPool | None,
         generate: Generate,
         *,
         max_turns: int,
@@ -263,36 +283,42 @@ class MultiTurn:
                 f"max_turns, max_tokens and max_total_tokens must be >= 1, got {max_turns}, {max_tokens}, "
                 f"{max_total_tokens}"
             )
-        self.tok, self.env_cls, self.generate, self.tools = tokenizer, env_cls, generate, tools
+        if isinstance(envs, type):
+            raise TypeError(
+                f"MultiTurn takes an EnvPool (rl_tpu.rollout.env_pool), not the class {envs.__name__}: "
+                "environments run in worker processes, which load the class by its spec"
+            )
+        self.tok, self.envs, self.generate, self.tools = tokenizer, envs, generate, tools
         self.max_turns, self.max_tokens, self.max_total_tokens = max_turns, max_tokens, max_total_tokens
         self.schemas = tools.schemas if tools else None
         self.delta = ChatDelta(tokenizer, tools=self.schemas)
-        self._log_env_error = threading.Lock()  # taken by the first error (environments run on threads)
+        self._log_env_error = threading.Lock()  # taken by the first environment failure
         self.eos_id = tokenizer.convert_tokens_to_ids(self.delta.eos_text)
         self.scheduling = scheduling
         self.stats: dict[str, float] = {}
 
-    def opening(self, sample: dict, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], Any]:
-        """A trajectory's opening messages and its environment: the environment's `reset`, or without one
-        the row's own messages."""
-        env = self.env_cls() if self.env_cls is not None else None
-        if env is None:
-            return list(sample["messages"]), None
-        where = f"{self.env_cls.__name__}.reset"
-        messages = _check_messages(_resolve(env.reset(sample), loop), where)
-        if not messages:
-            raise EnvError(f"{where} returned no messages: a trajectory opens with at least one (the prompt)")
-        return messages, env
-
     def start(self, sample: dict, messages: list[dict]) -> Trajectory:
         """The trajectory of `messages`: their rendering with the tools, tokenized once. Called on the
-        rollout's own thread, never on the environments': Hugging Face tokenizers do not promise thread
-        safety (a fast tokenizer raises "Already borrowed" when threads change its truncation or padding
-        at once), so every tokenization of a rollout stays on one thread."""
+        rollout's own thread only: Hugging Face tokenizers do not promise thread safety (a fast tokenizer
+        raises "Already borrowed" when threads change its truncation or padding at once), so every
+        tokenization of a rollout stays on one thread."""
         ids = self.tok.apply_chat_template(
             messages, tools=self.schemas, tokenize=True, add_generation_prompt=True, return_dict=False
         )
         return Trajectory(sample=sample, prompt_ids=[int(i) for i in ids], messages=list(messages))
+
+    def opened(self, sample: dict, result: CallResult) -> Trajectory:
+        """The trajectory `reset`'s `result` opens. A failed `reset` (raised, timed out, worker lost) gives
+        a trajectory that has ended already (reward 0, no response tokens) on the row's own messages."""
+        if result.ok:
+            return self.start(sample, check_opening(result.value, f"{self.envs.name}.reset"))
+        own = sample.get("messages")
+        try:
+            t = self.start(sample, check_opening(own, "the row's messages"))
+        except EnvError:
+            t = self.start(sample, [{"role": "user", "content": ""}])
+        self._env_failed(t, "reset", result)
+        return t
 
     def rollout(self, samples: Sequence[dict], n: int = 1) -> list[Trajectory]:
         """`n` trajectories per sample, in order (sample 0's n, then sample 1's, ...)."""
@@ -317,38 +343,38 @@ class MultiTurn:
         t.messages.append({"role": "assistant", "content": out.text})
         return True
 
-    def _step(self, t: Trajectory, env: Any, loop: asyncio.AbstractEventLoop) -> tuple[list[dict], bool]:
-        """The environment's answer. An exception in `step` ends the trajectory with reward 0 (counted in
-        `env_error`, the first one logged with its traceback), like a failing reward function; a
-        return value of the wrong shape is a bug in the class and stops the run (`EnvError`)."""
-        where = f"{self.env_cls.__name__}.step"
-        try:
-            result = _resolve(env.step(list(t.messages)), loop)
-        except Exception as e:  # noqa: BLE001 - user code: one bad row must not stop the run
-            if self._log_env_error.acquire(blocking=False):
-                log.warning(
-                    "%s raised %s: %s; the trajectory ends with reward 0 (later errors are only counted in "
-                    "rollout/env_errors)\n%s",
-                    where,
-                    type(e).__name__,
-                    e,
-                    traceback.format_exc(),
-                )
-            t.reward, t.env_error = 0.0, True
-            return [], True
-        if not isinstance(result, tuple) or len(result) != 3:
-            raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
-        new, reward, done = _check_messages(result[0], where), result[1], result[2]
+    def answered(self, t: Trajectory, result: CallResult) -> None:
+        """Go on with the environment's answer to `t`'s last turn. A `step` that raised, timed out or lost
+        its worker ends `t` with reward 0, like a failing reward function; a return value of the wrong
+        shape is a bug in the class and stops the run (`EnvError`)."""
+        if not result.ok:
+            self._env_failed(t, "step", result)
+            return
+        new, reward, done = check_answer(result.value, f"{self.envs.name}.step")
         if reward is not None:
-            if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-                raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
-            t.reward = float(reward)
-        return new, bool(done)
+            t.reward = reward
+        self._continue(t, new, done)
+
+    def _env_failed(self, t: Trajectory, method: str, result: CallResult) -> None:
+        """End `t` with reward 0 (`env_timeout` or `env_error`); the first failure is logged, with the
+        environment's traceback when it raised."""
+        t.reward = 0.0
+        t.env_timeout, t.env_error = result.timeout, not result.timeout
+        t.finish_reason = "env_timeout" if result.timeout else "env_error"
+        if self._log_env_error.acquire(blocking=False):
+            log.warning(
+                "%s.%s %s; the trajectory ends with reward 0 (later failures are only counted in "
+                "rollout/env_errors and rollout/env_timeouts)\n%s",
+                self.envs.name,
+                method,
+                result.error,
+                result.traceback or "",
+            )
 
     def _continue(self, t: Trajectory, new: list[dict], done: bool) -> None:
         """Insert the template's ids for `new` (tool results or the environment's reply), or end `t`."""
         if done:
-            t.finish_reason = "env_error" if t.env_error else "env"
+            t.finish_reason = "env"
         elif t.turns >= self.max_turns:
             t.finish_reason = "max_turns"
         else:
@@ -361,53 +387,52 @@ class MultiTurn:
 
 
 class _Run:
-    """One `MultiTurn.rollout`. Each trajectory moves from its assistant turn to its tool calls or its
-    environment's `step` and back until it ends; this thread only moves them. Generation runs on a
-    thread of its own (one call at a time), each trajectory's tool calls on the next free tool worker
-    (`Tools.submit`), environments on `ENV_THREADS` threads (the async ones on one event loop, side by
-    side), so a trajectory in a slow tool or environment never holds the engines or the others."""
+    """One `MultiTurn.rollout`. Each trajectory moves from its environment's `reset` to its assistant
+    turn, then to its tool calls or its environment's `step` and back, until it ends; this thread only
+    moves them (and tokenizes). Generation runs on a thread of its own (one call at a time), each
+    trajectory's tool calls on the next free tool worker (`Tools.submit`), environments in the pool's
+    worker processes (`EnvPool`), so a trajectory in a slow tool or environment never holds the engines
+    or the others. An environment instance is released as soon as its trajectory ends."""
 
     def __init__(self, mt: MultiTurn, samples: Sequence[dict], n: int):
-        self.mt, self.samples, self.n = mt, samples, n
-        self.loop = asyncio.new_event_loop()
-        self.loop_thread = threading.Thread(
-            target=self.loop.run_forever, name="rl_tpu-turns-async", daemon=True
-        )
+        self.mt, self.n = mt, n
+        self.samples = [s for s in samples for _ in range(n)]
         self.generating = ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-turns-generate")
-        self.envs_pool = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="rl_tpu-turns-env")
         self.jobs: dict[Future, tuple[str, Any]] = {}  # in flight: (kind, what it is for)
+        self.trajs: list[Trajectory | None] = [None] * len(self.samples)  # None: its reset runs
+        self.homes: list[int | None] = [None] * len(self.samples)  # each one's instance in `mt.envs`
         self.ready: list[int] = []  # trajectories waiting for their next assistant turn
         self.ready_since = self.idle_since = time.monotonic()  # first of `ready` queued; engines free since
         self.calls = self.turns = 0
 
     def run(self) -> list[Trajectory]:
-        self.loop_thread.start()
         try:
-            samples = [s for s in self.samples for _ in range(self.n)]
-            opened = [self.envs_pool.submit(self.mt.opening, s, self.loop) for s in samples]
-            self.trajs, self.envs = [], []
-            for s, job in zip(samples, opened):
-                messages, env = job.result()
-                self.trajs.append(self.mt.start(s, messages))  # tokenized here, not on the env threads
-                self.envs.append(env)
-            self.ready = list(range(len(self.trajs)))
+            for i, s in enumerate(self.samples):
+                if self.mt.envs is None:
+                    self.trajs[i] = self.mt.start(s, list(s["messages"]))
+                    self.ready.append(i)
+                else:
+                    self.homes[i], job = self.mt.envs.reset(s)
+                    self.jobs[job] = ("reset", i)
             while True:
                 self._launch()
                 if not self.jobs:
-                    return self.trajs
+                    break
                 done, _ = wait(list(self.jobs), timeout=self._wait_s(), return_when=FIRST_COMPLETED)
                 for job in done:
                     kind, what = self.jobs.pop(job)
                     getattr(self, f"_{kind}_done")(job.result(), what)
         finally:
-            for pool in (self.generating, self.envs_pool):
-                pool.shutdown(wait=False, cancel_futures=True)
+            self.generating.shutdown(wait=False, cancel_futures=True)
             for job in self.jobs:
                 job.cancel()  # tool calls not started yet
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.loop_thread.join(timeout=5)
-            if not self.loop.is_running():  # else an environment is still in it (the run failed)
-                self.loop.close()
+            for i in range(len(self.homes)):
+                self._release(i)
+        trajs: list[Trajectory] = self.trajs  # type: ignore[assignment] - every reset answered
+        oldest = min((v for t in trajs for v, m in zip(t.versions, t.mask) if m), default=-1)
+        for t in trajs:
+            t.empty_version = oldest
+        return trajs
 
     def stats(self) -> dict[str, float]:
         return {"generate_calls": float(self.calls), "turns_per_call": self.turns / max(self.calls, 1)}
@@ -415,7 +440,7 @@ class _Run:
     # -- when the next turns go ----------------------------------------------------------------------
     def _held_back(self) -> float | None:
         """Seconds the ready turns still wait for the other unfinished trajectories (None: no limit)."""
-        others = sum(not t.done for t in self.trajs) - len(self.ready)
+        others = sum(t is None or not t.done for t in self.trajs) - len(self.ready)
         if not others:
             return 0.0
         if self.mt.scheduling == "lockstep":
@@ -439,13 +464,25 @@ class _Run:
         self.jobs[self.generating.submit(self.mt.generate, prompts, self.mt.max_tokens)] = ("generate", batch)
         self.calls, self.turns = self.calls + 1, self.turns + len(batch)
 
-    def _make_ready(self, i: int) -> None:
-        if not self.trajs[i].done:
-            if not self.ready:
-                self.ready_since = time.monotonic()
-            self.ready.append(i)
+    def _next(self, i: int) -> None:
+        """Trajectory `i` got its answer: it waits for its next turn, or it ended (its instance goes)."""
+        if self.trajs[i].done:
+            self._release(i)
+            return
+        if not self.ready:
+            self.ready_since = time.monotonic()
+        self.ready.append(i)
+
+    def _release(self, i: int) -> None:
+        if self.homes[i] is not None:
+            self.mt.envs.release(self.homes[i])
+            self.homes[i] = None
 
     # -- what comes back -----------------------------------------------------------------------------
+    def _reset_done(self, result: CallResult, i: int) -> None:
+        self.trajs[i] = self.mt.opened(self.samples[i], result)  # tokenized here, on this thread
+        self._next(i)
+
     def _generate_done(self, outs: list[Completion], batch: list[int]) -> None:
         self.idle_since = time.monotonic()
         if len(outs) != len(batch):
@@ -454,14 +491,16 @@ class _Run:
         for i, out in zip(batch, outs):
             t = self.trajs[i]
             if not mt._sampled(t, out):
+                self._release(i)
                 continue
             calls = mt.tools.bind(parse_tool_calls(t.last_text), t.sample) if mt.tools else []
             if calls and t.turns < mt.max_turns:
                 self.jobs[mt.tools.submit(calls)] = ("tools", i)
             elif calls:  # a call in the last turn allowed is not run
                 mt._continue(t, [], False)
-            elif self.envs[i] is not None:
-                self.jobs[self.envs_pool.submit(mt._step, t, self.envs[i], self.loop)] = ("env", i)
+                self._release(i)
+            elif self.homes[i] is not None:
+                self.jobs[mt.envs.step(self.homes[i], list(t.messages))] = ("env", i)
             else:  # no tool call, no environment: the answer is final
                 t.finish_reason = "stop"
 
@@ -470,9 +509,10 @@ class _Run:
         t.tool_calls += len(results)
         t.tool_errors += sum(r.error for r in results)
         t.tool_timeouts += sum(r.timeout for r in results)
+        t.tool_reward += sum(r.reward for r in results)
         self.mt._continue(t, [{"role": "tool", "content": r.text} for r in results], False)
-        self._make_ready(i)
+        self._next(i)
 
-    def _env_done(self, answer: tuple[list[dict], bool], i: int) -> None:
-        self.mt._continue(self.trajs[i], *answer)
-        self._make_ready(i)
+    def _env_done(self, result: CallResult, i: int) -> None:
+        self.mt.answered(self.trajs[i], result)
+        self._next(i)

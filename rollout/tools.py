@@ -41,14 +41,16 @@ import logging
 import queue
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from rl_tpu.call_pool import CallPool
+from rl_tpu.containment import DEFAULT_ENV_ALLOW
 from rl_tpu.errors import UserError
-from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable
+from rl_tpu.rollout import verl_tools
+from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable, split_spec
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +73,18 @@ class ToolCall:
     row_kwargs: dict = field(default_factory=dict)  # the row's arguments (`Tools.bind`), not the model's
 
 
+class ToolReply(NamedTuple):
+    """What a tool may return to give a step reward with its text (verl's tools do, rollout/verl_tools.py):
+    the text goes to the model, the rewards are summed per trajectory (`rollout/tool_reward`)."""
+
+    text: str
+    reward: float = 0.0
+
+
 @dataclass
 class ToolResult:
     text: str  # what goes back to the model as the `tool` message
+    reward: float = 0.0  # the step reward a `ToolReply` gave
     error: bool = False  # malformed call, exception, non-str return or dead worker
     timeout: bool = False
 
@@ -106,9 +117,14 @@ def _parse_one(body: str) -> ToolCall:
     return ToolCall(name=obj["name"], arguments=args)
 
 
-def tool_text(out: Any) -> str:
+def tool_text(out: Any) -> str | ToolReply:
     """A tool's return value as the `tool` message's content (run in the worker): a `str` as it is,
-    anything JSON can write (numbers, lists, dicts, None) as JSON; anything else is an error."""
+    anything JSON can write (numbers, lists, dicts, None) as JSON, a `ToolReply` as it is (its text a
+    `str`, its reward a number); anything else is an error."""
+    if isinstance(out, ToolReply):
+        if not isinstance(out.text, str) or not isinstance(out.reward, (int, float)):
+            raise TypeError(f"returned {out!r:.80}; a ToolReply holds a str and a number")
+        return ToolReply(out.text, float(out.reward))
     if isinstance(out, str):
         return out
     try:
@@ -125,8 +141,11 @@ ROW_KWARGS_READ = ("create_kwargs", "execute_kwargs")
 ROW_KWARGS_IGNORED = ("calc_reward_kwargs", "release_kwargs")
 
 
-def row_parameters(fn: Callable) -> dict[str, inspect.Parameter]:
-    """`fn`'s keyword-only parameters: the arguments that come from the dataset row, not the model."""
+def row_parameters(fn: Callable) -> dict[str, inspect.Parameter] | str:
+    """`fn`'s keyword-only parameters: the arguments that come from the dataset row, not the model; "verl"
+    for a verl tool (its row's `create_kwargs` go to its `create`, whole)."""
+    if getattr(fn, "rl_tpu_row_kwargs", None) == "verl":
+        return "verl"
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a signature: get_json_schema refuses it anyway
@@ -152,10 +171,12 @@ def _model_view(fn: Callable) -> Callable:
 
 
 def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") -> dict:
-    """`fn`'s JSON schema for the chat template's `tools=` (its row parameters left out); a `ToolError`
-    naming it if it has none."""
+    """`fn`'s JSON schema for the chat template's `tools=` (its row parameters left out; a verl tool's is
+    its config file's); a `ToolError` naming it if it has none."""
     from transformers.utils import get_json_schema
 
+    if isinstance(getattr(fn, "tool_schema", None), dict):
+        return fn.tool_schema
     try:
         return get_json_schema(_model_view(fn))
     except Exception as e:  # TypeHintParsingException, DocstringParsingException
@@ -165,12 +186,20 @@ def describe_tool(fn: Callable, spec: str, field_name: str = "rollout.tools") ->
         ) from e
 
 
-def load_tools(specs: list[str], field_name: str = "rollout.tools") -> tuple[list[Callable], list[dict]]:
+def load_tools(
+    specs: list[str], field_name: str = "rollout.tools", driver: bool = True
+) -> tuple[list[Callable], list[dict]]:
     """The functions `specs` names and their schemas; a `ToolError` naming the first that does not load,
     cannot be described, or shares another's name. Cheap: the driver checks `rollout.tools` with it
-    before Ray starts."""
+    before Ray starts. A verl tool config file stands for each tool it declares (rollout/verl_tools.py);
+    those load from the file alone here (`driver=True`), with verl's loader in the workers."""
     fns = []
+    specs = verl_tools.expand(list(specs), field_name)
     for spec in specs:
+        target = split_spec(spec, field_name)[0]
+        if driver and verl_tools.is_tool_config(target):
+            fns.append(verl_tools.declared(spec, field_name))
+            continue
         try:
             fns.append(load_callable(spec, label=field_name, timeout_s=IMPORT_TIMEOUT_S))
         except SpecError as e:
@@ -206,6 +235,14 @@ def row_kwargs(params: dict[str, dict[str, inspect.Parameter]], sample: dict) ->
                 f"{' and '.join(ROW_KWARGS_READ)} (passed to the tool) and {' and '.join(ROW_KWARGS_IGNORED)} "
                 "(ignored here)"
             )
+        if accepted == "verl":  # a verl tool: create_kwargs go to its `create`, as verl passes them
+            create = entry.get("create_kwargs") or {}
+            if not isinstance(create, dict):
+                raise ToolError(
+                    f"{where}.{name}.create_kwargs must be an object, got {type(create).__name__}"
+                )
+            out[name] = {verl_tools.CREATE_KWARGS: create}
+            continue
         kwargs: dict = {}
         for key in ROW_KWARGS_READ:
             part = entry.get(key) or {}
@@ -259,7 +296,10 @@ class Tools:
         workers: int = 1,
         field_name: str = "rollout.tools",
         memory_mb: int = MEMORY_MB,
+        env_allow: Sequence[str] | None = DEFAULT_ENV_ALLOW,
+        sandbox: bool = False,
     ):
+        specs = verl_tools.expand(list(specs), field_name)  # a tool config file: one spec per tool
         fns, self.schemas = load_tools(specs, field_name)
         self.names = [s["function"]["name"] for s in self.schemas]
         self._row_params = {name: row_parameters(fn) for name, fn in zip(self.names, fns)}
@@ -270,7 +310,7 @@ class Tools:
         self.memory_mb = memory_mb
         self.pools: list[CallPool] = []
         self._threads = ThreadPoolExecutor(max(1, workers), thread_name_prefix="rl_tpu-tools")
-        try:  # one after another: starting a worker swaps sys.modules["__main__"] for a moment
+        try:
             for _ in range(max(1, workers)):
                 self.pools.append(
                     CallPool(
@@ -281,6 +321,9 @@ class Tools:
                         error_type=ToolError,
                         check=tool_text,
                         memory_mb=memory_mb,
+                        env_allow=env_allow,
+                        sandbox=sandbox,
+                        load=verl_tools.load_spec,
                     )
                 )
         except BaseException:
@@ -289,6 +332,18 @@ class Tools:
         self._free: queue.SimpleQueue[CallPool] = queue.SimpleQueue()
         for pool in self.pools:
             self._free.put(pool)
+
+    @classmethod
+    def from_config(cls, rc) -> Tools:
+        """The tools of a run's `rollout` section (`RolloutConfig`), with its limits."""
+        return cls(
+            rc.tools,
+            timeout_s=rc.tool_timeout_s,
+            workers=rc.tool_workers,
+            memory_mb=rc.tool_memory_mb,
+            env_allow=DEFAULT_ENV_ALLOW + tuple(rc.worker_env),
+            sandbox=rc.sandbox,
+        )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -354,7 +409,10 @@ class Tools:
             self._free.put(pool)
         for k, r in zip(todo, out):
             if r.ok:
-                results[k] = ToolResult(r.value)
+                v = r.value  # a str, or a ToolReply as the JSON list [text, reward] (`tool_text`)
+                results[k] = (
+                    ToolResult(v) if isinstance(v, str) else ToolResult(str(v[0]), reward=float(v[1]))
+                )
                 continue
             results[k] = ToolResult(
                 f"Error: {calls[k].name}: {r.error}", error=not r.timeout, timeout=r.timeout

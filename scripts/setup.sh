@@ -34,6 +34,22 @@ find_python() {
     return 1
 }
 
+# `scripts/setup.sh --sandbox`: bubblewrap (`bwrap`), which `rollout.sandbox = true` runs tools and
+# environments under (rl_tpu/containment.py). Installed from the distribution's packages where this runs
+# as root with apt-get; elsewhere it says what to install.
+if [ "${1:-}" = "--sandbox" ]; then
+    if command -v bwrap >/dev/null 2>&1; then
+        exit 0
+    fi
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing bubblewrap (apt-get install bubblewrap) for rollout.sandbox"
+        apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }
+    else
+        echo "setup: bubblewrap (bwrap) is not installed; rollout.sandbox = true needs it: install the package 'bubblewrap'" >&2
+    fi
+    exit 0
+fi
+
 if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     role="${2:?usage: scripts/setup.sh --role-env NAME (a locks/NAME.txt)}"
     # default: the controller's platform, x86_64 Linux, Python 3.11 (the local torch 2.13.0+cpu wheel is cp311)

@@ -8,11 +8,12 @@ Greedy, one response per test prompt, scored as training scores it:
   the environment answering; its score is the environment's reward when it gives one, else the reward
   functions on the last assistant turn (as `rl_tpu.controller.producer.generate_and_score` scores a trajectory).
 
-The evaluator's tools run in tool workers of its own (`rollout.tool_workers` more processes): in async
-mode the producer thread may be running the training rollouts' tool calls while an evaluation runs.
+The evaluator's tools and environment run in workers of its own (`rollout.tool_workers` and
+`rollout.env_workers` more processes): in async mode the producer thread may be running the training
+rollouts' tool calls and environments while an evaluation runs.
 
 Metrics, under `eval/`: `accuracy` (the share of prompts scoring >= 1) and `reward_mean`; multi-turn adds
-`turns_mean`, `env_reward_frac`, `env_errors`, and with tools `tool_calls`, `tool_errors`,
+`turns_mean`, `env_reward_frac`, `env_errors`, `env_timeouts`, and with tools `tool_calls`, `tool_errors`,
 `tool_timeouts` (sums over the prompts, as the `rollout/` ones are per step) and `tool_use` (the share of
 prompts on which the model wrote a tool call).
 """
@@ -26,7 +27,8 @@ from rl_tpu.config import Config, response_budget
 from rl_tpu.controller.producer import score_groups, turn_metrics, with_env_rewards
 from rl_tpu.data import Example, encode_prompts
 from rl_tpu.rewards import RewardPool
-from rl_tpu.rollout.multi_turn import MultiTurn, load_env
+from rl_tpu.rollout.env_pool import EnvPool
+from rl_tpu.rollout.multi_turn import MultiTurn
 from rl_tpu.rollout.tools import Tools
 from rl_tpu.types import Completion
 
@@ -42,16 +44,16 @@ class Evaluator:
         self.version = 0  # the policy version `evaluate(model_dir)` gave the engines last
         self.wrote_tool_call: list[bool] = []  # per prompt, at the last evaluation: a `<tool_call>` written
         rc = cfg.rollout
-        self.tools = self.turns = None
+        self.tools = self.turns = self.envs = None
         if rc.tools:
-            self.tools = Tools(
-                rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers, memory_mb=rc.tool_memory_mb
-            )
+            self.tools = Tools.from_config(rc)
         try:
+            if rc.env:
+                self.envs = EnvPool.from_config(rc)
             if rc.env or rc.tools:
                 self.turns = MultiTurn(
                     tok,
-                    load_env(rc.env) if rc.env else None,
+                    self.envs,
                     self._greedy,
                     max_turns=rc.max_turns,
                     max_tokens=rc.max_tokens,
@@ -110,5 +112,7 @@ class Evaluator:
     def close(self) -> None:
         if self.tools is not None:
             self.tools.close()
+        if self.envs is not None:
+            self.envs.close()
         if self._own_pool:
             self.pool.close()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_tpu.cluster import start_ray
 from rl_tpu.config import Config, to_dict, to_toml
+from rl_tpu.containment import check_sandbox
 from rl_tpu.controller.checkpoint import check_resume_model, load_state, resolve_resume, save_checkpoint
 from rl_tpu.controller.evaluation import Evaluator
 from rl_tpu.controller.preflight import run_preflight
@@ -137,6 +138,8 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
         load_env(cfg.rollout.env)
     if cfg.rollout.tools:
         check_tools_kwargs(list(cfg.rollout.tools), train_set + test_set)
+    if cfg.rollout.sandbox and (cfg.rollout.env or cfg.rollout.tools):
+        check_sandbox()  # bwrap installed and able to start a process here
     # last, as it starts processes: the reward functions load in the pool's workers, which report a
     # missing file or function, a syntax or import error
     pool = RewardPool(cfg.reward)

@@ -20,7 +20,8 @@ from rl_tpu.algorithms import keep_groups_with_variance
 from rl_tpu.config import Config, response_budget
 from rl_tpu.data import Example, PromptLoader, encode_prompts
 from rl_tpu.rewards import RewardInput, RewardPool
-from rl_tpu.rollout.multi_turn import MultiTurn, Trajectory, load_env, retokenize_drift
+from rl_tpu.rollout.env_pool import EnvPool
+from rl_tpu.rollout.multi_turn import MultiTurn, Trajectory, retokenize_drift
 from rl_tpu.rollout.partial import EngineTurns, generate_held
 from rl_tpu.rollout.tools import Tools
 from rl_tpu.types import Completion
@@ -71,12 +72,14 @@ def with_env_rewards(groups: list[list[Completion]], scores: list[float]) -> lis
 
 def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str, float]:
     """Multi-turn trajectories' metrics under `prefix` ("rollout/" per step, "eval/"): turns_mean,
-    env_reward_frac, env_errors, truncated (stopped by `max_turns` or `max_total_tokens`) and, with
-    `tools`, tool_calls, tool_errors, tool_timeouts (sums) and tool_calls_mean (per trajectory)."""
+    env_reward_frac, env_errors, env_timeouts, truncated (stopped by `max_turns` or `max_total_tokens`)
+    and, with `tools`, tool_calls, tool_errors, tool_timeouts (sums), tool_calls_mean and tool_reward_mean
+    (per trajectory: the step rewards tools gave, `ToolReply`)."""
     metrics = {
         f"{prefix}turns_mean": sum(t.turns for t in trajs) / len(trajs),
         f"{prefix}env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
         f"{prefix}env_errors": float(sum(t.env_error for t in trajs)),
+        f"{prefix}env_timeouts": float(sum(t.env_timeout for t in trajs)),
         f"{prefix}truncated": float(sum(t.finish_reason in ("max_turns", "max_total_tokens") for t in trajs)),
     }
     if tools:
@@ -84,6 +87,7 @@ def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str,
         metrics[f"{prefix}tool_calls"] = float(sum(t.tool_calls for t in trajs))
         metrics[f"{prefix}tool_errors"] = float(sum(t.tool_errors for t in trajs))
         metrics[f"{prefix}tool_timeouts"] = float(sum(t.tool_timeouts for t in trajs))
+        metrics[f"{prefix}tool_reward_mean"] = sum(t.tool_reward for t in trajs) / len(trajs)
     return metrics
 
 
@@ -155,26 +159,34 @@ class Sampler:
     def __init__(self, cfg: Config, rollout, turns: EngineTurns, tok):
         self.cfg, self.rollout, self.turns, self.tok = cfg, rollout, turns, tok
         rc = cfg.rollout
-        self.turn_runner = self.tools = None
-        if rc.tools:  # loaded here (workers started), so a bad tool fails before the first step
-            self.tools = Tools(
-                rc.tools, timeout_s=rc.tool_timeout_s, workers=rc.tool_workers, memory_mb=rc.tool_memory_mb
-            )
-        if rc.env or rc.tools:  # loaded here, so a bad class fails before the first step
-            self.turn_runner = MultiTurn(
-                tok,
-                load_env(rc.env) if rc.env else None,
-                lambda prompts, max_tokens: [g[0] for g in self._call(prompts, n=1, max_tokens=max_tokens)],
-                max_turns=rc.max_turns,
-                max_tokens=rc.max_tokens,
-                max_total_tokens=response_budget(cfg),
-                tools=self.tools,
-                scheduling=rc.turn_scheduling,
-            )
+        self.turn_runner = self.tools = self.envs = None
+        try:  # loaded here (workers started), so a bad tool or environment fails before the first step
+            if rc.tools:
+                self.tools = Tools.from_config(rc)
+            if rc.env:
+                self.envs = EnvPool.from_config(rc)
+            if rc.env or rc.tools:
+                self.turn_runner = MultiTurn(
+                    tok,
+                    self.envs,
+                    lambda prompts, max_tokens: [
+                        g[0] for g in self._call(prompts, n=1, max_tokens=max_tokens)
+                    ],
+                    max_turns=rc.max_turns,
+                    max_tokens=rc.max_tokens,
+                    max_total_tokens=response_budget(cfg),
+                    tools=self.tools,
+                    scheduling=rc.turn_scheduling,
+                )
+        except BaseException:  # the workers started so far are not left behind
+            self.close()
+            raise
 
     def close(self) -> None:
         if self.tools is not None:
             self.tools.close()
+        if self.envs is not None:
+            self.envs.close()
 
     def _call(self, prompts: list[list[int]], **kw) -> list[list[Completion]]:
         with self.turns.generating():

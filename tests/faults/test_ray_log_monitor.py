@@ -76,7 +76,15 @@ rounds = []
 for i in range(ROUNDS + 1):
     pid = live_pid(echo)
     ray.get(echo.say.remote(f"marker-{i}-from-{pid}"))
-    time.sleep(1.0)  # the monitor polls every 0.1 s
+    # wait (not a fixed sleep) until the monitor has the live worker's log open and no dead one's, or 30 s:
+    # with the defect the dead logs stay open, the wait runs out and the assertions below name them
+    dead = {r["pid"] for r in rounds}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = {p for p, _ in worker_logs()}
+        if pid in held and not held & dead:
+            break
+        time.sleep(0.05)
     rounds.append({"pid": pid, "open": worker_logs(), "fds": monitor.num_fds()})
     if i < ROUNDS:
         os.kill(pid, signal.SIGKILL)

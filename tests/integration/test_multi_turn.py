@@ -1,4 +1,7 @@
-"""Multi-turn rollouts (rollout/multi_turn.py): token-in/token-out trajectories with an environment."""
+"""Multi-turn rollouts (rollout/multi_turn.py): token-in/token-out trajectories with an environment.
+
+The environments below run in `EnvPool` worker processes, which import this module by name: it imports
+nothing heavy at its top (torch is imported inside the one test that needs it)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from rl_tpu.rollout.env_pool import EnvPool
 from rl_tpu.rollout.multi_turn import ChatDelta, EnvError, MultiTurn, load_env, retokenize_drift
 from rl_tpu.types import Completion
 
@@ -41,6 +44,22 @@ def tok(tiny_qwen3):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+@pytest.fixture
+def envs():
+    """`envs(Class)` (a class of this module) or `envs("path.py:Class")`: an `EnvPool` of one worker,
+    closed after the test."""
+    pools = []
+
+    def make(env, **kw):
+        spec = env if isinstance(env, str) else f"{__name__}:{env.__name__}"
+        pools.append(EnvPool(spec, **{"workers": 1} | kw))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
+        pool.close()
 
 
 def _scripted(tok, texts):
@@ -84,9 +103,9 @@ def test_delta_is_the_templates_text_for_the_new_messages(tok):
 
 
 @pytest.mark.parametrize("env", [Echo, AsyncEcho])
-def test_trajectory_is_sampled_ids_and_inserted_ids_with_mask(tok, env):
+def test_trajectory_is_sampled_ids_and_inserted_ids_with_mask(tok, envs, env):
     generate, calls = _scripted(tok, ["one", "two two", "three"])
-    mt = MultiTurn(tok, env, generate, max_turns=5, max_tokens=16, max_total_tokens=200)
+    mt = MultiTurn(tok, envs(env), generate, max_turns=5, max_tokens=16, max_total_tokens=200)
     (t,) = mt.rollout([{"question": "hi"}])
     assert t.turns == 3 and t.finish_reason == "env" and t.reward == 6.0  # user + 3 assistant + 2 user
     eos = tok.convert_tokens_to_ids(tok.eos_token)
@@ -113,22 +132,22 @@ def test_trajectory_is_sampled_ids_and_inserted_ids_with_mask(tok, env):
     assert t.last_text == "three"
 
 
-def test_limits_end_trajectories(tok):
+def test_limits_end_trajectories(tok, envs):
     generate, _ = _scripted(tok, ["a b c d e f"])
-    (t,) = MultiTurn(tok, Echo, generate, max_turns=2, max_tokens=16, max_total_tokens=500).rollout(
+    (t,) = MultiTurn(tok, envs(Echo), generate, max_turns=2, max_tokens=16, max_total_tokens=500).rollout(
         [{"question": "q"}]
     )
     assert (t.turns, t.finish_reason, t.reward) == (2, "max_turns", None)
     assert t.mask[-1] == 1  # ends on the sampled turn, no dangling inserted tokens
-    (t,) = MultiTurn(tok, Echo, generate, max_turns=9, max_tokens=3, max_total_tokens=500).rollout(
+    (t,) = MultiTurn(tok, envs(Echo), generate, max_turns=9, max_tokens=3, max_total_tokens=500).rollout(
         [{"question": "q"}]
     )
     assert (t.turns, t.finish_reason, len(t.ids)) == (1, "length", 3)  # no stop token within max_tokens
-    (t,) = MultiTurn(tok, Echo, generate, max_turns=9, max_tokens=16, max_total_tokens=12).rollout(
+    (t,) = MultiTurn(tok, envs(Echo), generate, max_turns=9, max_tokens=16, max_total_tokens=12).rollout(
         [{"question": "q"}]
     )
     assert t.finish_reason in ("max_total_tokens", "length") and len(t.ids) <= 12
-    two = MultiTurn(tok, Echo, generate, max_turns=9, max_tokens=16, max_total_tokens=500).rollout(
+    two = MultiTurn(tok, envs(Echo), generate, max_turns=9, max_tokens=16, max_total_tokens=500).rollout(
         [{"question": "q"}, {"question": "r"}], n=2
     )
     assert [t.sample["question"] for t in two] == ["q", "q", "r", "r"]
@@ -159,7 +178,7 @@ class EmptyReset(Echo):
         return []
 
 
-def test_environment_errors_name_the_culprit(tok, tmp_path):
+def test_environment_errors_name_the_culprit(tok, envs, tmp_path):
     with pytest.raises(EnvError, match="no step method"):
         load_env(f"{__name__}:NoStep")
     with pytest.raises(EnvError, match="rollout.env 'nowhere.py:Env': file"):
@@ -173,29 +192,30 @@ def test_environment_errors_name_the_culprit(tok, tmp_path):
     assert load_env(f"{f}:Env").__name__ == "Env"
     generate, _ = _scripted(tok, ["x"])
     with pytest.raises(EnvError, match=r"BadStep.step must return \(new_messages"):
-        MultiTurn(tok, BadStep, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+        MultiTurn(tok, envs(BadStep), generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
             [{"question": "q"}]
         )
     with pytest.raises(EnvError, match="BadMessages.step must return a list of"):
-        MultiTurn(tok, BadMessages, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+        MultiTurn(tok, envs(BadMessages), generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
             [{"question": "q"}]
         )
     with pytest.raises(
         EnvError, match="WordReward.step must return a number or None as its reward, got 'high'"
     ):
-        MultiTurn(tok, WordReward, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+        MultiTurn(tok, envs(WordReward), generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
             [{"question": "q"}]
         )
     with pytest.raises(EnvError, match="EmptyReset.reset returned no messages"):
-        MultiTurn(tok, EmptyReset, generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
+        MultiTurn(tok, envs(EmptyReset), generate, max_turns=3, max_tokens=8, max_total_tokens=99).rollout(
             [{"question": "q"}]
         )
 
 
 @pytest.mark.timeout(600)
-def test_real_engine_trajectories_score_the_same_under_the_model(tiny_qwen3, tok):
+def test_real_engine_trajectories_score_the_same_under_the_model(tiny_qwen3, tok, envs):
     """With a real vLLM engine: every turn's prompt is the trajectory's own ids, and the model's log-probs
     of the full trajectory (teacher-forced, transformers, fp32) at the sampled tokens equal the engine's."""
+    import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
@@ -223,9 +243,9 @@ def test_real_engine_trajectories_score_the_same_under_the_model(tiny_qwen3, tok
         return [g[0] for g in to_completions(outs, range(len(prompts)), policy_version=0, tokenizer=tok)]
 
     try:
-        trajs = MultiTurn(tok, Echo, generate, max_turns=3, max_tokens=24, max_total_tokens=300).rollout(
-            [{"question": "What is 2+3?"}, {"question": "Name a color."}], n=2
-        )
+        trajs = MultiTurn(
+            tok, envs(Echo), generate, max_turns=3, max_tokens=24, max_total_tokens=300
+        ).rollout([{"question": "What is 2+3?"}, {"question": "Name a color."}], n=2)
     finally:
         from rl_tpu.weight_sync import vllm_compat
 
@@ -267,7 +287,7 @@ def test_retokenize_drift_tells_ids_a_text_round_trip_keeps_from_ids_it_changes(
     assert retokenize_drift(tok, same) is False and retokenize_drift(tok, drifted) is True
 
 
-def test_a_turn_ended_by_another_stop_token_gets_the_templates_stop_token_inserted(tok):
+def test_a_turn_ended_by_another_stop_token_gets_the_templates_stop_token_inserted(tok, envs):
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     stop = tok("x", add_special_tokens=False)["input_ids"][-1]  # as if rollout.stop_token_ids=[stop]
 
@@ -287,7 +307,7 @@ def test_a_turn_ended_by_another_stop_token_gets_the_templates_stop_token_insert
             for p in prompts
         ]
 
-    (t,) = MultiTurn(tok, Echo, generate, max_turns=2, max_tokens=8, max_total_tokens=99).rollout(
+    (t,) = MultiTurn(tok, envs(Echo), generate, max_turns=2, max_tokens=8, max_total_tokens=99).rollout(
         [{"question": "q"}]
     )
     first = t.mask.index(0)
@@ -300,11 +320,13 @@ def test_a_turn_ended_by_another_stop_token_gets_the_templates_stop_token_insert
     assert c.policy_version == 0 and c.extra["turns"] == 2 and len(c.logprobs) == len(c.response_ids)
 
 
-def test_the_documented_example_environment(tok):
-    retry = load_env(str(ROOT / "examples" / "envs" / "retry.py") + ":Retry")
+def test_the_documented_example_environment(tok, envs):
+    retry = str(ROOT / "examples" / "envs" / "retry.py") + ":Retry"
     generate, _ = _scripted(tok, ["It is 5.", "It is 7."])
     row = {"messages": [{"role": "user", "content": "What is 3+4?"}], "ground_truth": "7"}
-    (t,) = MultiTurn(tok, retry, generate, max_turns=3, max_tokens=16, max_total_tokens=200).rollout([row])
+    (t,) = MultiTurn(tok, envs(retry), generate, max_turns=3, max_tokens=16, max_total_tokens=200).rollout(
+        [row]
+    )
     assert (t.turns, t.reward, t.finish_reason) == (2, 1.0, "env")
     assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant"]
 
@@ -322,9 +344,9 @@ class Flaky(Echo):
         return super().step(messages)
 
 
-def test_an_environment_that_raises_ends_its_trajectory_with_reward_zero(tok, caplog):
+def test_an_environment_that_raises_ends_its_trajectory_with_reward_zero(tok, envs, caplog):
     generate, _ = _scripted(tok, ["a"])
-    mt = MultiTurn(tok, Flaky, generate, max_turns=5, max_tokens=8, max_total_tokens=200)
+    mt = MultiTurn(tok, envs(Flaky), generate, max_turns=5, max_tokens=8, max_total_tokens=200)
     with caplog.at_level("WARNING"):
         ok, bad, bad2 = mt.rollout([{"question": "ok"}, {"question": "bad"}, {"question": "bad"}])
     assert (ok.finish_reason, ok.reward, ok.env_error, ok.turns) == ("env", 6.0, False, 3)
@@ -345,7 +367,7 @@ class Interaction:
         return [], float(self.kw["ground_truth"] in messages[-1]["content"]), True
 
 
-def test_a_verl_rows_interaction_kwargs_reach_the_environment(tok):
+def test_a_verl_rows_interaction_kwargs_reach_the_environment(tok, envs):
     import dataclasses
 
     from rl_tpu.data.schema import example_from_row
@@ -359,43 +381,47 @@ def test_a_verl_rows_interaction_kwargs_reach_the_environment(tok):
     }
     sample = dataclasses.asdict(example_from_row(row, "rows.jsonl line 1", "u0"))  # what Sampler passes
     generate, _ = _scripted(tok, ["It is 7."])
-    (t,) = MultiTurn(tok, Interaction, generate, max_turns=2, max_tokens=16, max_total_tokens=99).rollout(
-        [sample]
-    )
+    (t,) = MultiTurn(
+        tok, envs(Interaction), generate, max_turns=2, max_tokens=16, max_total_tokens=99
+    ).rollout([sample])
     assert (t.reward, t.finish_reason) == (1.0, "env")
 
 
 class SlowFirst(Echo):
-    """Echo whose first step on the question "slow" takes 0.8 s; logs when each step ends."""
-
-    ends: list = []
+    """Echo whose first step on the question "slow" takes 0.8 s; logs when each step ends to the row's
+    `log` file (the instances live in a worker process)."""
 
     def reset(self, sample):
-        self.slow = sample["question"] == "slow"
+        self.slow, self.log = sample["question"] == "slow", sample["log"]
         return super().reset(sample)
 
     def step(self, messages):
         if self.slow and self.n == 0:
             time.sleep(0.8)
         answer = super().step(messages)
-        SlowFirst.ends.append((time.monotonic(), self.slow, self.n))
+        with open(self.log, "a") as f:
+            f.write(f"{time.monotonic()} {int(self.slow)} {self.n}\n")
         return answer
 
 
 @pytest.mark.parametrize("scheduling", ["independent", "lockstep"])
-def test_a_slow_environment_holds_only_its_own_trajectory(tok, scheduling):
-    SlowFirst.ends = []
+def test_a_slow_environment_holds_only_its_own_trajectory(tok, envs, scheduling, tmp_path):
     generate, calls = _scripted(tok, ["a"])
     mt = MultiTurn(
-        tok, SlowFirst, generate, max_turns=5, max_tokens=8, max_total_tokens=300, scheduling=scheduling
+        tok, envs(SlowFirst), generate, max_turns=5, max_tokens=8, max_total_tokens=300, scheduling=scheduling
     )
-    trajs = mt.rollout([{"question": q} for q in ("slow", "fast", "fast")])
+    log = tmp_path / "steps.log"
+    trajs = mt.rollout([{"question": q, "log": str(log)} for q in ("slow", "fast", "fast")])
     assert [(t.turns, t.finish_reason, t.reward) for t in trajs] == [(3, "env", 6.0)] * 3
-    slow_first = next(at for at, slow, n in SlowFirst.ends if slow and n == 1)
-    fast_last = max(at for at, slow, n in SlowFirst.ends if not slow and n == 3)
+    # CLOCK_MONOTONIC is one clock for every process of the machine: the worker's times compare with ours
+    ends = [
+        (float(at), bool(int(slow)), int(n)) for at, slow, n in map(str.split, log.read_text().splitlines())
+    ]
+    slow_first = next(at for at, slow, n in ends if slow and n == 1)
+    fast_last = max(at for at, slow, n in ends if not slow and n == 3)
     if scheduling == "independent":  # the fast ones went through all their turns meanwhile
-        assert fast_last < slow_first - 0.3, SlowFirst.ends
+        assert fast_last < slow_first - 0.3, ends
         assert mt.stats["generate_calls"] >= 4
     else:
-        assert fast_last > slow_first, SlowFirst.ends
+        assert fast_last > slow_first, ends
         assert mt.stats == {"generate_calls": 3.0, "turns_per_call": 3.0} and len(calls) == 3

@@ -57,6 +57,9 @@ def _cfg(tmp_path: Path, steps: int, *overrides: str):
             f"--rollout.stop_token_ids={list(range(100, 228))}",
             f"--rollout.env={tmp_path / 'again_env.py'}:Again",
             "--rollout.max_turns=3",
+            # one environment worker: `Again.made` (a class attribute, so per worker process) counts
+            # every trajectory of the run, and every step has its raising one
+            "--rollout.env_workers=1",
             "--data.batch_size=2",
             "--data.synthetic_train_size=16",
             "--reward.workers=1",

@@ -55,6 +55,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 NAMES = ("ok", "boom", "hang")
 
+# `ok` as a verl tool (a BaseTool subclass in verl's tool config YAML, rl_tpu/rollout/verl_tools.py): the
+# same answer, and a step reward of 0.25 per call
+VERL_OK_PY = """
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
+
+
+class OkTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text="42"), 0.25, {}
+"""
+
 
 @pytest.fixture(scope="module")
 def tools_dir(tmp_path_factory):
@@ -66,6 +78,19 @@ def tools_dir(tmp_path_factory):
 
 def _specs(d: Path) -> list[str]:
     return [f"{d / 'loop_tools.py'}:{n}" for n in NAMES]
+
+
+def _verl_specs(d: Path) -> list[str]:
+    """`_specs` with `ok` replaced by the verl tool of the same schema (so the prompt renders the same)."""
+    import yaml
+
+    from rl_tpu.rollout.tools import load_tools
+
+    (d / "verl_ok.py").write_text(VERL_OK_PY)
+    schema = load_tools(_specs(d)[:1])[1][0]
+    entry = {"class_name": "verl_ok.OkTool", "config": {"type": "native"}, "tool_schema": schema}
+    (d / "tools.yaml").write_text(yaml.safe_dump({"tools": [entry]}))
+    return [str(d / "tools.yaml"), *_specs(d)[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +146,7 @@ def sft_tool_model(tiny_qwen3: str, tools_dir: Path) -> str:
     return str(path)
 
 
-def _cfg(tmp_path: Path, tools_dir: Path, model: str, steps: int):
+def _cfg(tmp_path: Path, tools_dir: Path, model: str, steps: int, specs: list[str] | None = None):
     return load_config(
         None,
         [
@@ -136,7 +161,7 @@ def _cfg(tmp_path: Path, tools_dir: Path, model: str, steps: int):
             "--rollout.n=2",
             "--rollout.engines=1",
             "--rollout.max_tokens=48",
-            f"--rollout.tools={json.dumps(_specs(tools_dir))}",
+            f"--rollout.tools={json.dumps(specs or _specs(tools_dir))}",
             "--rollout.tool_timeout_s=1",
             "--rollout.tool_workers=2",
             "--rollout.max_turns=3",
@@ -180,7 +205,10 @@ def test_train_with_tools_the_model_calls(tmp_path, tools_dir, tool_model, monke
     monkeypatch.setattr(MultiTurn, "rollout", record_rollout)
     monkeypatch.setattr(RolloutGroup, "generate", record_generate)
     steps = 2
-    train(_cfg(tmp_path, tools_dir, tool_model, steps))
+    # `ok` is a verl BaseTool from its tool config YAML: verl's own loader builds it in the tool workers
+    # (which search the driver's module path)
+    monkeypatch.syspath_prepend(str(tools_dir))
+    train(_cfg(tmp_path, tools_dir, tool_model, steps, _verl_specs(tools_dir)))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/samples"] for r in rows] == [8] * steps  # data.batch_size x rollout.n, every step
     assert all(r["sync/verified_params"] > 0 for r in rows)
@@ -191,6 +219,15 @@ def test_train_with_tools_the_model_calls(tmp_path, tools_dir, tool_model, monke
     assert sum(r["rollout/tool_calls"] for r in rows) >= 8, [r["rollout/tool_calls"] for r in rows]
     assert sum(r["rollout/tool_errors"] for r in rows) > 0
     assert sum(r["rollout/tool_timeouts"] for r in rows) > 0
+    # the verl tool's step rewards: 0.25 per call of `ok`, summed per trajectory
+    oks = sum(
+        m["content"] == "42"
+        for trajs in trajectories
+        for t in trajs
+        for m in t.messages
+        if m["role"] == "tool"
+    )
+    assert oks > 0 and sum(r["rollout/tool_reward_mean"] * 8 for r in rows) == pytest.approx(0.25 * oks)
 
     tok = AutoTokenizer.from_pretrained(tool_model)
     delta = ChatDelta(tok, tools=load_tools(_specs(tools_dir))[1])

@@ -460,36 +460,47 @@ def test_tool_turns_insert_the_results_ids_with_mask_0(tok, tools):
     assert c.loss_mask == t.mask and c.text == "The answer is 408." and c.extra["env_reward"] is None
 
 
+JUDGE_PY = '''
 class Judge:
-    """Rewards 1 when the last assistant turn contains the tool's answer; counts its `step` calls."""
-
-    steps = 0
+    """Rewards 1 when the last assistant turn contains the tool's answer; logs each `step` call."""
 
     def reset(self, sample):
+        self.log = sample["log"]
         return [{"role": "user", "content": "What is 6 * 7?"}]
 
     def step(self, messages):
-        Judge.steps += 1
-        assert messages[-1]["role"] == "assistant" and "<tool_call>" not in messages[-1]["content"]
-        assert {"role": "tool", "content": "42"} in messages
-        return [], float("42" in messages[-1]["content"]), True
+        ok = messages[-1]["role"] == "assistant" and "<tool_call>" not in messages[-1]["content"]
+        ok = ok and {"role": "tool", "content": "42"} in messages
+        with open(self.log, "a") as f:
+            f.write("step\\n")
+        return [], float(ok and "42" in messages[-1]["content"]), True
+'''
 
 
-def test_with_an_environment_tool_calls_are_answered_first(tok, tools):
-    generate, _ = _scripted(tok, [[call("multiply", a=6, b=7) + call("multiply", a="x")], ["It is 42."]])
-    mt = MultiTurn(tok, Judge, generate, max_turns=4, max_tokens=200, max_total_tokens=2000, tools=tools)
-    (t,) = mt.rollout([{}])
-    assert Judge.steps == 1  # only on the turn without a tool call
-    assert (t.turns, t.finish_reason, t.reward, t.tool_calls, t.tool_errors) == (2, "env", 1.0, 2, 1)
-    assert t.messages[3]["content"].startswith(
-        "Error: wrong arguments for multiply: missing a required argument"
-    )
-    # a tool call on the last allowed turn is not run: the trajectory ends at max_turns
-    generate, _ = _scripted(tok, [[call("multiply", a=6, b=7)]])
-    (t,) = MultiTurn(
-        tok, Judge, generate, max_turns=1, max_tokens=200, max_total_tokens=2000, tools=tools
-    ).rollout([{}])
-    assert (t.turns, t.finish_reason, t.tool_calls, Judge.steps) == (1, "max_turns", 0, 1)
+def test_with_an_environment_tool_calls_are_answered_first(tok, tools, tmp_path):
+    from rl_tpu.rollout.env_pool import EnvPool
+
+    (tmp_path / "judge.py").write_text(JUDGE_PY)
+    log = tmp_path / "steps.log"
+    envs = EnvPool(f"{tmp_path / 'judge.py'}:Judge", workers=1, timeout_s=60)
+    try:
+        generate, _ = _scripted(tok, [[call("multiply", a=6, b=7) + call("multiply", a="x")], ["It is 42."]])
+        mt = MultiTurn(tok, envs, generate, max_turns=4, max_tokens=200, max_total_tokens=2000, tools=tools)
+        (t,) = mt.rollout([{"log": str(log)}])
+        assert log.read_text().count("step") == 1  # only on the turn without a tool call
+        assert (t.turns, t.finish_reason, t.reward, t.tool_calls, t.tool_errors) == (2, "env", 1.0, 2, 1)
+        assert t.messages[3]["content"].startswith(
+            "Error: wrong arguments for multiply: missing a required argument"
+        )
+        # a tool call on the last allowed turn is not run: the trajectory ends at max_turns
+        generate, _ = _scripted(tok, [[call("multiply", a=6, b=7)]])
+        (t,) = MultiTurn(
+            tok, envs, generate, max_turns=1, max_tokens=200, max_total_tokens=2000, tools=tools
+        ).rollout([{"log": str(log)}])
+        assert (t.turns, t.finish_reason, t.tool_calls) == (1, "max_turns", 0)
+        assert log.read_text().count("step") == 1
+    finally:
+        envs.close()
     from rl_tpu.controller.producer import turn_metrics
 
     assert turn_metrics([t], "rollout/", tools=True)["rollout/truncated"] == 1.0
@@ -532,7 +543,9 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
         load_config(None, [*args, "--rollout.tool_memory_mb=-1"])
     sampler = Sampler(load_config(None, args), ScriptedEngine(tok), EngineTurns(), tok)
     try:
-        assert {p.memory_mb for p in sampler.tools.pools} == {2048}  # tool_memory_mb reaches the workers
+        assert {p.limits.memory_mb for p in sampler.tools.pools} == {
+            2048
+        }  # tool_memory_mb reaches the workers
         groups, metrics = sampler.multi_turn(make_synthetic("arithmetic", 3, 1)[0])
     finally:
         sampler.close()

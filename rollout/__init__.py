@@ -4,8 +4,8 @@ driver side of multi-turn rollouts (`multi_turn`), the environments' worker proc
 tools they call (`tools`) and verl's tool config files as tools (`verl_tools`).
 
 Importing this package does not import vLLM or start Ray, and its names load on first use: a tool's
-or environment's worker process imports `rl_tpu.rollout.tools` / `env_pool` alone, without torch or Ray (it runs under a memory limit
-counted from its start).
+or environment's worker process imports `rl_tpu.rollout.tools` / `env_pool` alone, without torch or Ray
+(it runs under a memory limit counted from its start).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ driver, and never a re-import of its `__main__`) connected to the caller by one 
 before any user module) runs:
 
 - its own session and process group (`start_new_session`): `WorkerProcess.kill` SIGKILLs the group, so
-  whatever a call started dies with its worker (unless it left the group with `setsid`);
+  whatever a call started dies with its worker (unless it left the group with `setsid`); the worker kills
+  its own group when its parent is gone (a driver killed with SIGKILL);
 - `memory_mb`: RLIMIT_AS, soft and hard (the user's code cannot raise it back);
 - `env_allow`: the process's environment holds only the variables whose names match one of these
   `fnmatch` patterns (None: the caller's whole environment). The environment is filtered when the process
@@ -168,7 +169,9 @@ def start(entry: str, init: Any, limits: Limits = Limits(), name: str = "rl-tpu-
     """Start a worker calling `entry(conn, init)` (`init` is pickled; module-level functions in it travel
     by name) under `limits`."""
     parent, child = socket.socketpair()
-    argv = [sys.executable, "-m", "rl_tpu.containment", str(child.fileno()), name]
+    # the worker watches this process (its parent) unless bwrap stands between them
+    watch = 0 if limits.sandbox else os.getpid()
+    argv = [sys.executable, "-m", "rl_tpu.containment", str(child.fileno()), name, str(watch)]
     made_scratch = None
     cwd = None
     if limits.sandbox:
@@ -206,10 +209,30 @@ def limit_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _main(fd: int) -> None:
+def _watch_parent(parent: int) -> None:
+    """Kill this worker's process group once `parent`, the process that started it, is gone (a SIGKILLed
+    driver cannot close its workers; an orphan is re-parented, so its parent pid changes). Polls from a
+    daemon thread, so it works while user code blocks at import or in a call. 0: no watch (under bwrap,
+    whose `--die-with-parent` does it and whose process-id namespace hides the real parent)."""
+    import threading
+    import time
+
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="rl_tpu-parent-watch").start()
+
+
+def _main(fd: int, parent: int) -> None:
     import importlib
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    _watch_parent(parent)
     conn = Connection(fd)
     try:
         path, entry, init, memory_mb = conn.recv()
@@ -223,4 +246,4 @@ def _main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]))
+    _main(int(sys.argv[1]), int(sys.argv[3]))

@@ -259,3 +259,50 @@ def test_a_worker_cannot_run_code_in_the_driver_through_its_answers(tmp_path):
         assert not target.exists()
         (again,) = pool.run([(0, {"path": str(target)})])  # a fresh worker, the same refusal
         assert not again.ok and not target.exists()
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from rl_tpu.containment import Limits, start
+
+    worker = start("blocks_at_import:fn", None, Limits())
+    print(worker.pid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)  # a zombie
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_dies_with_a_driver_killed_by_sigkill(tmp_path):
+    """A SIGKILLed driver cannot close its workers: each one notices its parent is gone and kills its own
+    group, even while user code blocks at import."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "blocks_at_import.py").write_text(
+        "import time\ntime.sleep(300)\n\ndef fn(conn, init):\n    pass\n"
+    )
+    (tmp_path / "driver.py").write_text(DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        worker = int(driver.stdout.readline())
+        assert not _gone(worker)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 15
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker), f"worker {worker} outlived its SIGKILLed driver"

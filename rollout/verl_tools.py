@@ -76,11 +76,13 @@ def read_tool_config(path: str | Path, field_name: str = "rollout.tools") -> lis
     return entries
 
 
-def tool_schemas(path: str | Path, field_name: str = "rollout.tools") -> dict[str, dict]:
-    """Each tool's schema for the chat template's `tools=`, by name, in the file's order."""
-    return {
-        e["tool_schema"]["function"]["name"]: e["tool_schema"] for e in read_tool_config(path, field_name)
-    }
+def tool_schemas(
+    path: str | Path, field_name: str = "rollout.tools", entries: list[dict] | None = None
+) -> dict[str, dict]:
+    """Each tool's schema for the chat template's `tools=`, by name, in the file's order (`entries`: the
+    file's, already read)."""
+    entries = read_tool_config(path, field_name) if entries is None else entries
+    return {e["tool_schema"]["function"]["name"]: e["tool_schema"] for e in entries}
 
 
 def expand(specs: list[str], field_name: str = "rollout.tools") -> list[str]:
@@ -154,10 +156,11 @@ def load_tool(path: Path, name: str, spec: str, label: str) -> VerlTool:
     the spec when it cannot be)."""
     from rl_tpu.user_code import SpecError
 
-    schemas = tool_schemas(path, label)
+    entries = read_tool_config(path, label)
+    schemas = tool_schemas(path, label, entries)
     if name not in schemas:
         raise SpecError(f"{label} {spec!r}: {str(path)!r} declares no tool {name!r}; it has {list(schemas)}")
-    for e in read_tool_config(path, label):  # verl's loader fails on a missing module with an AttributeError
+    for e in entries:  # verl's loader fails on a missing module with an AttributeError
         module = e["class_name"].rpartition(".")[0]
         try:
             found = bool(module) and importlib.util.find_spec(module) is not None

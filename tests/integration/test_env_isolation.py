@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from process_probes import group_alive  # tests/: shared /proc probes
 
 from rl_tpu.controller.producer import turn_metrics
 from rl_tpu.rollout.env_pool import EnvPool
@@ -79,18 +79,6 @@ def scripted(tok):
         ]
 
     return generate
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still runs (zombies aside)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 @pytest.mark.timeout(300)

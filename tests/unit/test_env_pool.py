@@ -9,9 +9,9 @@ import os
 import signal
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from process_probes import group_alive  # tests/: shared /proc probes
 
 from rl_tpu.containment import DEFAULT_ENV_ALLOW
 from rl_tpu.rollout.env_pool import EnvPool
@@ -86,19 +86,6 @@ def seen(result) -> dict:
     """What a `reset` reported about its process (see ENV)."""
     assert result.ok, result.error
     return json.loads(result.value[0]["content"])
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still runs (zombies do not count: this box's init may never
-    reap an orphan)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def wait_until(check, what: str, timeout_s: float = WAIT_S) -> None:

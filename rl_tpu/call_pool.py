@@ -41,12 +41,12 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
-from rl_tpu.containment import Limits, start
+from rl_tpu.containment import NO_LIMITS, Limits, start
 from rl_tpu.user_code import SpecError, load_callable, resolve_spec
 
 MAX_CHUNK = 64  # calls per message to one worker: amortises pipe latency, keeps re-queues small
@@ -181,26 +181,19 @@ class CallPool:
         error_type: type[Exception] = RuntimeError,
         check: Callable[[Any], Any] = identity,
         startup_timeout_s: float = 120.0,
-        memory_mb: int = 0,
-        env_allow: Sequence[str] | None = None,
-        sandbox: bool = False,
+        limits: Limits = NO_LIMITS,
         load: Callable[[str, str], Callable] = load_callable,
     ):
         # `name` words messages ("<name> workers did not start") and the loader's label ("<name> spec");
         # `error_type` is what startup failures raise (a spec that does not load, or whose workers do not
         # start in `startup_timeout_s`, raises `spec_error`);
-        # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none; `env_allow`: the
-        # environment variables workers see (None: all); `sandbox`: bubblewrap (rl_tpu/containment.py);
+        # `limits`: each worker's (memory, processes, CPU time, environment, sandbox: rl_tpu/containment.py);
         # `load(spec, label)` turns a spec into the function in each worker (a module-level function)
         self.specs = [resolve_spec(s) for s in specs]
         self.name, self.error_type, self.check, self.load = name, error_type, check, load
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = startup_timeout_s
-        self.limits = Limits(
-            memory_mb=int(memory_mb),
-            env_allow=None if env_allow is None else tuple(env_allow),
-            sandbox=sandbox,
-        )
+        self.limits = limits
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self._next_call = 0

@@ -245,6 +245,14 @@ class RolloutConfig:
     # address-space limit of an environment worker in MiB (RLIMIT_AS: a runaway allocation is that call's
     # MemoryError, ending its trajectory); 0: none
     env_memory_mb: int = F(4096, ge=0)
+    # processes and threads a tool or environment worker may have at once, its own included (a pids cgroup
+    # of its own where one can be made, whose every process dies with the worker; else RLIMIT_NPROC, which
+    # root ignores: a warning says so); 0: none
+    worker_procs: int = F(256, ge=0)
+    # CPU seconds a tool or environment worker process may use over its life (RLIMIT_CPU); past it the
+    # kernel kills it and, like any dead worker, it is replaced (its calls and trajectories end as
+    # failed); 0: none (each call's wall time is bounded by `tool_timeout_s` / `env_timeout_s` anyway)
+    worker_cpu_s: float = F(0.0, ge=0)
     # environment variables the processes running tools and environments see, beyond a default allow-list
     # of harmless ones (PATH, HOME, LANG, ...: rl_tpu/containment.py): fnmatch patterns such as "MY_API_*".
     # Everything else (API keys, tokens) is left out of their environment

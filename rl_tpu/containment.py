@@ -9,6 +9,14 @@ before any user module) runs:
   whatever a call started dies with its worker (unless it left the group with `setsid`); the worker kills
   its own group when its parent is gone (a driver killed with SIGKILL);
 - `memory_mb`: RLIMIT_AS, soft and hard (the user's code cannot raise it back);
+- `procs`: at most this many tasks (processes and threads) at once, the worker's own included: a pids
+  cgroup of the worker's own where this process may make one (root with a writable cgroup v1 `pids`
+  hierarchy or cgroup v2 with `pids` delegated), whose every process `WorkerProcess.kill` kills (those that
+  left the group with `setsid` too); else RLIMIT_NPROC, which counts all of the user's tasks (so it is set
+  to those running now plus `procs`) and which the kernel does not apply to root: there a warning says the
+  limit is not enforced;
+- `cpu_s`: RLIMIT_CPU, soft and hard: the worker process is killed (SIGKILL) once it has used this many
+  CPU seconds over its life (each process it starts has a budget of its own);
 - `env_allow`: the process's environment holds only the variables whose names match one of these
   `fnmatch` patterns (None: the caller's whole environment). The environment is filtered when the process
   is created, so `/proc/self/environ` holds nothing else either;
@@ -26,6 +34,7 @@ do"), each claim tried by tests/unit/test_containment.py.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import shutil
 import signal
@@ -73,9 +82,24 @@ class SandboxError(UserError, RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     memory_mb: int = 0  # RLIMIT_AS in MiB; 0: none
+    procs: int = 0  # tasks (processes and threads) at once: a pids cgroup, else RLIMIT_NPROC; 0: none
+    cpu_s: float = 0.0  # RLIMIT_CPU: CPU seconds over the worker process's life; 0: none
     env_allow: tuple[str, ...] | None = None  # fnmatch patterns of variable names kept; None: all
     sandbox: bool = False  # run under bubblewrap (see the module docstring)
-    scratch: str = ""  # the sandbox's writable folder (made if missing); "": a fresh temp folder per worker
+
+
+NO_LIMITS = Limits()
+
+
+def worker_limits(rc, memory_mb: int) -> Limits:
+    """The limits of a run's tool or environment workers (`rc`: its `RolloutConfig`)."""
+    return Limits(
+        memory_mb=int(memory_mb),
+        procs=int(rc.worker_procs),
+        cpu_s=float(rc.worker_cpu_s),
+        env_allow=DEFAULT_ENV_ALLOW + tuple(rc.worker_env),
+        sandbox=bool(rc.sandbox),
+    )
 
 
 def filtered_env(allow: Sequence[str] | None, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -129,8 +153,10 @@ def check_sandbox() -> None:
 class WorkerProcess:
     """A started worker: its pid, the parent's end of its connection, and a group kill."""
 
-    def __init__(self, popen: subprocess.Popen, conn: Connection, scratch: str | None):
-        self.popen, self.conn, self._scratch = popen, conn, scratch
+    def __init__(
+        self, popen: subprocess.Popen, conn: Connection, scratch: str | None, cgroup: str | None = None
+    ):
+        self.popen, self.conn, self._scratch, self.cgroup = popen, conn, scratch, cgroup
 
     @property
     def pid(self) -> int:
@@ -158,6 +184,9 @@ class WorkerProcess:
             pass
         if self.is_alive():
             self.popen.kill()
+        if self.cgroup:  # what left the group (setsid) is still in the cgroup
+            _kill_cgroup(self.cgroup)
+            self.cgroup = None
         self.join(timeout=5)
         self.conn.close()
         if self._scratch:
@@ -172,27 +201,160 @@ def start(entry: str, init: Any, limits: Limits = Limits(), name: str = "rl-tpu-
     # the worker watches this process (its parent) unless bwrap stands between them
     watch = 0 if limits.sandbox else os.getpid()
     argv = [sys.executable, "-m", "rl_tpu.containment", str(child.fileno()), name, str(watch)]
-    made_scratch = None
-    cwd = None
+    scratch = cwd = None
     if limits.sandbox:
         import tempfile
 
-        scratch = limits.scratch or tempfile.mkdtemp(prefix="rl-tpu-scratch-")
-        made_scratch = None if limits.scratch else scratch
-        os.makedirs(scratch, exist_ok=True)
+        scratch = cwd = tempfile.mkdtemp(prefix="rl-tpu-scratch-")
         argv = bwrap_argv(scratch) + argv
-        cwd = scratch
     env = filtered_env(limits.env_allow)
+    cgroup = _make_pids_cgroup(limits.procs) if limits.procs else None
+    popen_kw = dict(pass_fds=(child.fileno(),), start_new_session=True, env=env, cwd=cwd, close_fds=True)
     try:
-        popen = subprocess.Popen(
-            argv, pass_fds=(child.fileno(),), start_new_session=True, env=env, cwd=cwd, close_fds=True
-        )
+        try:  # the child joins its cgroup before it execs: nothing it starts is outside it
+            popen = subprocess.Popen(argv, preexec_fn=_joiner(cgroup), **popen_kw)
+        except subprocess.SubprocessError:  # the cgroup took no process (cgroup v2's rules): RLIMIT_NPROC
+            _remove_cgroup(cgroup)
+            cgroup = None
+            popen = subprocess.Popen(argv, **popen_kw)
     finally:
         child.close()
+    nproc = 0
+    if limits.procs and not cgroup:
+        if os.geteuid() == 0:
+            _warn_once(
+                f"worker process limit ({limits.procs}) not enforced: no pids cgroup could be made here and "
+                "RLIMIT_NPROC does not apply to root"
+            )
+        else:
+            nproc = limits.procs
     conn = Connection(parent.detach())
     # the worker's module search path is the caller's: specs name modules the caller can import
-    conn.send(([os.path.abspath(p) for p in sys.path], entry, init, limits.memory_mb))
-    return WorkerProcess(popen, conn, made_scratch)
+    rlimits = (limits.memory_mb, nproc, limits.cpu_s)
+    conn.send(([os.path.abspath(p) for p in sys.path], entry, init, rlimits))
+    return WorkerProcess(popen, conn, scratch, cgroup)
+
+
+_warned: set[str] = set()
+_cgroup_ids = itertools.count()
+
+
+def _warn_once(msg: str) -> None:
+    import logging
+
+    if msg not in _warned:
+        _warned.add(msg)
+        logging.getLogger("rl_tpu").warning(msg)
+
+
+def _pids_bases() -> list[str]:
+    """Folders of this process's own pids cgroup (v1 `pids` hierarchy, or v2) where a child may be made."""
+    try:
+        mounts = open("/proc/self/mountinfo").read().splitlines()
+        own = dict(
+            (c, path)
+            for _, cs, path in (x.split(":", 2) for x in open("/proc/self/cgroup").read().split())
+            for c in cs.split(",")
+        )
+    except OSError:
+        return []
+    bases = []
+    for line in mounts:
+        fields = line.split()
+        rest = fields[fields.index("-") + 1 :]  # fstype, source, super options
+        if rest[0] == "cgroup" and "pids" in rest[2].split(",") and "pids" in own:
+            bases.append(fields[4] + own["pids"])
+        elif rest[0] == "cgroup2" and "" in own:
+            bases.append(fields[4] + own[""])
+    return [b for b in bases if os.access(b, os.W_OK)]
+
+
+def _make_pids_cgroup(procs: int) -> str | None:
+    for base in _pids_bases():
+        path = os.path.join(base, f"rl-tpu-worker-{os.getpid()}-{next(_cgroup_ids)}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(procs))
+            return path
+        except OSError:  # no pids controller in this v2 subtree
+            _remove_cgroup(path)
+    return None
+
+
+def _joiner(cgroup: str | None):
+    if cgroup is None:
+        return None
+    procs = os.path.join(cgroup, "cgroup.procs")
+
+    def join() -> None:  # in the child, between fork and exec: only a write
+        with open(procs, "w") as f:
+            f.write("0")
+
+    return join
+
+
+def _kill_cgroup(path: str) -> None:
+    """SIGKILL every process in the cgroup `path` until it is empty (at most ~2 s), then remove it."""
+    import time
+
+    for _ in range(40):
+        try:
+            pids = [int(x) for x in open(os.path.join(path, "cgroup.procs")).read().split()]
+        except OSError:
+            break
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    _remove_cgroup(path)
+
+
+def _remove_cgroup(path: str | None) -> None:
+    if path:
+        try:
+            os.rmdir(path)
+        except OSError:  # a zombie not yet reaped by its parent; the kernel frees it when it is
+            pass
+
+
+def _user_tasks() -> int:
+    """Tasks (threads) of this process's real user now, for RLIMIT_NPROC, which counts them all."""
+    uid, n = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                status = open(f"/proc/{pid}/status").read()
+            except OSError:
+                continue
+            fields = dict(x.split(":", 1) for x in status.splitlines() if ":" in x)
+            if int(fields.get("Uid", "-1").split()[0]) == uid:
+                n += int(fields.get("Threads", "1"))
+    return n
+
+
+def limit_rlimits(memory_mb: int, nproc: int, cpu_s: float) -> None:
+    """RLIMIT_AS, RLIMIT_NPROC (the user's tasks now plus `nproc`) and RLIMIT_CPU of this process, soft
+    and hard; 0 leaves one alone. A no-op where `resource` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return
+    if memory_mb:
+        limit_memory(memory_mb)
+    if nproc:
+        n = _user_tasks() + nproc
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+    if cpu_s:
+        n = max(1, int(cpu_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (n, n))
 
 
 def limit_memory(memory_mb: int) -> None:
@@ -235,12 +397,11 @@ def _main(fd: int, parent: int) -> None:
     _watch_parent(parent)
     conn = Connection(fd)
     try:
-        path, entry, init, memory_mb = conn.recv()
+        path, entry, init, rlimits = conn.recv()
     except (EOFError, OSError):
         return
     sys.path[:] = path
-    if memory_mb:
-        limit_memory(memory_mb)  # before the user's modules load: their imports count too
+    limit_rlimits(*rlimits)  # before the user's modules load: their imports count too
     module, _, fn = entry.partition(":")
     getattr(importlib.import_module(module), fn)(conn, init)
 

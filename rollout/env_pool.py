@@ -52,14 +52,13 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
 from rl_tpu.call_pool import CallResult
-from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits, WorkerProcess, start
+from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits, WorkerProcess, start, worker_limits
 from rl_tpu.rollout.multi_turn import EnvError, check_answer, check_opening, load_env
 from rl_tpu.user_code import IMPORT_TIMEOUT_S, load_callable, resolve_spec
 
@@ -220,6 +219,10 @@ def _settle(done: list[tuple[Future, Any]]) -> None:
             pass
 
 
+# a pool's limits when not given (`from_config` takes the run's)
+ENV_LIMITS = Limits(memory_mb=4096, env_allow=DEFAULT_ENV_ALLOW)
+
+
 class EnvPool:
     """Instances of the environment class `spec` names, in `workers` contained processes (see the module
     docstring). `reset`, `step` and `release` may be called from any thread; `close` kills every worker."""
@@ -230,24 +233,17 @@ class EnvPool:
         *,
         workers: int = 2,
         timeout_s: float = 30.0,
-        memory_mb: int = 4096,
-        env_allow: Sequence[str] | None = DEFAULT_ENV_ALLOW,
-        sandbox: bool = False,
+        limits: Limits = ENV_LIMITS,
         startup_timeout_s: float = IMPORT_TIMEOUT_S,
         field_name: str = "rollout.env",
     ):
-        # `memory_mb`: each worker's address-space limit (RLIMIT_AS), 0 for none; `env_allow`: the
-        # environment variables workers see (fnmatch patterns; None: all); `sandbox`: bubblewrap
+        # `limits`: each worker's (memory, processes, CPU time, environment, sandbox: rl_tpu/containment.py)
         self.cls = load_env(spec, field_name)  # the driver's checks: a bad spec fails here, in one line
         self.name = self.cls.__name__
         self.spec, self.field_name = resolve_spec(spec), field_name
         self.timeout_s, self.startup_timeout_s = float(timeout_s), float(startup_timeout_s)
         self.size = max(1, workers)
-        self.limits = Limits(
-            memory_mb=int(memory_mb),
-            env_allow=None if env_allow is None else tuple(env_allow),
-            sandbox=sandbox,
-        )
+        self.limits = limits
         self.timeouts = self.deaths = 0  # calls given up, workers lost
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []  # started and not killed, draining ones included
@@ -279,9 +275,7 @@ class EnvPool:
             rc.env,
             workers=rc.env_workers,
             timeout_s=rc.env_timeout_s,
-            memory_mb=rc.env_memory_mb,
-            env_allow=DEFAULT_ENV_ALLOW + tuple(rc.worker_env),
-            sandbox=rc.sandbox,
+            limits=worker_limits(rc, rc.env_memory_mb),
         )
 
     @property

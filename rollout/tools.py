@@ -41,13 +41,13 @@ import logging
 import queue
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from rl_tpu.call_pool import CallPool
-from rl_tpu.containment import DEFAULT_ENV_ALLOW
+from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits, worker_limits
 from rl_tpu.errors import UserError
 from rl_tpu.rollout import verl_tools
 from rl_tpu.user_code import IMPORT_TIMEOUT_S, SpecError, load_callable, split_spec
@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 # each tool worker's address-space limit (RLIMIT_AS, MiB): a call allocating past it reads as a MemoryError;
 # the run's is `rollout.tool_memory_mb` (the same default), 0 for none
 MEMORY_MB = 4096
+TOOL_LIMITS = Limits(
+    memory_mb=MEMORY_MB, env_allow=DEFAULT_ENV_ALLOW
+)  # when not given: from_config takes the run's
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -295,9 +298,7 @@ class Tools:
         timeout_s: float,
         workers: int = 1,
         field_name: str = "rollout.tools",
-        memory_mb: int = MEMORY_MB,
-        env_allow: Sequence[str] | None = DEFAULT_ENV_ALLOW,
-        sandbox: bool = False,
+        limits: Limits = TOOL_LIMITS,
     ):
         specs = verl_tools.expand(list(specs), field_name)  # a tool config file: one spec per tool
         fns, self.schemas = load_tools(specs, field_name)
@@ -307,7 +308,7 @@ class Tools:
             inspect.signature(_model_view(fn)) for fn in fns
         ]
         self._log_failure = threading.Lock()  # taken by the first failure (calls run on threads)
-        self.memory_mb = memory_mb
+        self.limits = limits
         self.pools: list[CallPool] = []
         self._threads = ThreadPoolExecutor(max(1, workers), thread_name_prefix="rl_tpu-tools")
         try:
@@ -320,9 +321,7 @@ class Tools:
                         name="tool",
                         error_type=ToolError,
                         check=tool_text,
-                        memory_mb=memory_mb,
-                        env_allow=env_allow,
-                        sandbox=sandbox,
+                        limits=limits,
                         load=verl_tools.load_spec,
                     )
                 )
@@ -340,9 +339,7 @@ class Tools:
             rc.tools,
             timeout_s=rc.tool_timeout_s,
             workers=rc.tool_workers,
-            memory_mb=rc.tool_memory_mb,
-            env_allow=DEFAULT_ENV_ALLOW + tuple(rc.worker_env),
-            sandbox=rc.sandbox,
+            limits=worker_limits(rc, rc.tool_memory_mb),
         )
 
     @property

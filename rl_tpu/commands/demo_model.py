@@ -46,7 +46,10 @@ class ModelDemoPlan:
 
     @classmethod
     def quick(cls, model: str) -> ModelDemoPlan:
-        return cls(model=model, test_prompts=16, grpo_steps=2, grpo_prompts=4, grpo_n=4, rft_batch=8)
+        # the plumbing and the report at a quarter of a default step's tokens (a CI test runs it)
+        return cls(
+            model=model, test_prompts=8, max_tokens=32, grpo_steps=2, grpo_prompts=2, grpo_n=4, rft_batch=8
+        )
 
 
 def model_demo_config(plan: ModelDemoPlan, model_path: str, out: Path) -> Config:

@@ -343,6 +343,9 @@ BF16_PARITY = (1e-3, 2e-2)
                 "--trainer.reference=true",
                 "--algorithm.use_kl_in_reward=true",
                 "--algorithm.rollout_is=token",
+                # every weight truncated (pi_old / pi_rollout ~ 1 > 1e-6): the update's gradient shrinks a
+                # millionfold, which shows the loss uses them (see the assertion below)
+                "--algorithm.rollout_is_threshold=1e-6",
                 "--algorithm.adv_estimator=rloo",
                 "--sync.transport=ray",
             ],
@@ -425,6 +428,11 @@ def test_update_paths_run_verified_and_report_mismatch(options, reward, mismatch
         assert all("loss/kl" in r for r in rows)
     if "--algorithm.rollout_is=token" in options:
         assert all("mismatch/is_mean" in r and "actor/reward_kl_penalty" in r for r in rows)
+        # the loss multiplies by the truncated weights: all truncated to 1e-6, so the gradient is ~1e-6 of
+        # an unweighted one (0.1-10 on this model; a loss ignoring the weights fails this at once)
+        assert all(r["mismatch/is_clipfrac"] == 1.0 for r in rows), [r["mismatch/is_clipfrac"] for r in rows]
+        assert any(r.get("actor/skipped_frac", 0.0) < 1.0 for r in rows)  # some sequences had an advantage
+        assert all(0.0 <= r["actor/grad_norm"] <= 1e-4 for r in rows), [r["actor/grad_norm"] for r in rows]
     if "--algorithm.dynamic_sampling=true" in options:
         _check_dynamic_sampling_and_overlong_penalty(cfg, rows, tmp_path / "run" / "samples.jsonl")
     if "--trainer.critic=true" in options:

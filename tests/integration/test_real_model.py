@@ -45,6 +45,10 @@ def _cfg(dtype: str = "float32", *overrides: str):
             "--trainer.micro_batch_size=8",
             "--rollout.max_model_len=512",
             "--rollout.kv_cache_gb=1",
+            # the engine warms a kernel per decode batch size up to a step's share (data.batch_size x
+            # rollout.n, rollout/worker.py): 8 here, as the tests sample 6 rows; 64 took ~60 s in bf16 on AVX2
+            "--data.batch_size=4",
+            "--rollout.n=2",
             *overrides,
         ],
     )
@@ -180,6 +184,7 @@ def test_train_sync_multi_turn_with_verify_and_evaluation_from_the_catalog_name(
         # a smaller step: verify's reference copies of the model in the engine, two replicated trainer
         # ranks and this test process's own Ray came near Ray's memory-monitor threshold on a 24 GB box
         "--data.batch_size=4",
+        "--rollout.n=4",
         "--trainer.micro_batch_size=4",
         "--trainer.total_steps=2",
         "--trainer.test_freq=2",
@@ -213,6 +218,9 @@ def test_train_async_partial_from_the_gguf_file(smollm2, tmp_path):
         "--rollout.partial=true",
         "--rollout.partial_chunk_tokens=8",
         "--rollout.max_tokens=24",
+        # 16 responses a step: the real model's steps are compute-bound on a 2-core box
+        "--data.batch_size=4",
+        "--rollout.n=4",
         "--trainer.total_steps=2",
         f"--logging.run_dir={run}",
         "--logging.tensorboard=false",
@@ -240,6 +248,7 @@ def test_sft_from_a_hub_id_in_a_prefilled_cache_then_generate_and_estimate(smoll
         "examples/tiny_cpu.toml",
         "--model.path=HuggingFaceTB/SmolLM2-135M-Instruct",
         "--trainer.total_steps=1",
+        "--data.batch_size=4",
         "--trainer.lr=1e-6",
         f"--logging.run_dir={run}",
         "--logging.tensorboard=false",

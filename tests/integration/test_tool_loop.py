@@ -391,6 +391,7 @@ def test_example_calculator_tool():
 def test_a_tool_past_its_memory_limit_reads_a_memory_error(tmp_path):
     """Tool workers run under an address-space limit (RLIMIT_AS): an allocation past it is that call's
     MemoryError, and the worker goes on answering."""
+    from rl_tpu.containment import Limits
     from rl_tpu.rollout.tools import Tools, parse_tool_calls
 
     (tmp_path / "hog.py").write_text(
@@ -406,7 +407,7 @@ def test_a_tool_past_its_memory_limit_reads_a_memory_error(tmp_path):
             '''
         )
     )
-    tools = Tools([f"{tmp_path / 'hog.py'}:hog"], timeout_s=10.0, workers=1, memory_mb=256)
+    tools = Tools([f"{tmp_path / 'hog.py'}:hog"], timeout_s=10.0, workers=1, limits=Limits(memory_mb=256))
     try:
         calls = "".join(
             f'<tool_call>{{"name": "hog", "arguments": {{"mb": {mb}}}}}</tool_call>' for mb in (1, 1024, 2)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from rl_tpu.call_pool import CallPool
+from rl_tpu.containment import Limits
 
 HOSTILE = """
 import resource, subprocess, time
@@ -64,6 +65,6 @@ def test_processes_a_timed_out_call_started_die_with_its_worker(hostile, tmp_pat
 
 
 def test_the_memory_cap_is_a_hard_limit(hostile):
-    with CallPool([f"{hostile}:limits"], timeout_s=30, name="tool", memory_mb=2048) as pool:
+    with CallPool([f"{hostile}:limits"], timeout_s=30, name="tool", limits=Limits(memory_mb=2048)) as pool:
         (res,) = pool.run([(0, {})])
     assert res.ok and res.value == [2048 * 2**20, 2048 * 2**20]

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from rl_tpu import containment
 from rl_tpu.call_pool import CallPool
-from rl_tpu.containment import DEFAULT_ENV_ALLOW
+from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits
 
 HOSTILE = textwrap.dedent(
     """
@@ -68,9 +69,28 @@ HOSTILE = textwrap.dedent(
         subprocess.Popen(["setsid", "sleep", marker], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         return "started"
+
+    def spawn_many(n, marker):
+        # a fork bomb's first steps: as many long sleeps as it is allowed
+        started = 0
+        for _ in range(n):
+            try:
+                subprocess.Popen(["sleep", marker], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except OSError as e:
+                return {"started": started, "error": str(e)}
+            started += 1
+        return {"started": started, "error": None}
+
+    def spin():
+        while True:
+            pass
     """
 )
-NAMES = ["environ", "connect", "write", "read", "where", "signal_parent", "parent_environ", "escape"]
+NAMES = [
+    "environ", "connect", "write", "read", "where", "signal_parent", "parent_environ", "escape",
+    "spawn_many", "spin",
+]  # fmt: skip
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="needs bubblewrap (bwrap): scripts/setup.sh --sandbox"
@@ -91,7 +111,7 @@ def _call(pool: CallPool, name: str, **kwargs):
 
 
 def _pool(specs, **kw) -> CallPool:
-    return CallPool(specs, timeout_s=30, name="tool", **kw)
+    return CallPool(specs, timeout_s=30, name="tool", limits=Limits(**kw))
 
 
 @pytest.fixture
@@ -204,6 +224,70 @@ def test_without_sandbox_a_process_that_left_the_group_outlives_the_worker(hosti
     finally:
         for pid in _sleeping(marker):
             os.kill(pid, 9)
+
+
+def _wait_sleeping(marker: str, count: int = 1) -> None:
+    deadline = time.monotonic() + 30
+    while len(_sleeping(marker)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_sleeping(marker)) >= count, "the processes never started"
+
+
+def _wait_gone(marker: str) -> list[int]:
+    deadline = time.monotonic() + 10
+    while _sleeping(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _sleeping(marker)
+
+
+def _kill_all(marker: str) -> None:
+    for pid in _sleeping(marker):
+        os.kill(pid, 9)
+
+
+needs_pids_cgroup = pytest.mark.skipif(
+    not containment._pids_bases(),
+    reason="needs a pids cgroup this user may write (root with cgroup v1 `pids`, or a delegated cgroup v2)",
+)
+
+
+@needs_pids_cgroup
+def test_process_limit_stops_a_fork_bomb_and_its_processes_die_with_the_worker(hostile):
+    """`rollout.worker_procs`: a worker making processes without end is refused past the limit (threads
+    count too: the worker's own are a few), and every process it made, in its group or not, dies with it."""
+    marker = f"{400 + os.getpid() % 1000}.{int(time.time()) % 1000 + 1}"
+    try:
+        with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, procs=16) as pool:
+            out = _call(pool, "spawn_many", n=64, marker=marker)
+            assert 0 < out["started"] < 16 and "Resource temporarily unavailable" in out["error"], out
+            assert len(_sleeping(marker)) == out["started"]
+        assert _wait_gone(marker) == []
+    finally:
+        _kill_all(marker)
+
+
+@needs_pids_cgroup
+def test_with_a_process_limit_a_process_that_left_the_group_dies_with_the_worker(hostile):
+    """The worker's cgroup holds what `setsid` took out of its group: the gap above closes."""
+    marker = f"{500 + os.getpid() % 1000}.{int(time.time()) % 1000 + 1}"
+    try:
+        with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, procs=64) as pool:
+            assert _call(pool, "escape", marker=marker) == "started"
+            _wait_sleeping(marker)
+        assert _wait_gone(marker) == []
+    finally:
+        _kill_all(marker)
+
+
+def test_cpu_time_limit_kills_a_spinning_worker_which_is_replaced(hostile):
+    """`rollout.worker_cpu_s`: a call that spins past the worker's CPU budget ends with its worker, well
+    before the call's own timeout, and the next call runs on a new worker."""
+    with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, cpu_s=1) as pool:
+        t = time.monotonic()
+        (res,) = pool.run([(NAMES.index("spin"), {})])
+        assert not res.ok and not res.timeout and "worker process died (exit code -9)" in res.error, res
+        assert time.monotonic() - t < 25  # the call's timeout is 30 s
+        assert _call(pool, "write", path=os.devnull) == "written"
 
 
 def test_sandbox_that_cannot_start_is_one_clear_error(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ import time
 import pytest
 from process_probes import group_alive  # tests/: shared /proc probes
 
-from rl_tpu.containment import DEFAULT_ENV_ALLOW
+from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits
 from rl_tpu.rollout.env_pool import EnvPool
 from rl_tpu.rollout.multi_turn import EnvError
 
@@ -173,7 +173,7 @@ def test_a_dead_worker_ends_its_instances_and_the_pool_serves_new_ones(spec, poo
 
 @pytest.mark.timeout(300)
 def test_the_memory_limit_makes_a_runaway_allocation_that_calls_error(spec, pools):
-    pool = pools(spec, workers=1, memory_mb=1024, timeout_s=60.0)
+    pool = pools(spec, workers=1, limits=Limits(memory_mb=1024, env_allow=DEFAULT_ENV_ALLOW), timeout_s=60.0)
     (pid,) = pool.worker_pids
     greedy, f = pool.reset({"kind": "alloc"})
     fine, g = pool.reset({"kind": "ok"})
@@ -188,7 +188,9 @@ def test_the_memory_limit_makes_a_runaway_allocation_that_calls_error(spec, pool
 def test_hundreds_of_calls_run_at_once_within_a_small_memory_limit(spec, pools):
     """Each call has a thread of its own: their stacks and malloc arenas must fit the address-space limit."""
     n = 300
-    pool = pools(spec, workers=1, memory_mb=1024, timeout_s=WAIT_S)
+    pool = pools(
+        spec, workers=1, limits=Limits(memory_mb=1024, env_allow=DEFAULT_ENV_ALLOW), timeout_s=WAIT_S
+    )
     opened = [pool.reset({"kind": "together", "n": n}) for _ in range(n)]
     for _, f in opened:
         f.result(WAIT_S)
@@ -201,7 +203,7 @@ def test_workers_see_only_the_allowed_environment_variables(spec, pools, monkeyp
     monkeypatch.setenv("RL_TPU_TEST_SECRET", "hunter2")
     plain = seen(pools(spec, workers=1).reset({"kind": "ok"})[1].result(WAIT_S))
     assert plain["PATH"] == os.environ["PATH"] and plain["secret"] is None
-    allowed = pools(spec, workers=1, env_allow=DEFAULT_ENV_ALLOW + ("RL_TPU_TEST_*",))
+    allowed = pools(spec, workers=1, limits=Limits(env_allow=DEFAULT_ENV_ALLOW + ("RL_TPU_TEST_*",)))
     assert seen(allowed.reset({"kind": "ok"})[1].result(WAIT_S))["secret"] == "hunter2"
 
 

@@ -90,3 +90,33 @@ def test_router_agreement_without_replay_falls_below_one(tmp_path):
     # step 1 samples and trains the same weights: the routers agree (measured 1.0; fp32 near-ties aside);
     # one large update behind, they pick other experts (measured 0.06, 0.86, 0.0)
     assert agreement[0] >= 0.99 and min(agreement[1:]) < 0.9, agreement
+
+
+@pytest.mark.usefixtures("loop_ray")
+def test_mutation_replay_off_or_routes_lost_would_be_seen(tmp_path, monkeypatch):
+    """What tells replay on from off in the loop: the driver hands the trainer the engine's routes shifted
+    by one expert (`rl_tpu.batching.routed_experts`, in this process). With replay on the trainer then
+    computes with experts the engine did not use, and its log-probs leave the engine's by far more than the
+    1e-4 that the true routes give (above); a loop that dropped the routes, or a trainer that ignored them,
+    would stay within 1e-4 and fail here."""
+    import torch
+
+    import rl_tpu.batching as batching
+    from rl_tpu.tiny_model import MOE
+
+    real = batching.routed_experts
+
+    def shifted(flat, L):
+        routes = real(flat, L)
+        if routes is None:
+            return None
+        # expert e is recorded as e + 1 (0: no record): 1..E -> 2..E, 1
+        return torch.where(routes > 0, routes % MOE["num_experts"] + 1, routes).to(routes.dtype)
+
+    monkeypatch.setattr(batching, "routed_experts", shifted)
+    rows = _train(tmp_path, "--rollout.routing_replay=true", "--trainer.total_steps=1")
+    (r,) = rows
+    print("shifted routes:", {k: r[k] for k in ("mismatch/max_abs_logprob_diff", "moe/router_agreement")})
+    assert r["moe/replayed_fraction"] == 1.0, r
+    assert r["mismatch/max_abs_logprob_diff"] > 1e-2, r["mismatch/max_abs_logprob_diff"]
+    assert r["moe/router_agreement"] < 0.5, r  # the trainer's own routers disagree with the routes given

@@ -86,7 +86,9 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return 0.5 * log_ratio.square()
     neg = torch.clamp(-log_ratio, min=-20.0, max=20.0)  # log(pi_ref / pi)
-    return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
+    # expm1, not exp(x) - 1: for the |x| ~ 1e-5 of two policies that nearly agree, exp(x) in fp32 rounds to
+    # 1 +- 6e-8 and the difference (x^2 / 2 ~ 5e-11) was lost: mismatch/k3_kl read exactly 0.0
+    return torch.clamp(torch.expm1(neg) - neg, min=-10.0, max=10.0)
 
 
 def agg_loss(

@@ -66,6 +66,16 @@ def test_kl_penalty_matches_formula(kind):
         assert out[0, 2].item() == 0.0
 
 
+def test_k3_of_nearly_equal_fp32_policies_is_not_rounded_to_zero():
+    """Engine and trainer log-probs 1e-5 apart (fp32 parity): k3 ~ d^2 / 2 = 5e-11. exp(x) - x - 1 in fp32
+    returned exactly 0.0 (or rounding noise of either sign) there, so `mismatch/k3_kl` read 0."""
+    d = torch.tensor([[1e-5, -2e-5, 3e-6]], dtype=torch.float32)
+    out = kl_penalty(d, torch.zeros_like(d), "k3")
+    want = torch.expm1(-d.double()) + d.double()  # float64 reference
+    assert out.dtype == torch.float32 and bool((out > 0).all()), out
+    assert torch.allclose(out.double(), want, rtol=5e-2, atol=0), (out, want)  # fp32: one ulp of x is 2e-13
+
+
 def test_kl_penalty_unknown_kind_lists_known():
     with pytest.raises(ValueError, match=r"'k4'.*k1, k2, k3, low_var_kl"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")

@@ -143,12 +143,20 @@ def test_a_waiting_exclusive_turn_goes_before_the_next_generation_call():
     turns, order = EngineTurns(), []
     started = threading.Event()
 
+    def exclusive_waiting() -> bool:
+        with turns._cv:
+            return turns._exclusive_waiting > 0
+
     def producer():
         for k in range(3):
             with turns.generating():
                 started.set()
                 order.append(f"chunk{k}")
                 time.sleep(0.05)
+                # chunk 0 ends only once the update asks for its turn (events, not the scheduler's timing)
+                deadline = time.monotonic() + 30
+                while k == 0 and not exclusive_waiting() and time.monotonic() < deadline:
+                    time.sleep(0.005)
 
     t = threading.Thread(target=producer)
     t.start()
@@ -213,11 +221,18 @@ def _producer(tmp_path, *overrides, steps=6):
     return cfg, engines, Rollouts(cfg, engines, Pool(), loader, Tok(), version=0, steps=steps)
 
 
-def _consume(rollouts, engines, steps, train_s=0.0):
-    """The trainer's side: take a batch at version v, train for `train_s`, then the engines serve v + 1
-    (a sync)."""
+def _wait_ready(rollouts, count: int) -> None:
+    """Until the producer holds `count` batches ready (at most 30 s)."""
     import time
 
+    deadline = time.monotonic() + 30
+    while len(rollouts._ready) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _consume(rollouts, engines, steps, refill=0):
+    """The trainer's side: take a batch at version v, "train" (until the producer holds `refill` batches
+    ready again, or as many as are left to make), then the engines serve v + 1 (a sync)."""
     from rl_tpu.batching import build_rollout_batch, staleness_metrics
 
     out = []
@@ -225,7 +240,7 @@ def _consume(rollouts, engines, steps, train_s=0.0):
         data, timings = rollouts.next(v)
         rb = build_rollout_batch(data.groups, data.scores, 0)
         out.append(staleness_metrics(rb.batch, v) | data.metrics | timings)
-        time.sleep(train_s)
+        _wait_ready(rollouts, min(refill, steps - v - 1))
         with rollouts.turns.exclusive():
             engines.version = v + 1
         rollouts.updated(v + 1)
@@ -257,14 +272,14 @@ def test_partial_rollouts_generate_in_chunks_only_when_a_response_can_outgrow_on
 
 
 def test_drop_policy_generates_stale_groups_again_and_counts_them(tmp_path):
-    import time
 
     cfg, engines, rollouts = _producer(
         tmp_path, "--algorithm.max_staleness=1", "--algorithm.staleness_policy=drop"
     )
-    time.sleep(0.2)  # the producer fills its buffer (max_staleness + 1 batches)
-    # while step 1 trains, the producer makes batch 2 with version 0; it would be trained at version 2
-    rows = _consume(rollouts, engines, 6, train_s=0.1)
+    _wait_ready(rollouts, 2)  # the producer fills its buffer (max_staleness + 1 batches)
+    # while step 1 trains, the producer makes batch 2 with version 0 (the trainer waits for it before its
+    # sync): it would be trained at version 2, so it is dropped and made again
+    rows = _consume(rollouts, engines, 6, refill=2)
     assert all(r["rollout/staleness_max"] <= 1 for r in rows), rows
     assert sum(r["rollout/dropped"] for r in rows) > 0
 

@@ -33,6 +33,7 @@ TOOLS_TEMPLATE = (
 
 TOOLS_PY = '''
 import asyncio
+import os
 import time
 
 
@@ -57,13 +58,16 @@ async def add(a: int, b: int = 0) -> int:
     return a + b  # a JSON value: sent as JSON text
 
 
-def sleepy(seconds: float) -> str:
+def sleepy(seconds: float, until: str = "") -> str:
     """Sleep, then say so.
 
     Args:
         seconds: How long to sleep.
+        until: A file whose appearance ends the sleep early.
     """
-    time.sleep(seconds)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
+        time.sleep(0.005)
     return "awake"
 
 
@@ -560,9 +564,11 @@ def test_sampler_runs_tools_from_the_config(tok, tools_file):
     ) == (6, 0, 0)
 
 
-def _by_prompt(tok, log):
-    """A generate that calls `sleepy` (0.8 s) in a prompt asking "slow?", `multiply` in the others, and
-    answers once a tool response is in the prompt; logs (time, slow in the call, fast in the call)."""
+def _by_prompt(tok, log, marker):
+    """A generate that calls `sleepy` in a prompt asking "slow?" (until `marker` exists, at most 3 s),
+    `multiply` in the others, and answers once a tool response is in the prompt; logs (time, slow in the
+    call, fast in the call) and makes `marker` once the three fast ones have answered: the slow tool ends
+    as soon as they did where it holds no one up, and only after its 3 s where it holds them up."""
     eos = tok.convert_tokens_to_ids(tok.eos_token)
 
     def generate(prompts, max_tokens):
@@ -571,8 +577,10 @@ def _by_prompt(tok, log):
         for p, text in zip(prompts, texts):
             if "<tool_response>" in text:
                 answer = "done"
+            elif "slow?" in text:
+                answer = call("sleepy", seconds=3, until=str(marker))
             else:
-                answer = call("sleepy", seconds=0.8) if "slow?" in text else call("multiply", a=2, b=3)
+                answer = call("multiply", a=2, b=3)
             ids = tok(answer, add_special_tokens=False)["input_ids"] + [eos]
             kw = dict(prompt_ids=list(p), response_ids=ids, logprobs=[-1.0] * len(ids), text=answer)
             out.append(
@@ -586,18 +594,21 @@ def _by_prompt(tok, log):
                 [a for a, t in zip(answered, texts) if "slow?" not in t],
             )
         )
+        if sum(fast.count(True) for _, _, fast in log) >= 3:
+            marker.touch()
         return out
 
     return generate
 
 
 @pytest.mark.parametrize("scheduling", ["independent", "lockstep"])
-def test_a_slow_tool_holds_only_its_own_trajectory(tok, tools, scheduling):
+def test_a_slow_tool_holds_only_its_own_trajectory(tok, tools_file, scheduling, tmp_path):
     log = []
+    tools = Tools([f"{tools_file}:{n}" for n in NAMES], timeout_s=30.0, workers=2)
     mt = MultiTurn(
         tok,
         None,
-        _by_prompt(tok, log),
+        _by_prompt(tok, log, tmp_path / "fast_answered"),
         max_turns=3,
         max_tokens=200,
         max_total_tokens=2000,
@@ -605,14 +616,17 @@ def test_a_slow_tool_holds_only_its_own_trajectory(tok, tools, scheduling):
         scheduling=scheduling,
     )
     rows = [{"messages": [{"role": "user", "content": q}]} for q in ("slow?", "fast", "fast", "fast")]
-    trajs = mt.rollout(rows)
+    try:
+        trajs = mt.rollout(rows)
+    finally:
+        tools.close()
     assert [(t.turns, t.finish_reason, t.tool_calls, t.tool_errors) for t in trajs] == [(2, "stop", 1, 0)] * 4
     assert trajs[0].messages[2] == {"role": "tool", "content": "awake"}
     slow_answer = next(at for at, slow, _ in log if slow == [True])  # the call with the slow one's 2nd turn
     fast_answers = [at for at, _, fast in log if True in fast]
     if scheduling == "independent":  # the fast ones answered while the slow tool still ran
         assert [fast for _, slow, fast in log if slow == [True]] == [[]], log
-        assert max(fast_answers) < slow_answer - 0.4, log
+        assert max(fast_answers) < slow_answer, log
         assert mt.stats["generate_calls"] >= 3  # (a fast one held up by the load may come in a 4th)
     else:  # every turn waited for the slow tool
         assert [(slow, fast) for _, slow, fast in log] == [([False], [False] * 3), ([True], [True] * 3)]

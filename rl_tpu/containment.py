@@ -253,19 +253,24 @@ def _pids_bases() -> list[str]:
         mounts = open("/proc/self/mountinfo").read().splitlines()
         own = dict(
             (c, path)
-            for _, cs, path in (x.split(":", 2) for x in open("/proc/self/cgroup").read().split())
+            for _, cs, path in (x.split(":", 2) for x in open("/proc/self/cgroup").read().splitlines())
             for c in cs.split(",")
         )
     except OSError:
         return []
+
+    def under(root: str, mount: str, path: str) -> str:  # the mount shows the hierarchy from `root` down
+        rel = path[len(root) :] if root != "/" and path.startswith(root) else path
+        return mount.rstrip("/") + "/" + rel.lstrip("/")
+
     bases = []
     for line in mounts:
         fields = line.split()
-        rest = fields[fields.index("-") + 1 :]  # fstype, source, super options
+        root, mount, rest = fields[3], fields[4], fields[fields.index("-") + 1 :]  # fstype, source, options
         if rest[0] == "cgroup" and "pids" in rest[2].split(",") and "pids" in own:
-            bases.append(fields[4] + own["pids"])
+            bases.append(under(root, mount, own["pids"]))
         elif rest[0] == "cgroup2" and "" in own:
-            bases.append(fields[4] + own[""])
+            bases.append(under(root, mount, own[""]))
     return [b for b in bases if os.access(b, os.W_OK)]
 
 

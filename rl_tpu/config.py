@@ -57,6 +57,26 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the policy's linears ([trainer.lora], TorchTitan's LoRA converter; trainer/lora.py):
+    y = W x + (alpha / rank) B A x, with A `[rank, in]` and B `[out, rank]` trained and W frozen (no gradient,
+    no optimizer state). Not done yet: adapter-only sync into the engines, adapter export and checkpoint,
+    so `rl-tpu train` and `rl-tpu sft` refuse it (docs/lora.md)."""
+
+    rank: int = F(0, ge=0)  # the adapters' rank; 0: no LoRA (full fine-tuning)
+    alpha: float = F(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
+    # dropout on the adapters' input in the update (not in the log-prob passes, so with it the PPO ratio
+    # compares a dropped-out forward with a plain one: 0 keeps the on-policy ratio exactly 1)
+    dropout: float = F(0.0, ge=0, le=0.9)
+    # Hugging Face names of the decoder linears that get adapters (k_proj and v_proj only together: one
+    # TorchTitan module builds both); the embeddings, the output head, MoE routers and experts never do
+    targets: list[str] = F(["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     """The TorchTitan trainer ranks: optimizer, parallelism, execution mode, kernels and memory."""
@@ -169,6 +189,7 @@ class TrainerConfig:
     # interpreter of the trainer's own environment, e.g. ".venv-xla/bin/python" (scripts/setup.sh --role-env
     # xla); empty: the controller's. Same Python minor and Ray version required (rl_tpu.devices.roles)
     python: str = ""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True)
@@ -481,6 +502,42 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
     return value
 
 
+def _check_lora(cfg: Config) -> None:
+    lc, tc = cfg.trainer.lora, cfg.trainer
+    if not lc.rank:
+        return
+    unknown = sorted(set(lc.targets) - set(LORA_TARGETS))
+    if unknown or not lc.targets:
+        raise ConfigError(
+            f"config error: `trainer.lora.targets` names {unknown or 'nothing'}; choose among "
+            f"{', '.join(LORA_TARGETS)}"
+        )
+    if ("k_proj" in lc.targets) != ("v_proj" in lc.targets):
+        raise ConfigError(
+            "config error: `trainer.lora.targets` must name k_proj and v_proj together or neither (one "
+            "TorchTitan module computes both)"
+        )
+    refused = {
+        "trainer.critic = true": tc.critic,
+        'trainer.fsdp = "simple"': tc.fsdp == "simple",
+        'trainer.mode = "graph"': tc.mode == "graph",
+        f"trainer.expert_parallel = {tc.expert_parallel}": tc.expert_parallel > 1,
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"config error: `trainer.lora.rank > 0` is not verified with `{what}` yet")
+
+
+def check_lora_runnable(cfg: Config, command: str) -> None:
+    """LoRA trains on the trainer side only so far: a run that would sync or export the policy refuses it."""
+    if cfg.trainer.lora.rank:
+        raise ConfigError(
+            f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}`: the trainer trains LoRA adapters, "
+            f"but `rl-tpu {command}` cannot sync them into the engines or export them yet (docs/lora.md): "
+            "set trainer.lora.rank = 0 for full fine-tuning"
+        )
+
+
 def _type_name(tp: Any) -> str:
     return {str: "string", int: "integer", float: "number", bool: "true/false"}.get(tp, str(tp))
 
@@ -493,6 +550,16 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any], where: str) -
     hints = _hints(type(section_obj))
     fields = {f.name: f for f in dataclasses.fields(section_obj)}
     for key, value in values.items():
+        head, dot, rest = key.partition(".")
+        if head in fields and dataclasses.is_dataclass(hints[head]):  # a sub-table: [trainer.lora], or
+            if dot:  # `--trainer.lora.rank=16`
+                value = {rest: value}
+            elif not isinstance(value, dict):
+                raise ConfigError(
+                    f"config error{where}: `{section}.{key}` must be a table ([{section}.{key}])"
+                )
+            _apply(getattr(section_obj, head), f"{section}.{head}", value, where)
+            continue
         if key not in fields:
             raise ConfigError(
                 f"config error{where}: unknown key `{section}.{key}`; "
@@ -654,6 +721,7 @@ def _check_cross_fields(cfg: Config) -> None:
             "config error: `rollout.partial = true` generates in chunks, and a stop string can span two "
             "chunks: use `rollout.stop_token_ids`, or no partial rollouts"
         )
+    _check_lora(cfg)
     if cfg.trainer.mode == "graph" and cfg.trainer.fsdp != "simple":
         raise ConfigError(
             'config error: `trainer.mode = "graph"` captures the collectives of SimpleFSDP in its graph, and '

@@ -26,7 +26,7 @@ import torch
 
 from rl_tpu.config import Config, resolved_dtype
 from rl_tpu.devices import Device
-from rl_tpu.trainer import converters, cpu_matmul, graph, metrics, modes, parallel
+from rl_tpu.trainer import converters, cpu_matmul, graph, lora, metrics, modes, parallel
 
 
 class ModelBuilder:
@@ -77,6 +77,7 @@ class ModelBuilder:
         self.matmuls = converters.MatmulTable(tc.cpu_matmul, rank, world_size)
         self.moe_stats: metrics.MoeStats | None = None  # the policy's expert load (`moe/*` metrics)
         self.routing_replay = cfg.rollout.routing_replay  # the policy's MoE routers take the engine's experts
+        self.lora = tc.lora if tc.lora.rank else None  # adapters on the policy (trainer/lora.py)
 
     def _build(self, spec, state_dict: dict[str, torch.Tensor], convs, what: str) -> torch.nn.Module:
         m = parallel.build_parallel_model(
@@ -112,7 +113,13 @@ class ModelBuilder:
             compiled_blocks=self.compiled,
             head_kind=self.logprob_head,
         )
-        m = self._build(self.spec, titan_sd, convs, "reference" if frozen else "policy")
+        spec = self.spec
+        if self.lora and not frozen:  # the reference stays the base model
+            spec = dataclasses.replace(spec, config=lora.convert(spec.config, self.lora))
+            titan_sd = titan_sd | lora.initial_adapters(lora.adapter_shapes(spec.config), self.seed)
+            at = next((i for i, c in enumerate(convs) if isinstance(c, converters.CpuMatmuls)), -1)
+            convs.insert(at + 1, lora.LoraForward(self.lora.dropout))  # after the kernels' forward swap
+        m = self._build(spec, titan_sd, convs, "reference" if frozen else "policy")
         if frozen:
             m.requires_grad_(False)
             m.eval()

@@ -268,6 +268,13 @@ class TrainerGroup:
     def param_specs(self) -> list[ParamSpec]:
         return self._call(self._worker.param_specs)[0]
 
+    def policy_tensors(self, trainable: bool) -> dict[str, torch.Tensor]:
+        """The policy's trainable (or frozen) parameters, full, under TorchTitan names."""
+        return self._call(self._worker.policy_tensors, trainable)[0]
+
+    def optimizer_parameters(self) -> int:
+        return self._call(self._worker.optimizer_parameters, ranks=[0])[0]
+
     def name_maps(self):
         """The weight-sync plan's HF names, shapes and rows, from rank 0's adapter (`NameMaps`)."""
         return self._call(self._worker.ws_name_maps, ranks=[0])[0]

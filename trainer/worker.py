@@ -215,17 +215,39 @@ class TrainerWorker(SyncSender):
         self.ckpt.barrier()
         return self.step
 
+    def _refuse_lora(self, what: str) -> None:
+        # TorchTitan's HF adapters drop the adapter weights without a word: these paths would hand out the
+        # base model as if it were the policy
+        if self.builder.lora:
+            raise NotImplementedError(
+                f"{what} with trainer.lora: exporting and syncing adapters is not built yet (docs/lora.md)"
+            )
+
     def export_hf(self, out_dir: str) -> str | None:
+        self._refuse_lora("export_hf")
         return self.ckpt.export_hf(self.spec, self.model, out_dir, self.model_path)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""
+        self._refuse_lora("hf_state_dict")
         full = parallel.full_state_dict(self.model)
         return tmodel.titan_to_hf(self.spec, full) if self.rank == 0 else None
+
+    def policy_tensors(self, trainable: bool) -> dict[str, torch.Tensor] | None:
+        """Full tensors under TorchTitan names of the policy's trainable parameters (`trainable`; the
+        adapters under trainer.lora) or of its frozen ones, on rank 0 (None elsewhere); collective."""
+        chosen = {n for n, p in parallel.named_parameters(self.model) if p.requires_grad == trainable}
+        full = {n: t for n, t in parallel.full_state_dict(self.model).items() if n in chosen}
+        return full if self.rank == 0 else None
+
+    def optimizer_parameters(self) -> int:
+        """How many tensors the policy's optimizer updates."""
+        return sum(len(g["params"]) for g in self.optimizer.param_groups)
 
     # ------------------------------------------------------------------ weight-sync surface
 
     def param_specs(self) -> list[ParamSpec]:
+        self._refuse_lora("the weight sync")
         return [ParamSpec.from_tensor(n, p) for n, p in parallel.named_parameters(self.model)]
 
     def ws_name_maps(self):

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_tpu.cluster import start_ray
-from rl_tpu.config import Config, to_dict, to_toml
+from rl_tpu.config import Config, check_lora_runnable, to_dict, to_toml
 from rl_tpu.containment import check_sandbox
 from rl_tpu.controller.checkpoint import check_resume_model, load_state, resolve_resume, save_checkpoint
 from rl_tpu.controller.evaluation import Evaluator
@@ -126,6 +126,7 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
         check_model_folder(cfg.model.path, trainer=True)
     if resume is not None:  # a checkpoint of another model would fail once every actor has started
         check_resume_model(cfg)
+    check_lora_runnable(cfg, "train")
     check_routing_replay(cfg)  # an MoE model, one engine call per completion
     check_expert_parallel(cfg)  # experts to split, evenly
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl_tpu.config import AlgorithmConfig, Config, to_toml
+from rl_tpu.config import AlgorithmConfig, Config, check_lora_runnable, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.model_folder import load_tokenizer
 from rl_tpu.rollout.tools import load_tools
@@ -143,6 +143,7 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     from rl_tpu.model_folder import ensure_model
     from rl_tpu.model_source import resolve_model_path
 
+    check_lora_runnable(cfg, "sft")
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))

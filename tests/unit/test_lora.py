@@ -1,0 +1,79 @@
+"""trainer/lora.py and `[trainer.lora]`, one process: the converted config, the first adapters, the forward
+under the CPU kernels (the 2-rank trainer is tests/integration/test_lora_trainer.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_tpu.config import ConfigError, LoraConfig, load_config
+from rl_tpu.trainer import cpu_matmul, lora
+from rl_tpu.trainer import model as tmodel
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    from rl_tpu.tiny_model import make_tiny_model
+
+    return tmodel.build_model_spec(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "qwen3")))
+
+
+def test_config_table_override_and_errors(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[trainer.lora]\nrank = 16\ntargets = ["q_proj", "gate_proj"]\n')
+    cfg = load_config(toml, ["--trainer.lora.alpha=32"])
+    assert cfg.trainer.lora == LoraConfig(rank=16, alpha=32.0, targets=["q_proj", "gate_proj"])
+    assert load_config(None, []).trainer.lora.rank == 0
+    with pytest.raises(ConfigError, match=r"unknown key `trainer.lora.ranks`"):
+        load_config(None, ["--trainer.lora.ranks=4"])
+    with pytest.raises(ConfigError, match=r"`trainer.lora` must be a table"):
+        load_config(None, ["--trainer.lora=4"])
+    with pytest.raises(ConfigError, match="k_proj and v_proj together"):
+        load_config(None, ["--trainer.lora.rank=4", '--trainer.lora.targets=["v_proj"]'])
+    with pytest.raises(ConfigError, match=r"names \['lm_head'\]"):
+        load_config(None, ["--trainer.lora.rank=4", '--trainer.lora.targets=["lm_head"]'])
+    with pytest.raises(ConfigError, match="not verified with `trainer.critic = true`"):
+        load_config(None, ["--trainer.lora.rank=4", "--trainer.critic=true"])
+
+
+def test_convert_leaves_the_base_config_and_names_adapters_of_the_targets_only(spec):
+    before = repr(spec.config)
+    converted = lora.convert(spec.config, LoraConfig(rank=4, targets=["q_proj", "k_proj", "v_proj"]))
+    assert repr(spec.config) == before  # the reference and the checkpoint checks keep the base config
+    shapes = lora.adapter_shapes(converted)
+    dim = spec.config.dim
+    assert {n.rsplit(".", 3)[-3] for n in shapes} == {"wq", "wk", "wv"}
+    for name, shape in shapes.items():
+        assert (shape[0] if ".lora_a." in name else shape[1]) == 4
+        assert (shape[1] if ".lora_a." in name else shape[0]) > 0
+    assert all(shape[1] == dim for n, shape in shapes.items() if ".lora_a." in n)
+
+
+def test_first_adapters_are_seeded_and_b_is_zero(spec):
+    shapes = lora.adapter_shapes(lora.convert(spec.config, LoraConfig(rank=4)))
+    a, b = lora.initial_adapters(shapes, seed=3), lora.initial_adapters(shapes, seed=3)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    other = lora.initial_adapters(shapes, seed=4)
+    for n, t in a.items():
+        if ".lora_b." in n:
+            assert bool((t == 0).all())
+        else:  # Kaiming-uniform with a = sqrt(5): within 1 / sqrt(fan_in)
+            assert 0 < t.abs().max().item() <= t.shape[1] ** -0.5 and not torch.equal(t, other[n])
+
+
+def test_forward_keeps_the_adapter_path_under_the_cpu_kernels_and_drops_out_in_train_mode(spec):
+    torch.manual_seed(0)
+    converted = lora.convert(spec.config, LoraConfig(rank=4, alpha=8.0, targets=["o_proj"]))
+    layer = lora.lora_linears(converted.build())[0]
+    for p in layer.parameters():
+        torch.nn.init.normal_(p.data)
+    x = torch.randn(3, layer.in_features)
+    want = x @ layer.weight.T + 2.0 * (x @ layer.lora_a.weight.T) @ layer.lora_b.weight.T
+    cpu_matmul.install(layer, cpu_matmul.ONEDNN)  # what CpuMatmuls does: the adapter path is gone
+    with torch.no_grad():
+        assert torch.allclose(layer(x), x @ layer.weight.T, atol=1e-4)
+        lora.LoraForward(dropout=0.5).convert(layer)
+        layer.eval()
+        assert torch.allclose(layer(x), want, atol=1e-4)
+        layer.train()
+        assert not torch.allclose(layer(x), want, atol=1e-4)  # dropout on the adapter's input

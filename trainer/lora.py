@@ -1,0 +1,113 @@
+"""LoRA on the policy (`[trainer.lora]`): TorchTitan's LoRA converter on a copy of the model's config, the
+first adapters drawn on the host, and a forward that keeps the adapter path under the CPU kernels.
+
+- TorchTitan's `LoRAConverter` rewrites the config tree: each target `Linear.Config` becomes a `LoRALinear`
+  (the base weight frozen, `lora_a.weight` `[rank, in]`, `lora_b.weight` `[out, rank]`, output scaled by
+  alpha / rank) and every other module freezes its own parameters when built. It mutates the config it is
+  given, so it gets a deep copy: the reference and the checkpoint checks keep the base config.
+- Targets are TorchTitan's names of the last config segment; Hugging Face's `k_proj` and `v_proj` are one
+  TorchTitan module (`wkv`), so they come together (rl_tpu.config checks it).
+- The first adapters are host tensors from one seeded generator (A as TorchTitan initialises it, B zero),
+  loaded like the base weights: DTensor random init on CPU differs between world sizes, and every rank
+  must start from the same adapters. B = 0 makes the first policy the base model, bit for bit.
+- `LoraForward` runs after `CpuMatmuls` (trainer/converters.py), which routes every `nn.Linear` through its
+  kernels by replacing `forward`: on a `LoRALinear` that dropped the adapter path. The LoRA forward is the
+  base matmul (on the CPU kernel where one was chosen) plus the scaled adapter path, with dropout on the
+  adapter's input in train mode only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+
+from rl_tpu.config import LoraConfig
+
+# Hugging Face linear name -> TorchTitan config name (the last segment the converter matches)
+TITAN_NAMES = {
+    "q_proj": "wq",
+    "k_proj": "wkv",
+    "v_proj": "wkv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "up_proj": "w3",
+    "down_proj": "w2",
+}
+
+
+def titan_targets(targets: list[str]) -> list[str]:
+    return sorted({TITAN_NAMES[t] for t in targets})
+
+
+def convert(model_config, lc: LoraConfig):
+    """A LoRA copy of the TorchTitan model config `model_config` (left unchanged)."""
+    from torchtitan.components.lora import LoRAConverter
+
+    conv = LoRAConverter(
+        LoRAConverter.Config(rank=lc.rank, alpha=float(lc.alpha), target_modules=titan_targets(lc.targets))
+    )
+    return conv.convert(copy.deepcopy(model_config))
+
+
+def adapter_shapes(model_config) -> dict[str, torch.Size]:
+    """Name -> shape of every adapter weight of the (converted) config, from a build on the meta device."""
+    with torch.device("meta"):
+        model = model_config.build()
+    return {n: p.shape for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_a." in name or ".lora_b." in name
+
+
+def initial_adapters(shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
+    """The first adapters, the same on every rank: A as TorchTitan draws it (Kaiming-uniform, a = sqrt(5)),
+    from one generator seeded `seed` in name order, and B zero."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):
+        t = torch.empty(shapes[name])
+        if ".lora_a." in name:
+            torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        else:
+            t.zero_()
+        out[name] = t
+    return out
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    from rl_tpu.trainer import cpu_matmul
+
+    mm = getattr(self, "rl_matmuls", None)
+    if mm is None:
+        base = torch.nn.functional.linear(x, self.weight, self.bias)
+    else:
+        base = cpu_matmul.linear(x, self.weight, self.bias, mm)
+    h = self.rl_lora_dropout(x) if self.rl_lora_dropout is not None else x
+    return base + self._lora_scaling * self.lora_b(self.lora_a(h))
+
+
+def lora_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "lora_a") and hasattr(m, "_lora_scaling")]
+
+
+@dataclass
+class LoraForward:
+    """Every LoRA linear computes base + (alpha / rank) B A dropout(x), its base matmul on the kernel
+    `CpuMatmuls` chose for it (if any)."""
+
+    dropout: float = 0.0
+    name: str = "lora_forward"
+
+    def convert(self, model: torch.nn.Module) -> None:
+        layers = lora_linears(model)
+        if not layers:
+            raise ValueError("trainer.lora: the model has no LoRA linear (no target matched)")
+        for m in layers:
+            # a module attribute without parameters: train() / eval() switch it with the model
+            m.rl_lora_dropout = torch.nn.Dropout(self.dropout) if self.dropout else None
+            m.forward = types.MethodType(_forward, m)  # a bound method: `copy.deepcopy` rebinds it

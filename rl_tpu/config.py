@@ -64,8 +64,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraConfig:
     """LoRA adapters on the policy's linears ([trainer.lora], TorchTitan's LoRA converter; trainer/lora.py):
     y = W x + (alpha / rank) B A x, with A `[rank, in]` and B `[out, rank]` trained and W frozen (no gradient,
-    no optimizer state). Not done yet: adapter-only sync into the engines, adapter export and checkpoint,
-    so `rl-tpu train` and `rl-tpu sft` refuse it (docs/lora.md)."""
+    no optimizer state). `rl-tpu sft` exports the merged model and the adapters (a PEFT folder); the
+    adapter-only sync into the engines is not built yet, so `rl-tpu train` refuses it (docs/lora.md)."""
 
     rank: int = F(0, ge=0)  # the adapters' rank; 0: no LoRA (full fine-tuning)
     alpha: float = F(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
@@ -529,12 +529,13 @@ def _check_lora(cfg: Config) -> None:
 
 
 def check_lora_runnable(cfg: Config, command: str) -> None:
-    """LoRA trains on the trainer side only so far: a run that would sync or export the policy refuses it."""
+    """LoRA trains and exports on the trainer side only so far: a run that syncs the policy into engines
+    refuses it."""
     if cfg.trainer.lora.rank:
         raise ConfigError(
             f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}`: the trainer trains LoRA adapters, "
-            f"but `rl-tpu {command}` cannot sync them into the engines or export them yet (docs/lora.md): "
-            "set trainer.lora.rank = 0 for full fine-tuning"
+            f"but `rl-tpu {command}` cannot sync them into the engines yet (docs/lora.md; `rl-tpu sft` "
+            "trains and exports them): set trainer.lora.rank = 0 for full fine-tuning"
         )
 
 

@@ -262,6 +262,10 @@ class TrainerGroup:
     def export_hf(self, out_dir: str) -> str:
         return self._call(self._worker.export_hf, str(out_dir))[0]
 
+    def export_adapter(self, out_dir: str) -> str:
+        """The LoRA adapters as a PEFT folder (trainer.lora)."""
+        return self._call(self._worker.export_adapter, str(out_dir))[0]
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._call(self._worker.hf_state_dict)[0]
 

@@ -22,6 +22,7 @@ import copy
 import math
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -111,3 +112,88 @@ class LoraForward:
             # a module attribute without parameters: train() / eval() switch it with the model
             m.rl_lora_dropout = torch.nn.Dropout(self.dropout) if self.dropout else None
             m.forward = types.MethodType(_forward, m)  # a bound method: `copy.deepcopy` rebinds it
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def split(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA policy's full state dict -> (base weights, adapters), TorchTitan names."""
+    adapters = {n: t for n, t in full.items() if is_adapter(n)}
+    return {n: t for n, t in full.items() if n not in adapters}, adapters
+
+
+def _pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Base weight name -> (A, B)."""
+    out = {}
+    for n, a in adapters.items():
+        if ".lora_a." in n:
+            prefix = n.split(".lora_a.")[0]
+            out[f"{prefix}.weight"] = (a, adapters[f"{prefix}.lora_b.weight"])
+    return out
+
+
+def merged(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float) -> dict:
+    """The base weights with each adapter folded in, W + (B @ A) * scaling (PEFT's order of operations)."""
+    out = dict(base)
+    for name, (a, b) in _pairs(adapters).items():
+        out[name] = base[name] + (b @ a) * scaling
+    return out
+
+
+def peft_state(spec, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight` `[rank, in]`,
+    `lora_B.weight` `[out, rank]`), B's rows in the HF weight's row order: Llama's HF q and k rows are
+    TorchTitan's permuted (rotary layout), and A's columns are the input, which no adapter moves."""
+    import functools
+
+    from rl_tpu.trainer import model as tmodel
+    from rl_tpu.weight_sync.names import hf_row_map
+    from rl_tpu.weight_sync.specs import ParamSpec
+
+    pairs = _pairs(adapters)
+    names = sorted(pairs)
+    specs = [
+        ParamSpec.from_tensor(n, torch.empty(pairs[n][1].shape[0], pairs[n][0].shape[1], device="meta"))
+        for n in names
+    ]
+    out = {}
+    for hf_name, (tid, runs) in hf_row_map(specs, functools.partial(tmodel.titan_to_hf, spec)).items():
+        a, b = pairs[names[tid]]
+        order = torch.empty(b.shape[0], dtype=torch.long)
+        for hf_row, titan_row, n in runs:
+            order[hf_row : hf_row + n] = torch.arange(titan_row, titan_row + n)
+        module = "base_model.model." + hf_name.removesuffix(".weight")
+        out[f"{module}.lora_A.weight"] = a.contiguous()
+        out[f"{module}.lora_B.weight"] = b[order].contiguous()
+    return out
+
+
+def save_peft(out: str | Path, tensors: dict[str, torch.Tensor], lc: LoraConfig, base_model: str) -> Path:
+    """A PEFT adapter folder: `adapter_model.safetensors` and `adapter_config.json` (what PEFT's
+    `from_pretrained` and vLLM's LoRA loader read)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": lc.rank,
+        "lora_alpha": lc.alpha,
+        "lora_dropout": lc.dropout,
+        "target_modules": sorted(lc.targets),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

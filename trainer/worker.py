@@ -33,7 +33,7 @@ from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device, kernels
 from rl_tpu.fault_hooks import fault_hook
 from rl_tpu.metrics import process_rss_mb
-from rl_tpu.trainer import checkpoint, modes, parallel
+from rl_tpu.trainer import checkpoint, lora, modes, parallel
 from rl_tpu.trainer import model as tmodel
 from rl_tpu.trainer.build import ModelBuilder
 from rl_tpu.trainer.checkpoint import RESTARTABLE, check_restartable, restart_conflicts
@@ -204,9 +204,14 @@ class TrainerWorker(SyncSender):
         titan_sd = checkpoint.load_same_architecture(self.spec, model_path, self.model_path)
         self.tc = tc if tc is not None else self.tc
         self.device.seed(self.tc.seed)
-        for m in (self.model, self.ref):
-            if m is not None:
-                parallel.load_full_state_dict(m, titan_sd)
+        if self.ref is not None:
+            parallel.load_full_state_dict(self.ref, titan_sd)
+        if self.builder.lora:  # the new base under fresh first adapters (B = 0): the base model again
+            names = [n for n, _ in parallel.named_parameters(self.model)]
+            shapes = {n: p.shape for n, p in parallel.named_parameters(self.model) if lora.is_adapter(n)}
+            titan_sd = titan_sd | lora.initial_adapters(shapes, self.tc.seed)
+            assert set(titan_sd) == set(names), sorted(set(titan_sd) ^ set(names))
+        parallel.load_full_state_dict(self.model, titan_sd)
         lazy = self.device.lazy_tensors
         self.optimizer, self.scheduler = build_optimizer(self.model, self.tc.lr, self.tc, lazy)
         self.model_path, self.step = str(model_path), 0
@@ -224,8 +229,29 @@ class TrainerWorker(SyncSender):
             )
 
     def export_hf(self, out_dir: str) -> str | None:
-        self._refuse_lora("export_hf")
-        return self.ckpt.export_hf(self.spec, self.model, out_dir, self.model_path)
+        """The policy as an HF folder (rank 0 writes); under trainer.lora the base with the adapters merged
+        in, W + (alpha / rank) B A."""
+        if not self.builder.lora:
+            return self.ckpt.export_hf(self.spec, self.model, out_dir, self.model_path)
+        base, adapters = lora.split(parallel.full_state_dict(self.model))
+        if self.rank == 0:
+            lc = self.builder.lora
+            tmodel.save_hf(
+                self.spec, lora.merged(base, adapters, lc.alpha / lc.rank), out_dir, self.model_path
+            )
+        self.ckpt.barrier()
+        return str(out_dir)
+
+    def export_adapter(self, out_dir: str) -> str | None:
+        """The adapters as a PEFT folder (rank 0 writes): what PEFT's `from_pretrained` and vLLM's LoRA
+        loader read, over the base in `model.path`."""
+        if not self.builder.lora:
+            raise ValueError("export_adapter: trainer.lora.rank = 0, the policy has no adapters")
+        _, adapters = lora.split(parallel.full_state_dict(self.model))
+        if self.rank == 0:
+            lora.save_peft(out_dir, lora.peft_state(self.spec, adapters), self.builder.lora, self.model_path)
+        self.ckpt.barrier()
+        return str(out_dir)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""

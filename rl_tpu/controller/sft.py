@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl_tpu.config import AlgorithmConfig, Config, check_lora_runnable, to_toml
+from rl_tpu.config import AlgorithmConfig, Config, to_toml
 from rl_tpu.data import Example, PromptLoader, build_datasets, check_prompt_lengths, encode_prompts
 from rl_tpu.model_folder import load_tokenizer
 from rl_tpu.rollout.tools import load_tools
@@ -137,13 +137,13 @@ class SFTSession:
 
 
 def run_sft(cfg: Config) -> dict[str, Any]:
-    """`trainer.total_steps` SFT steps over the training data; writes RUN_DIR/hf (a HF model folder)."""
+    """`trainer.total_steps` SFT steps over the training data; writes RUN_DIR/hf (a HF model folder) and,
+    under trainer.lora, RUN_DIR/adapter (a PEFT folder; RUN_DIR/hf is the base with it merged in)."""
     from rl_tpu.cluster import start_ray
     from rl_tpu.metrics import MetricsLogger
     from rl_tpu.model_folder import ensure_model
     from rl_tpu.model_source import resolve_model_path
 
-    check_lora_runnable(cfg, "sft")
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -160,6 +160,8 @@ def run_sft(cfg: Config) -> dict[str, Any]:
         for step in range(1, cfg.trainer.total_steps + 1):
             logger.log(step, session.step(next(loader)))
         out = session.export(run_dir / "hf")
+        if cfg.trainer.lora.rank:  # the merged model above, and the adapters alone
+            session.trainer.export_adapter(str(run_dir / "adapter"))
     finally:
         logger.close()
         session.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from toy_stack import TOL, hf_logprobs, toy_batch  # tests/: what the real-stack sync tests share
 from toy_stack import small_cfg as _cfg
 
@@ -85,14 +86,25 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
         moved = ((lp1 - lp0) * batch.response_mask).abs().max().item()
         assert moved > 1e-3, moved  # the adapter path is live
 
-        # transformers on the merged weights computes the trainer's log-probs
+        # the exported HF folder is the merged model, and transformers on it computes the trainer's log-probs
         spec = tmodel.build_model_spec(model)
-        out = tmp_path / "merged"
-        tmodel.save_hf(spec, _merged(spec, frozen1, adapters1), out, model)
+        out = g.export_hf(str(tmp_path / "hf"))
+        with safe_open(f"{out}/model.safetensors", "pt") as f:
+            exported = {k: f.get_tensor(k) for k in f.keys()}
+        want = tmodel.titan_to_hf(spec, _merged(spec, frozen1, adapters1))
+        assert exported.keys() == want.keys() and all(torch.equal(exported[k], want[k]) for k in want)
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         with torch.no_grad():
             ref = hf_logprobs(hf, batch)
         assert ((ref - lp1) * batch.response_mask).abs().max().item() <= TOL * 10
+
+        # the adapters as a PEFT folder: PEFT over the base computes the same (Llama's q/k rows reordered)
+        adapter = g.export_adapter(str(tmp_path / "adapter"))
+        peft = pytest.importorskip("peft", reason="PEFT comes with the `verl` extra")
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        with torch.no_grad():
+            via_peft = hf_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), batch)
+        assert ((via_peft - ref) * batch.response_mask).abs().max().item() <= TOL
 
         # nothing would export or sync the adapters yet: the paths that would hand out the base refuse
         with pytest.raises(Exception, match="exporting and syncing adapters is not built yet"):
@@ -101,11 +113,44 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
         g.shutdown()
 
 
-def test_train_and_sft_refuse_lora_in_one_line_before_ray():
+def test_train_refuses_lora_in_one_line_before_ray():
     from rl_tpu.config import ConfigError, check_lora_runnable, load_config
 
-    cfg = load_config(None, ["--trainer.lora.rank=8"])
-    for command in ("train", "sft"):
-        with pytest.raises(ConfigError, match=f"`rl-tpu {command}` cannot sync them"):
-            check_lora_runnable(cfg, command)
+    with pytest.raises(ConfigError, match="`rl-tpu train` cannot sync them"):
+        check_lora_runnable(load_config(None, ["--trainer.lora.rank=8"]), "train")
     check_lora_runnable(load_config(None, []), "train")  # rank 0: full fine-tuning
+
+
+def test_sft_with_lora_writes_the_merged_model_and_a_peft_adapter(tmp_path):
+    """`rl-tpu sft` from the command line: RUN/hf is the base with the adapters merged in, RUN/adapter the
+    PEFT folder; PEFT over the base folder and transformers on RUN/hf give the same logits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "rl_tpu.commands.cli", "sft", "examples/tiny_cpu.toml"]
+        + ["--trainer.lora.rank=8", "--trainer.lora.alpha=16", "--trainer.lr=1e-2", "--trainer.total_steps=2"]
+        + ["--data.batch_size=4", f"--logging.run_dir={run}", "--logging.tensorboard=false"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16.0, "LORA")
+    peft = pytest.importorskip("peft", reason="PEFT comes with the `verl` extra")
+    ids = torch.tensor([[1, 17, 42, 99, 7, 5, 6]])
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        before = base(ids).logits
+        via_peft = peft.PeftModel.from_pretrained(base, run / "adapter").eval()(ids).logits
+        after = merged(ids).logits
+    assert (after - before).abs().max().item() > 1e-3  # two steps at lr 1e-2 moved the adapters
+    assert (via_peft - after).abs().max().item() <= 1e-4

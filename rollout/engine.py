@@ -142,15 +142,55 @@ def engine_kwargs(
     return kw
 
 
-def build_engine(rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0) -> LLM:
-    """Start a vLLM engine in this process (its core in a child process when `rc.multiprocess`)."""
+# vLLM's allowed `max_lora_rank` values (vllm.config.lora.LoRAConfig); an adapter of a smaller rank is
+# zero-padded in its slot
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def read_adapter(folder: str) -> dict[str, Any]:
+    """A PEFT adapter folder's `adapter_config.json` (rank `r`, `lora_alpha`, `target_modules`), checked
+    as far as vLLM's LoRA loader will read it; a bad folder is one `ValueError` naming it."""
+    import json
+
+    cfg_file = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(cfg_file) or not any(
+        os.path.isfile(os.path.join(folder, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")
+    ):
+        raise ValueError(
+            f"--lora {folder!r}: not a PEFT adapter folder (it needs adapter_config.json and "
+            "adapter_model.safetensors, as `rl-tpu sft --trainer.lora.rank=N` writes into RUN/adapter)"
+        )
+    config = json.loads(open(cfg_file).read())
+    rank = config.get("r")
+    if not isinstance(rank, int) or not 0 < rank <= LORA_RANKS[-1]:
+        raise ValueError(f"--lora {folder!r}: adapter_config.json's rank r = {rank!r} is not one vLLM serves")
+    return config
+
+
+def lora_kwargs(adapter: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments that serve one adapter of `adapter`'s config (`read_adapter`)."""
+    targets = adapter.get("target_modules")
+    return dict(
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=next(r for r in LORA_RANKS if r >= adapter["r"]),
+        # only the adapter's linears get LoRA layers (without it vLLM wraps the embeddings and the head too)
+        lora_target_modules=sorted(targets) if isinstance(targets, list) else None,
+    )
+
+
+def build_engine(
+    rc: RolloutConfig, device: Device, model_path: str, engine_index: int = 0, **extra: Any
+) -> LLM:
+    """Start a vLLM engine in this process (its core in a child process when `rc.multiprocess`); `extra`
+    adds `vllm.LLM` keyword arguments (`lora_kwargs`)."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
     device.require()
     os.environ.update(engine_env(rc, device))
     from vllm import LLM
 
-    return LLM(**engine_kwargs(rc, device, model_path, engine_index))
+    return LLM(**engine_kwargs(rc, device, model_path, engine_index), **extra)
 
 
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
@@ -308,15 +348,28 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> None:
 
 
 def generate_text(
-    model_path: str, prompts: Sequence[str], cfg: Config, *, chat: bool = True, **overrides: Any
+    model_path: str,
+    prompts: Sequence[str],
+    cfg: Config,
+    *,
+    chat: bool = True,
+    lora: str | None = None,
+    **overrides: Any,
 ) -> list[Completion]:
     """Generate one completion per prompt string with an in-process engine (no Ray): the `rl-tpu
     generate` helper. `chat=True` wraps each prompt as a user message through the tokenizer's chat
-    template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden)."""
+    template; sampling comes from `cfg.rollout` (n is forced to 1 unless overridden). `lora`: a PEFT
+    adapter folder served over `model_path` (vLLM's LoRA)."""
     from rl_tpu.model_folder import load_tokenizer
 
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model folder {model_path!r} has no config.json")
+    extra, request = {}, None
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        extra = lora_kwargs(read_adapter(lora))
+        request = LoRARequest("adapter", 1, os.path.abspath(lora))
     tok = load_tokenizer(model_path)
     if chat and tok.chat_template:
         ids = [
@@ -331,9 +384,9 @@ def generate_text(
     device = rollout_device(cfg)
     overrides.setdefault("n", 1)
     sp = sampling_params(cfg.rollout, device, **overrides)
-    llm = build_engine(engine_config(cfg), device, model_path)
+    llm = build_engine(engine_config(cfg), device, model_path, **extra)
     try:
-        outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False, lora_request=request)
     finally:  # a one-shot engine: leave no engine core and no process group behind in the caller
         from rl_tpu.weight_sync import vllm_compat
 

@@ -72,7 +72,15 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
             )
         )
     prompts = args.prompt or ["What is 12+30?", "What is 7+5?"]
-    for prompt, c in zip(prompts, generate_text(model_path, prompts, cfg)):
+    if args.lora:
+        from rl_tpu.rollout.engine import read_adapter
+
+        try:
+            read_adapter(str(args.lora))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    lora = str(args.lora) if args.lora else None
+    for prompt, c in zip(prompts, generate_text(model_path, prompts, cfg, lora=lora)):
         print(f"{prompt!r} -> {c.text!r} ({len(c.response_ids)} tokens, {c.finish_reason})")
     return 0
 
@@ -182,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="sample completions from a model with vLLM")
     s.add_argument("config", nargs="?", type=Path)
     s.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    s.add_argument(
+        "--lora", type=Path, help="a PEFT adapter folder served over --model.path (rl-tpu sft's RUN/adapter)"
+    )
     s.add_argument("--verbose", action="store_true", help="show the traceback of an input error")
     s.set_defaults(fn=cmd_generate)
 

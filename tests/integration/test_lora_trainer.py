@@ -121,17 +121,14 @@ def test_train_refuses_lora_in_one_line_before_ray():
     check_lora_runnable(load_config(None, []), "train")  # rank 0: full fine-tuning
 
 
-def test_sft_with_lora_writes_the_merged_model_and_a_peft_adapter(tmp_path):
-    """`rl-tpu sft` from the command line: RUN/hf is the base with the adapters merged in, RUN/adapter the
-    PEFT folder; PEFT over the base folder and transformers on RUN/hf give the same logits."""
-    import json
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """`rl-tpu sft` with LoRA from the command line (its own Ray), 2 steps on the tiny Qwen3."""
     import os
     import subprocess
     import sys
 
-    from transformers import AutoModelForCausalLM
-
-    run = tmp_path / "run"
+    run = tmp_path_factory.mktemp("lora_sft") / "run"
     r = subprocess.run(
         [sys.executable, "-m", "rl_tpu.commands.cli", "sft", "examples/tiny_cpu.toml"]
         + ["--trainer.lora.rank=8", "--trainer.lora.alpha=16", "--trainer.lr=1e-2", "--trainer.total_steps=2"]
@@ -142,15 +139,49 @@ def test_sft_with_lora_writes_the_merged_model_and_a_peft_adapter(tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    return run
+
+
+def test_sft_with_lora_writes_the_merged_model_and_a_peft_adapter(sft_run):
+    """RUN/hf is the base with the adapters merged in, RUN/adapter the PEFT folder; PEFT over the base
+    folder and transformers on RUN/hf give the same logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((sft_run / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16.0, "LORA")
+    assert config["base_model_name_or_path"] == str(sft_run / "model")
     peft = pytest.importorskip("peft", reason="PEFT comes with the `verl` extra")
     ids = torch.tensor([[1, 17, 42, 99, 7, 5, 6]])
-    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
-    merged = AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(sft_run / "model", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(sft_run / "hf", dtype=torch.float32)
     with torch.no_grad():
         before = base(ids).logits
-        via_peft = peft.PeftModel.from_pretrained(base, run / "adapter").eval()(ids).logits
+        via_peft = peft.PeftModel.from_pretrained(base, sft_run / "adapter").eval()(ids).logits
         after = merged(ids).logits
     assert (after - before).abs().max().item() > 1e-3  # two steps at lr 1e-2 moved the adapters
     assert (via_peft - after).abs().max().item() <= 1e-4
+
+
+def test_generate_serves_the_adapter_over_the_base_with_vllm_lora(sft_run):
+    """`rl-tpu generate --lora RUN/adapter` (vLLM's LoRA over the base folder) samples what the merged
+    folder samples, with its log-probs; the base alone differs. A folder that is no adapter is one line."""
+    from rl_tpu.config import load_config
+    from rl_tpu.rollout import generate_text
+
+    cfg = load_config(None, ["--rollout.temperature=0", "--rollout.max_tokens=6", "--rollout.kv_cache_gb=1"])
+    prompts = ["What is 3+4?", "Name a color."]
+    served = generate_text(str(sft_run / "model"), prompts, cfg, lora=str(sft_run / "adapter"))
+    merged = generate_text(str(sft_run / "hf"), prompts, cfg)
+    base = generate_text(str(sft_run / "model"), prompts, cfg)
+    for s, m in zip(served, merged):
+        assert s.response_ids == m.response_ids
+        assert max(abs(a - b) for a, b in zip(s.logprobs, m.logprobs)) <= 1e-4, (s.logprobs, m.logprobs)
+    gap = max(abs(s.logprobs[0] - b.logprobs[0]) for s, b in zip(served, base))
+    assert [s.response_ids for s in served] != [b.response_ids for b in base] or gap > 1e-3
+
+    from rl_tpu.rollout.engine import read_adapter
+
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        read_adapter(str(sft_run / "hf"))

@@ -66,6 +66,10 @@ GIB = 2**30
 # "TPU v5p" and "TPU v6e" system architecture pages, cloud.google.com/tpu/docs/v5p and /v6e); H100 SXM:
 # 80 GB HBM3 (NVIDIA H100 Tensor Core GPU datasheet), counted as 80 GiB as nvidia-smi reports about it.
 HARDWARE = {"v5p": 95 * GIB, "v6e": 32 * GIB, "h100": 80 * GIB}
+# devices of one host: a v5p VM holds 4 chips, a v6e host 8, an H100 node 8 GPUs. An engine runs on one
+# host (its TP ranks are processes there: vLLM's `mp` backend, never Ray inside the rollout actor), so
+# its TP size must fit in it; a trainer group may span hosts
+HOST_DEVICES = {"v5p": 4, "v6e": 8, "h100": 8}
 DEFAULT_HARDWARE = {"tpu": "v5p", "xla": "v5p", "cuda": "h100"}  # cpu: this host's RAM
 ENGINE_RUNTIME_BYTES = 1 * GIB  # vLLM's activations, sampler and runtime besides weights and KV (assumed)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -347,6 +351,11 @@ def estimate(
             )
         if engine["kv_seqs"] < 1:
             over.append(f"the engine's KV cache holds no {r.max_model_len}-token sequence")
+        if r.tensor_parallel_size > HOST_DEVICES[name]:
+            over.append(
+                f"an engine of TP {r.tensor_parallel_size} spans {r.tensor_parallel_size} devices, but one {name} "
+                f"host has {HOST_DEVICES[name]} (an engine runs on one host)"
+            )
     params = sum(math.prod(s.shape) for s in specs)
     return {
         "recipe": str(recipe) if recipe else "",

@@ -207,6 +207,28 @@ def test_estimate_runs_on_every_recipe(recipe):
         assert est["hardware"] in ("v5p", "v6e", "h100"), "a recipe names its hardware in its file name"
 
 
+# the recipes docs/recipes.md says do not fit, each with its reason there
+NOT_FITTING = {"llama3-70b-h100.toml", "qwen3-32b-h100.toml", "qwen3-235b-a22b-v5p.toml"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_placement_puts_each_engine_on_one_host_of_its_hardware(recipe):
+    """An engine's TP ranks are processes of one host: a recipe whose engines need more devices than one
+    host of its hardware has does not fit, and says why; the others fit as docs/recipes.md says."""
+    from rl_tpu.commands.estimate import HOST_DEVICES, estimate
+
+    cfg = load_config(recipe)
+    est = estimate(cfg, recipe)
+    per_host = HOST_DEVICES[est["hardware"]]
+    too_wide = cfg.rollout.tensor_parallel_size > per_host
+    assert too_wide == (f"one {est['hardware']} host has {per_host}" in est["why_not"]), est["why_not"]
+    assert est["fits"] == (recipe.name not in NOT_FITTING), (recipe.name, est["why_not"])
+    if recipe.name in NOT_FITTING:
+        assert recipe.name in (Path(__file__).parents[2] / "docs" / "recipes.md").read_text()
+    wider = estimate(load_config(recipe, [f"--rollout.tensor_parallel_size={2 * per_host}"]), recipe)
+    assert not wider["fits"] and f"an engine of TP {2 * per_host} spans" in wider["why_not"]
+
+
 def test_shapes_come_from_a_local_folders_config_json(tiny_qwen3):
     from rl_tpu.commands.estimate import estimate
 

@@ -228,6 +228,10 @@ class RolloutConfig:
     # an engine call (a generation batch, a weight sync) with no answer for this long counts as a hung
     # engine: it is killed and restarted like a dead one
     timeout_s: float = F(600.0, gt=0)
+    # seconds an engine may take to start (load, compile, warm up) before it counts as failed; 0: its
+    # engine package's default (rollout/engine.py EngineTraits: 600 s, vLLM-TorchTPU 1800 s for a cold XLA
+    # compile of every padded shape); never less than `timeout_s`
+    start_timeout_s: float = F(0.0, ge=0)
     # interpreter of the engines' own environment; empty: the controller's (like trainer.python)
     python: str = ""
     # the engines' device row; empty: trainer.device, except under an `xla` trainer, which must name it

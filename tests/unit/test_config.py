@@ -298,3 +298,14 @@ def test_every_recipe_resolves_with_its_own_device_and_run_dir():
         assert cfg.model.path and cfg.logging.run_dir, recipe
         run_dirs.add(cfg.logging.run_dir)
     assert len(run_dirs) == len(recipes)
+
+
+def test_engine_start_timeout_follows_the_engine_package_unless_set():
+    """A cold vLLM-TorchTPU start compiles an XLA program per padded shape: its engines get 1800 s to
+    start, others 600 s; `rollout.start_timeout_s` overrides both, never below the call timeout."""
+    from rl_tpu.rollout.engine import engine_start_timeout
+
+    assert engine_start_timeout(load_config(None, [])) == 600.0
+    assert engine_start_timeout(load_config(None, ["--trainer.device=tpu", "--rollout.device=tpu"])) == 1800.0
+    assert engine_start_timeout(load_config(None, ["--rollout.start_timeout_s=2400"])) == 2400.0
+    assert engine_start_timeout(load_config(None, ["--rollout.start_timeout_s=60"])) == 600.0  # timeout_s

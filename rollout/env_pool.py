@@ -7,8 +7,8 @@ the process holding its instance, and killing a process loses every instance in 
   of its own, an address-space limit, an environment-variable allow-list, bubblewrap if asked), as tools
   are. Each holds many instances, keyed by a trajectory id: `reset` makes one on the live worker holding
   the fewest, `step` goes to the worker holding it, `release` deletes it (its trajectory ended).
-- In a worker, each call runs on a thread of its own (an `async` method on the worker's event loop, its
-  thread waiting), so a slow call of one instance holds up no other instance there.
+- In a worker (rollout/env_worker.py), each call runs on a thread of its own (an `async` method on the
+  worker's event loop, its thread waiting), so a slow call of one instance holds up no other instance there.
 - A call running past `timeout_s` (its clock starts once its worker is ready) is given up: its future
   answers a timeout, and its worker is drained: it takes no new instance, a fresh worker takes its place,
   and it is killed (its whole process group) once its other instances are released, or at `close`. A
@@ -39,18 +39,14 @@ Data flow (who does what, waits on what, and what unblocks it):
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import itertools
 import json
 import logging
-import os
 import pickle
 import queue
 import socket
 import threading
 import time
-import traceback
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -59,112 +55,13 @@ from typing import Any
 
 from rl_tpu.call_pool import CallResult
 from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits, WorkerProcess, start, worker_limits
-from rl_tpu.rollout.multi_turn import EnvError, check_answer, check_opening, load_env
-from rl_tpu.user_code import IMPORT_TIMEOUT_S, load_callable, resolve_spec
+from rl_tpu.rollout.multi_turn import EnvError, load_env
+from rl_tpu.user_code import IMPORT_TIMEOUT_S, resolve_spec
 
 log = logging.getLogger(__name__)
 
-# a worker's call threads' stack (the default is 8 MiB of address space each, so a few hundred calls at once
-# would reach `memory_mb`); 2 MiB holds Python's recursion limit through C calls (repr, json, map)
-THREAD_STACK = 2 * 2**20
 MAX_FAILED_STARTS = 3  # replacement workers in a row that fail to start before `reset` raises
 POLL_S = 1.0  # the pump checks its workers are alive at least this often
-
-
-# ---------------------------------------------------------------------------------------------------
-# worker process
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
-
-
-def _resolve(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
-    """`value`, or what it resolves to on `loop` (running in another thread) when it is awaitable."""
-    if not inspect.isawaitable(value):
-        return value
-    return asyncio.run_coroutine_threadsafe(_awaited(value), loop).result()
-
-
-def _worker_main(conn, init: tuple[str, str]) -> None:
-    """A worker's life (`containment.start` entry): load the class, then run calls as they come."""
-    spec, label = init
-    try:
-        cls = load_callable(spec, label)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, in one line
-        conn.send_bytes(json.dumps(["load_error", " ".join(str(e).split())]).encode())
-        return
-    _Host(conn, cls).serve()
-
-
-def _few_malloc_arenas() -> None:
-    """glibc gives threads malloc arenas of 64 MiB of address space each (up to 8 per core), which count
-    against `memory_mb`; two are plenty where the GIL serializes most allocation. A no-op off glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
-class _Host:
-    """The worker side: the instances, by trajectory id, and one thread per call."""
-
-    def __init__(self, conn, cls: type):
-        self.conn, self.cls = conn, cls
-        self.instances: dict[int, Any] = {}
-        self._sending = threading.Lock()  # answers come from many threads
-        threading.stack_size(THREAD_STACK)
-        _few_malloc_arenas()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rl_tpu-env-async", daemon=True).start()
-
-    def send(self, msg: list) -> None:
-        data = json.dumps(msg).encode()  # TypeError, ValueError: JSON cannot write it
-        with self._sending:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:  # the parent is gone: so is this process, in a moment
-                pass
-
-    def serve(self) -> None:
-        self.send(["ready", os.getpid()])
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                msg = None
-            if msg is None:
-                os._exit(0)  # calls still running (hung ones) must not keep the process alive
-            if msg[0] == "release":
-                self.instances.pop(msg[1], None)
-                continue
-            try:
-                threading.Thread(target=self.call, args=msg, name="rl_tpu-env-call", daemon=True).start()
-            except BaseException as e:  # noqa: BLE001 - "can't start new thread" at the memory limit
-                self.send(["err", msg[1], f"{type(e).__name__}: {e}", ""])
-
-    def call(self, kind: str, call_id: int, tid: int, arg: Any) -> None:
-        where = f"{self.cls.__name__}.{kind}"
-        try:
-            if kind == "reset":
-                env = self.instances[tid] = self.cls()
-                out = _resolve(env.reset(arg), self.loop)
-            else:
-                out = _resolve(self.instances[tid].step(arg), self.loop)
-        except BaseException as e:  # noqa: BLE001 - user code, even SystemExit: it ends its trajectory only
-            self.send(["err", call_id, f"{type(e).__name__}: {e}", traceback.format_exc()])
-            return
-        try:
-            value = check_opening(out, where) if kind == "reset" else list(check_answer(out, where))
-        except EnvError as e:
-            self.send(["bad", call_id, str(e)])
-            return
-        try:
-            self.send(["ok", call_id, value])
-        except (TypeError, ValueError) as e:  # JSON cannot write it
-            self.send(["bad", call_id, f"{where} returned messages JSON cannot write ({e}): {value!r:.200}"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,7 +272,7 @@ class EnvPool:
 
     def _spawn(self) -> _Worker:
         proc = start(
-            "rl_tpu.rollout.env_pool:_worker_main",
+            "rl_tpu.rollout.env_worker:worker_main",
             (self.spec, self.field_name),
             self.limits,
             name=f"rl-tpu-env-{self.name}",

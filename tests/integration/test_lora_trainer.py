@@ -113,6 +113,35 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
         g.shutdown()
 
 
+def test_lora_checkpoint_resume_continues_bit_for_bit(ray_session, tmp_path):
+    """A LoRA trainer's checkpoint (today the frozen base with the adapters and their AdamW state) resumes
+    into a new trainer whose next step equals the uninterrupted one's, adapter for adapter."""
+    from rl_tpu.tiny_model import make_tiny_model
+    from rl_tpu.trainer import TrainerGroup
+
+    model = str(make_tiny_model(tmp_path / "tiny", "qwen3"))
+    cfg = _lora_cfg()
+    first, batch = TrainerGroup(cfg, model, world_size=2), toy_batch(1, high=200)
+    resumed = None
+    try:
+        first.train_step(batch.replace(old_log_probs=first.compute_log_probs(batch)), cfg.algorithm)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        resumed = TrainerGroup(cfg, model, world_size=2)
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        a, b = first.policy_tensors(trainable=True), resumed.policy_tensors(trainable=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        step = toy_batch(2, high=200)
+        for g in (first, resumed):
+            g.train_step(step.replace(old_log_probs=g.compute_log_probs(step)), cfg.algorithm)
+        a2, b2 = first.policy_tensors(trainable=True), resumed.policy_tensors(trainable=True)
+        assert any(not torch.equal(a[k], a2[k]) for k in a)  # the step moved the adapters
+        assert all(torch.equal(a2[k], b2[k]) for k in a2), [k for k in a2 if not torch.equal(a2[k], b2[k])]
+    finally:
+        first.shutdown()
+        if resumed is not None:
+            resumed.shutdown()
+
+
 def test_train_refuses_lora_in_one_line_before_ray():
     from rl_tpu.config import ConfigError, check_lora_runnable, load_config
 

@@ -532,13 +532,13 @@ def _check_lora(cfg: Config) -> None:
             raise ConfigError(f"config error: `trainer.lora.rank > 0` is not verified with `{what}` yet")
 
 
-def check_lora_runnable(cfg: Config, command: str) -> None:
-    """LoRA trains and exports on the trainer side only so far: a run that syncs the policy into engines
-    refuses it."""
+def check_lora_runnable(cfg: Config) -> None:
+    """LoRA trains and exports on the trainer side only so far: `rl-tpu train`, which syncs the policy
+    into engines, refuses it."""
     if cfg.trainer.lora.rank:
         raise ConfigError(
             f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}`: the trainer trains LoRA adapters, "
-            f"but `rl-tpu {command}` cannot sync them into the engines yet (docs/lora.md; `rl-tpu sft` "
+            "but `rl-tpu train` cannot sync them into the engines yet (docs/lora.md; `rl-tpu sft` "
             "trains and exports them): set trainer.lora.rank = 0 for full fine-tuning"
         )
 

@@ -194,7 +194,7 @@ class WorkerProcess:
             self._scratch = None
 
 
-def start(entry: str, init: Any, limits: Limits = Limits(), name: str = "rl-tpu-worker") -> WorkerProcess:
+def start(entry: str, init: Any, limits: Limits = NO_LIMITS, name: str = "rl-tpu-worker") -> WorkerProcess:
     """Start a worker calling `entry(conn, init)` (`init` is pickled; module-level functions in it travel
     by name) under `limits`."""
     parent, child = socket.socketpair()

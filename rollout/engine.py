@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rl_tpu.config import Config, RolloutConfig, engine_config
+from rl_tpu.config import Config, ConfigError, RolloutConfig, engine_config
 from rl_tpu.devices import Device, rollout_device
 from rl_tpu.types import Completion
 
@@ -165,21 +165,24 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def read_adapter(folder: str) -> dict[str, Any]:
     """A PEFT adapter folder's `adapter_config.json` (rank `r`, `lora_alpha`, `target_modules`), checked
-    as far as vLLM's LoRA loader will read it; a bad folder is one `ValueError` naming it."""
+    as far as vLLM's LoRA loader will read it; a bad folder is one `ConfigError` naming it (before any
+    engine starts)."""
     import json
 
     cfg_file = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(cfg_file) or not any(
         os.path.isfile(os.path.join(folder, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")
     ):
-        raise ValueError(
+        raise ConfigError(
             f"--lora {folder!r}: not a PEFT adapter folder (it needs adapter_config.json and "
             "adapter_model.safetensors, as `rl-tpu sft --trainer.lora.rank=N` writes into RUN/adapter)"
         )
     config = json.loads(open(cfg_file).read())
     rank = config.get("r")
     if not isinstance(rank, int) or not 0 < rank <= LORA_RANKS[-1]:
-        raise ValueError(f"--lora {folder!r}: adapter_config.json's rank r = {rank!r} is not one vLLM serves")
+        raise ConfigError(
+            f"--lora {folder!r}: adapter_config.json's rank r = {rank!r} is not one vLLM serves"
+        )
     return config
 
 

@@ -57,9 +57,8 @@ logger = logging.getLogger(__name__)
 # each tool worker's address-space limit (RLIMIT_AS, MiB): a call allocating past it reads as a MemoryError;
 # the run's is `rollout.tool_memory_mb` (the same default), 0 for none
 MEMORY_MB = 4096
-TOOL_LIMITS = Limits(
-    memory_mb=MEMORY_MB, env_allow=DEFAULT_ENV_ALLOW
-)  # when not given: from_config takes the run's
+# a pool's limits when not given (`from_config` takes the run's)
+TOOL_LIMITS = Limits(memory_mb=MEMORY_MB, env_allow=DEFAULT_ENV_ALLOW)
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

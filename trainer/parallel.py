@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -326,10 +327,15 @@ def load_full_state_dict(
                 p.copy_(src)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded parameters on CPU (collective: every rank must call it)."""
+def full_state_dict(
+    model: torch.nn.Module, keep: Callable[[str, torch.Tensor], bool] | None = None
+) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on CPU (collective: every rank must call it, with the same `keep`), only those
+    `keep(name, param)` accepts when given."""
     out = {}
     for name, p in named_parameters(model):
+        if keep is not None and not keep(name, p):
+            continue
         t = p.detach()
         if isinstance(t, DTensor):
             t = t.full_tensor()

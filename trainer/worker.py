@@ -207,11 +207,9 @@ class TrainerWorker(SyncSender):
         if self.ref is not None:
             parallel.load_full_state_dict(self.ref, titan_sd)
         if self.builder.lora:  # the new base under fresh first adapters (B = 0): the base model again
-            names = [n for n, _ in parallel.named_parameters(self.model)]
             shapes = {n: p.shape for n, p in parallel.named_parameters(self.model) if lora.is_adapter(n)}
             titan_sd = titan_sd | lora.initial_adapters(shapes, self.tc.seed)
-            assert set(titan_sd) == set(names), sorted(set(titan_sd) ^ set(names))
-        parallel.load_full_state_dict(self.model, titan_sd)
+        parallel.load_full_state_dict(self.model, titan_sd)  # strict: names and shapes checked
         lazy = self.device.lazy_tensors
         self.optimizer, self.scheduler = build_optimizer(self.model, self.tc.lr, self.tc, lazy)
         self.model_path, self.step = str(model_path), 0
@@ -221,11 +219,11 @@ class TrainerWorker(SyncSender):
         return self.step
 
     def _refuse_lora(self, what: str) -> None:
-        # TorchTitan's HF adapters drop the adapter weights without a word: these paths would hand out the
-        # base model as if it were the policy
+        # TorchTitan's HF adapters drop the adapter weights without a word: these paths would hand the
+        # engines the base model as if it were the policy
         if self.builder.lora:
             raise NotImplementedError(
-                f"{what} with trainer.lora: exporting and syncing adapters is not built yet (docs/lora.md)"
+                f"{what} with trainer.lora: syncing adapters into the engines is not built yet (docs/lora.md)"
             )
 
     def export_hf(self, out_dir: str) -> str | None:
@@ -247,7 +245,7 @@ class TrainerWorker(SyncSender):
         loader read, over the base in `model.path`."""
         if not self.builder.lora:
             raise ValueError("export_adapter: trainer.lora.rank = 0, the policy has no adapters")
-        _, adapters = lora.split(parallel.full_state_dict(self.model))
+        adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
         if self.rank == 0:
             lora.save_peft(out_dir, lora.peft_state(self.spec, adapters), self.builder.lora, self.model_path)
         self.ckpt.barrier()
@@ -262,8 +260,7 @@ class TrainerWorker(SyncSender):
     def policy_tensors(self, trainable: bool) -> dict[str, torch.Tensor] | None:
         """Full tensors under TorchTitan names of the policy's trainable parameters (`trainable`; the
         adapters under trainer.lora) or of its frozen ones, on rank 0 (None elsewhere); collective."""
-        chosen = {n for n, p in parallel.named_parameters(self.model) if p.requires_grad == trainable}
-        full = {n: t for n, t in parallel.full_state_dict(self.model).items() if n in chosen}
+        full = parallel.full_state_dict(self.model, lambda _, p: p.requires_grad == trainable)
         return full if self.rank == 0 else None
 
     def optimizer_parameters(self) -> int:

@@ -126,7 +126,7 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
         check_model_folder(cfg.model.path, trainer=True)
     if resume is not None:  # a checkpoint of another model would fail once every actor has started
         check_resume_model(cfg)
-    check_lora_runnable(cfg, "train")
+    check_lora_runnable(cfg)
     check_routing_replay(cfg)  # an MoE model, one engine call per completion
     check_expert_parallel(cfg)  # experts to split, evenly
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)

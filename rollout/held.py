@@ -48,8 +48,8 @@ class Piece:
 class HeldRequests:
     """One engine's held sequences: `chunk` continues them, `park` gives the engine back empty."""
 
-    def __init__(self, llm: Any):
-        self.llm = llm
+    def __init__(self, llm: Any, lora: Any = None):
+        self.llm, self.lora = llm, lora  # lora: the LoRARequest every request carries (trainer.lora)
         self.held: dict[Key, tuple[str, int]] = {}  # key -> (engine request id, response length it holds)
         self._ids = 0
 
@@ -82,7 +82,9 @@ class HeldRequests:
                 sp.seed = seeds[i]
             rid = f"rl-held-{self._ids}"
             self._ids += 1
-            engine.add_request(rid, {"prompt_token_ids": list(prompt) + list(resp)}, sp)
+            engine.add_request(
+                rid, {"prompt_token_ids": list(prompt) + list(resp)}, sp, lora_request=self.lora
+            )
             self.held[key] = (rid, len(resp))
         index = {self.held[key][0]: i for i, (key, _, _) in enumerate(seqs)}
         try:

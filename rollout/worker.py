@@ -38,11 +38,12 @@ from typing import Any
 import ray
 import torch
 
-from rl_tpu.config import Config, engine_config
+from rl_tpu.config import Config, ConfigError, engine_config
 from rl_tpu.devices import bind
 from rl_tpu.fault_hooks import fault_hook
 from rl_tpu.metrics import process_rss_mb
 from rl_tpu.placement import apply_threads, omp_threads
+from rl_tpu.rollout.adapter import ServedAdapter
 from rl_tpu.rollout.engine import (
     build_engine,
     check_prompts,
@@ -156,10 +157,22 @@ class RolloutWorker(SyncReceiver):
 
         vllm_compat.check()  # name every vLLM internal weight sync needs that this vLLM lacks, now
         t = time.perf_counter()
-        self.llm = build_engine(engine_config(self.cfg), self.device, self.model_path, self.index)
+        lc = self.cfg.trainer.lora
+        # the adapter this engine serves over its base (trainer.lora): nothing changed until the first sync
+        self.adapter = ServedAdapter(lc, self.expected, self.model_path, self.index) if lc.rank else None
+        self.lora = self.adapter.request if self.adapter else None  # on every request this engine runs
+        extra = self.adapter.engine_kwargs() if self.adapter else {}
+        try:
+            self.llm = build_engine(
+                engine_config(self.cfg), self.device, self.model_path, self.index, **extra
+            )
+        except BaseException:
+            if self.adapter is not None:
+                self.adapter.close()
+            raise
         self._warm_up()
         self.moe_layers = self._ws_ranks().routing_start()[0]  # 0: dense, nothing recorded
-        self.held = HeldRequests(self.llm)
+        self.held = HeldRequests(self.llm, self.lora)
         # with async scheduling a step may still be in flight when a chunk call returns: hold nothing then
         self.hold = not self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         self.version = self.initial_version
@@ -172,7 +185,7 @@ class RolloutWorker(SyncReceiver):
         this engine, takes it out of the first step. Greedy draws no random numbers and a 1-token prompt
         fills no prefix-cache block, so later sampling is unchanged."""
         params = sampling_params(self.cfg.rollout, self.device, n=1, max_tokens=1, temperature=0.0)
-        self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+        self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False, lora_request=self.lora)
         if self.traits.row_count_kernels:
             self._warm_row_counts()
 
@@ -201,7 +214,7 @@ class RolloutWorker(SyncReceiver):
             )
             for i in range(1, most + 1)
         ]
-        self.llm.generate([{"prompt_token_ids": [0]}] * most, params, use_tqdm=False)
+        self.llm.generate([{"prompt_token_ids": [0]}] * most, params, use_tqdm=False, lora_request=self.lora)
 
     def _stop_engine(self) -> None:
         if getattr(self, "llm", None) is None:
@@ -216,6 +229,8 @@ class RolloutWorker(SyncReceiver):
         llm, self.llm = self.llm, None
         vllm_compat.shutdown_engine(llm)
         del llm
+        if self.adapter is not None:
+            self.adapter.close()
 
     # -- what the weight sync's receiver side (SyncReceiver) needs -----------------------------------
     def ws_engine(self):
@@ -275,7 +290,10 @@ class RolloutWorker(SyncReceiver):
                 self._ws_ranks().seed(seeds[0])
         t = time.perf_counter()
         outs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
+            [{"prompt_token_ids": list(p)} for p in prompt_token_ids],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora,
         )
         dt = time.perf_counter() - t
         routing = self._ws_ranks().routing_take()[0] if self.moe_layers else None
@@ -350,6 +368,41 @@ class RolloutWorker(SyncReceiver):
         reset_kv(self.llm)
         self.version = version
         return {"tensors": len(shapes), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
+
+    def load_adapter(self, folder: str, version: int) -> dict:
+        """Serve the LoRA adapter in the PEFT folder `folder` (trainer.lora's adapter-only sync), reset the
+        prefix cache and record `version`. A folder this engine cannot serve is `WeightsRejected` (engine
+        untouched); a failed install restarts the engine, as `load_weights` does."""
+        t0 = time.perf_counter()
+        if self.adapter is None:
+            raise WeightsRejected(f"rollout worker {self.index} serves no adapter (trainer.lora.rank = 0)")
+        try:
+            nbytes = self.adapter.install(self.llm, folder)
+        except ConfigError as e:
+            raise WeightsRejected(str(e)) from e
+        except Exception as e:
+            self.restart_engine()
+            raise RuntimeError(
+                f"rollout worker {self.index}: adapter install failed ({e}); engine restarted from "
+                f"{self.model_path}, policy version reset to {self.version}"
+            ) from e
+        reset_kv(self.llm)
+        self.version = version
+        return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def verify_adapter(self, tensors: Any) -> list[dict[str, float]]:
+        """Per TP rank, max |diff| per LoRA slot tensor the engine computes with against the trainer's
+        adapter `tensors` (PEFT names: (name, tensor) pairs or a safetensors path), packed, cast and
+        scaled as vLLM serves them (`WorkerExtension.rl_lora_verify`)."""
+        if self.adapter is None:
+            raise ValueError(f"rollout worker {self.index} serves no adapter (trainer.lora.rank = 0)")
+        lc = self.adapter.lc
+        wire, path = self._to_wire(tensors if isinstance(tensors, (str, list)) else list(tensors.items()))
+        try:
+            return self._ws_ranks().lora_verify(wire, self.adapter.request.lora_int_id, lc.alpha / lc.rank)
+        finally:
+            if path is not None:
+                os.unlink(path)
 
     def _to_wire(self, payload: Any) -> tuple[Any, str | None]:
         """The payload as the engine ranks can receive it, and a temporary file to delete afterwards."""

@@ -253,3 +253,41 @@ class WorkerExtension(EngineSide):
             for n, p in self._rl_model().named_parameters()
             if wanted is None or n in wanted
         }
+
+    # -- LoRA (trainer.lora; rl_tpu.rollout.adapter) ------------------------------------------------
+    def rl_lora_verify(self, payload: Payload, lora_id: int, scaling: float) -> dict[str, float]:
+        """Max |diff| per LoRA slot tensor of adapter `lora_id` on this rank against the trainer's
+        adapter `payload` (PEFT names), as vLLM serves an adapter: each packed module's members as its
+        slices (q, k, v; gate, up), cast to the slot's dtype, B times `scaling` in that dtype, this rank's
+        TP share, zero-padded to the engine's largest rank; a member without tensors must be all zero. A
+        tensor of the payload no LoRA layer serves is reported as inf (a target the engine does not wrap)."""
+        from rl_tpu.peft_folder import PREFIX
+        from rl_tpu.weight_sync import vllm_compat
+
+        ref = dict(decode_payload(payload))
+        modules, packed, slot = vllm_compat.lora_slots(self, lora_id)
+        out, used = {}, set()
+        for mname, m in modules.items():
+            members = packed.get(mname, [mname])
+            a = [ref.get(f"{PREFIX}{n}.lora_A.weight") for n in members]
+            b = [ref.get(f"{PREFIX}{n}.lora_B.weight") for n in members]
+            used.update(f"{PREFIX}{n}.lora_{x}.weight" for n in members for x in "AB")
+            dtype = m.lora_a_stacked[0].dtype
+            a = [None if t is None else t.to(dtype) for t in a]
+            b = [None if t is None else t.to(dtype) * scaling if scaling != 1 else t.to(dtype) for t in b]
+            if m.tp_size > 1:
+                one = len(members) == 1
+                a = [m.slice_lora_a(a[0])] if one else m.slice_lora_a(a)
+                b = [m.slice_lora_b(b[0])] if one else m.slice_lora_b(b)
+            for i in range(m.n_slices):
+                for kind, stacked, want in (("a", m.lora_a_stacked, a[i]), ("b", m.lora_b_stacked, b[i])):
+                    served = stacked[i][slot, 0]
+                    expected = torch.zeros_like(served)
+                    if want is not None:
+                        expected[: want.shape[0], : want.shape[1]] = want
+                    out[f"{mname}.lora_{kind}_stacked.{i}"] = (
+                        (served.float() - expected.float()).abs().max().item()
+                    )
+        for name in sorted(set(ref) - used):
+            out[f"{name} (served by no LoRA layer)"] = float("inf")
+        return out

@@ -11,6 +11,25 @@ from rl_tpu.types import TrainBatch
 
 TOL = 1e-5  # fp32 log-prob parity, trainer vs engine
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
+# metrics that measure time or memory: a resumed run reproduces every metric but these
+WALL_CLOCK_METRICS = {
+    "time/startup",
+    "time/rollout",
+    "time/generate",
+    "time/reward",
+    "time/train",
+    "time/sync",
+    "time/eval",
+    "time/step",
+    "time/trainer_idle",
+    "time/engine_idle",
+    "throughput/tokens_per_s",
+    "sync/seconds",
+    "perf/train_s",
+    "memory/trainer_rss_mb",
+    "memory/engine_rss_mb",
+    "memory/driver_rss_mb",
+}
 
 
 def small_cfg(*overrides: str) -> Config:

@@ -266,6 +266,10 @@ class TrainerGroup:
         """The LoRA adapters as a PEFT folder (trainer.lora)."""
         return self._call(self._worker.export_adapter, str(out_dir))[0]
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters under PEFT's names, full tensors (trainer.lora)."""
+        return self._call(self._worker.adapter_state)[0]
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._call(self._worker.hf_state_dict)[0]
 

@@ -22,11 +22,11 @@ import copy
 import math
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from rl_tpu.config import LoraConfig
+from rl_tpu.peft_folder import PREFIX
 
 # Hugging Face linear name -> TorchTitan config name (the last segment the converter matches)
 TITAN_NAMES = {
@@ -163,37 +163,7 @@ def peft_state(spec, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         order = torch.empty(b.shape[0], dtype=torch.long)
         for hf_row, titan_row, n in runs:
             order[hf_row : hf_row + n] = torch.arange(titan_row, titan_row + n)
-        module = "base_model.model." + hf_name.removesuffix(".weight")
+        module = PREFIX + hf_name.removesuffix(".weight")
         out[f"{module}.lora_A.weight"] = a.contiguous()
         out[f"{module}.lora_B.weight"] = b[order].contiguous()
-    return out
-
-
-def save_peft(out: str | Path, tensors: dict[str, torch.Tensor], lc: LoraConfig, base_model: str) -> Path:
-    """A PEFT adapter folder: `adapter_model.safetensors` and `adapter_config.json` (what PEFT's
-    `from_pretrained` and vLLM's LoRA loader read)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_model),
-        "r": lc.rank,
-        "lora_alpha": lc.alpha,
-        "lora_dropout": lc.dropout,
-        "target_modules": sorted(lc.targets),
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

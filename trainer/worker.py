@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from rl_tpu import peft_folder
 from rl_tpu.config import AlgorithmConfig, Config, TrainerConfig
 from rl_tpu.devices import get_device, kernels
 from rl_tpu.fault_hooks import fault_hook
@@ -223,7 +224,8 @@ class TrainerWorker(SyncSender):
         # engines the base model as if it were the policy
         if self.builder.lora:
             raise NotImplementedError(
-                f"{what} with trainer.lora: syncing adapters into the engines is not built yet (docs/lora.md)"
+                f"{what} with trainer.lora: the base model alone is not the policy; the engines get the "
+                "adapters (export_adapter, adapter_state; docs/lora.md)"
             )
 
     def export_hf(self, out_dir: str) -> str | None:
@@ -247,9 +249,19 @@ class TrainerWorker(SyncSender):
             raise ValueError("export_adapter: trainer.lora.rank = 0, the policy has no adapters")
         adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
         if self.rank == 0:
-            lora.save_peft(out_dir, lora.peft_state(self.spec, adapters), self.builder.lora, self.model_path)
+            peft_folder.save(
+                out_dir, lora.peft_state(self.spec, adapters), self.builder.lora, self.model_path
+            )
         self.ckpt.barrier()
         return str(out_dir)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """The adapters under PEFT's names (what `export_adapter` writes), full, on rank 0 (None
+        elsewhere); collective. What `--sync.verify` compares the engines' LoRA slots with."""
+        if not self.builder.lora:
+            raise ValueError("adapter_state: trainer.lora.rank = 0, the policy has no adapters")
+        adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
+        return lora.peft_state(self.spec, adapters) if self.rank == 0 else None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .calls import ReceiverLost, call, get
-from .installers import Installer, PlannedInstall, ReloadInstall, SyncStats
+from .installers import AdapterInstall, Installer, PlannedInstall, ReloadInstall, SyncStats
 from .plan import SyncPlan
 from .specs import ParamSpec
 
@@ -104,15 +104,18 @@ class WeightSync:
         receiver_buffer_mb: float = 4096.0,
         verify: bool = False,
         trainer: TrainerGroup | None = None,
+        lora: bool = False,
     ):
         self.group = None if isinstance(receivers, (list, tuple)) else receivers
         if self.group is not None:
             receivers = self.group.workers  # the group's own list: a restart replaces its entry in place
         self.receivers = receivers
-        self.verify_each, self.trainer = verify, trainer
+        self.verify_each, self.trainer, self.lora = verify, trainer, lora
         self.lock = threading.Lock()
         self.installer: Installer = (
-            ReloadInstall(trainer, receivers)
+            AdapterInstall(trainer, receivers)
+            if lora
+            else ReloadInstall(trainer, receivers)
             if transport == "reload"
             else PlannedInstall(
                 specs,
@@ -130,8 +133,10 @@ class WeightSync:
 
     @classmethod
     def for_run(cls, sync: SyncConfig, trainer: TrainerGroup, rollout: RolloutGroup, model_path: str):
-        """The loop's weight sync between its trainer group and its engines (`sync.*` config)."""
-        planned = sync.transport != "reload"
+        """The loop's weight sync between its trainer group and its engines (`sync.*` config); under
+        `trainer.lora` only the adapters move (`AdapterInstall`)."""
+        lora = bool(trainer.cfg.trainer.lora.rank)
+        planned = sync.transport != "reload" and not lora
         return cls(
             trainer.param_specs() if planned else [],
             # names and rows from rank 0's own adapter: the driver needs no TorchTitan of its own
@@ -144,6 +149,7 @@ class WeightSync:
             engine_model_dir=model_path,
             verify=sync.verify,
             trainer=trainer,
+            lora=lora,
         )
 
     @property
@@ -190,7 +196,10 @@ class WeightSync:
         stats = self.sync(version, keep_for_verify=self.verify_each, engines=engines)
         if not self.verify_each:
             return stats.bytes, None
-        diffs = self.verify(sorted(self.trainer.hf_state_dict().items()), engines)
+        if self.lora:
+            diffs = self.verify_adapter(sorted(self.trainer.adapter_state().items()), engines)
+        else:
+            diffs = self.verify(sorted(self.trainer.hf_state_dict().items()), engines)
         bad = {f"engine {e} {n}": d for (e, n), d in diffs.items() if d != 0.0}
         if bad:
             raise RuntimeError(f"weight sync verify: engine weights differ from the trainer's: {bad}")
@@ -235,16 +244,25 @@ class WeightSync:
         actors)."""
         self.installer.close()
 
+    def verify_adapter(self, tensors, engines: list[int] | None = None) -> dict[tuple[int, str], float]:
+        """Under `trainer.lora`: max |diff| per (engine, LoRA slot tensor) between what each engine serves
+        and the trainer's adapters `tensors` (PEFT names; `RolloutWorker.verify_adapter`)."""
+        engines = list(range(len(self.receivers))) if engines is None else engines
+        return self._max_per_name(engines, [call(self.receivers[e].verify_adapter, tensors) for e in engines])
+
     def verify(self, hf_weights, engines: list[int] | None = None) -> dict[tuple[int, str], float]:
         """After `sync(v, keep_for_verify=True)`: max |diff| per (engine, engine param) against vLLM's own
         loaders fed with `hf_weights` (the trainer's full HF tensors: (name, tensor) pairs, or a
         safetensors file path where the engine runs vLLM workers in other processes). The engines keep
         serving what the sync installed."""
         engines = list(range(len(self.receivers))) if engines is None else engines
+        return self._max_per_name(engines, [call(self.receivers[e].ws_verify, hf_weights) for e in engines])
+
+    @staticmethod
+    def _max_per_name(engines: list[int], calls: list) -> dict[tuple[int, str], float]:
+        """Per (engine, name), the largest difference any TP rank of that engine reported."""
         out = {}
-        for e, per_rank in zip(
-            engines, get([call(self.receivers[e].ws_verify, hf_weights) for e in engines])
-        ):
+        for e, per_rank in zip(engines, get(calls)):
             for res in per_rank:
                 for name, d in res.items():
                     out[(e, name)] = max(out.get((e, name), 0.0), d)

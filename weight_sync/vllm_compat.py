@@ -38,6 +38,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "bind_routed_experts_capturer"),
     ("vllm.model_executor.layers.linear", "LinearBase"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+    ("vllm.lora.model_manager", "LRUCacheLoRAModelManager"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _QBASE = "vllm.model_executor.layers.quantization.base_config"
@@ -597,3 +598,16 @@ def request_sample(req_id: str) -> tuple[str, int]:
     if m is None:
         raise RuntimeError(f"vLLM request id {req_id!r} is not '[i_]id-xxxxxxxx' (tested with vLLM {TESTED})")
     return m.group(2), int(m.group(1) or 0)
+
+
+def lora_slots(worker, lora_id: int) -> tuple[dict[str, Any], dict[str, list[str]], int]:
+    """A LoRA engine rank's LoRA layers by module name (`BaseLayerWithLoRA`: `lora_a_stacked`,
+    `lora_b_stacked`, one tensor per slice, `[slots, 1, rank, in]` / `[slots, 1, out, rank]`), the
+    members of each packed module (`qkv_proj` -> its q/k/v module names), and the slot that adapter
+    `lora_id` is active in (vllm/lora/model_manager.py `LoRAModelManager`)."""
+    manager = getattr(getattr(worker.model_runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None:
+        raise RuntimeError("this vLLM engine has no LoRA manager (started without enable_lora?)")
+    if lora_id not in manager.lora_index_to_id:
+        raise RuntimeError(f"LoRA adapter {lora_id} is not active in any slot of this engine")
+    return manager.modules, manager.packed_modules, manager.lora_index_to_id.index(lora_id)

@@ -280,7 +280,10 @@ class Training:
         )
 
     def finish(self) -> None:
-        self.hf = self.run.trainer.export_hf(str(self.inputs.run_dir / "hf"))  # the trained policy, HF folder
+        trainer = self.run.trainer
+        self.hf = trainer.export_hf(str(self.inputs.run_dir / "hf"))  # the trained policy, HF folder
+        if self.cfg.trainer.lora.rank:  # and its adapters over model.path, a PEFT folder
+            trainer.export_adapter(str(self.inputs.run_dir / "adapter"))
 
     def close(self, failing: bool) -> None:
         i = self.inputs

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy_stack import WALL_CLOCK_METRICS  # tests/
 
 from rl_tpu.config import load_config
 
@@ -171,24 +172,6 @@ def test_failing_and_hanging_rewards_are_counted_and_raise_policy_stops(tmp_path
 # trainer's update, the sync; each process's resident memory), not the run's state, so no two runs agree
 # on them. Every other logged metric of a resumed sync-mode fp32 run must equal the uninterrupted run's
 # exactly.
-WALL_CLOCK_METRICS = {
-    "time/startup",
-    "time/rollout",
-    "time/generate",
-    "time/reward",
-    "time/train",
-    "time/sync",
-    "time/eval",
-    "time/step",
-    "time/trainer_idle",
-    "time/engine_idle",
-    "throughput/tokens_per_s",
-    "sync/seconds",
-    "perf/train_s",
-    "memory/trainer_rss_mb",
-    "memory/engine_rss_mb",
-    "memory/driver_rss_mb",
-}
 
 
 @real_stack

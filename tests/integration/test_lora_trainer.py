@@ -7,7 +7,8 @@ Llama, a 2-rank FSDP2 trainer over gloo, fp32.
   were, and the log-probs move (the adapter path survives the CPU kernels' forward swap);
 - the trained policy is the merged model W + (alpha / rank) B A: transformers on merged weights gives the
   trainer's log-probs (Llama's q/k row order included);
-- `rl-tpu train` / `sft` refuse LoRA until adapters can be synced and exported, in one line.
+- `rl-tpu sft` writes the merged folder and the PEFT adapter; `rl-tpu train` refuses LoRA on engines
+  where it is unverified (TPU), in one line. The engines' side: test_lora_sync.py and test_lora_loop.py.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
         assert ((via_peft - ref) * batch.response_mask).abs().max().item() <= TOL
 
         # nothing syncs the adapters yet: the path that would hand the engines the base refuses
-        with pytest.raises(Exception, match="syncing adapters into the engines is not built yet"):
+        with pytest.raises(Exception, match="the base model alone is not the policy"):
             g.hf_state_dict()
     finally:
         g.shutdown()
@@ -142,12 +143,13 @@ def test_lora_checkpoint_resume_continues_bit_for_bit(ray_session, tmp_path):
             resumed.shutdown()
 
 
-def test_train_refuses_lora_in_one_line_before_ray():
+def test_train_refuses_lora_on_tpu_engines_in_one_line_before_ray():
     from rl_tpu.config import ConfigError, check_lora_runnable, load_config
 
-    with pytest.raises(ConfigError, match="`rl-tpu train` cannot sync them"):
-        check_lora_runnable(load_config(None, ["--trainer.lora.rank=8"]))
-    check_lora_runnable(load_config(None, []))  # rank 0: full fine-tuning
+    with pytest.raises(ConfigError, match="engines on `tpu`"):
+        check_lora_runnable(load_config(None, ["--trainer.lora.rank=8", "--rollout.device=tpu"]))
+    check_lora_runnable(load_config(None, ["--trainer.lora.rank=8"]))  # engines on the CPU
+    check_lora_runnable(load_config(None, ["--rollout.device=tpu"]))  # rank 0: full fine-tuning
 
 
 @pytest.fixture(scope="module")

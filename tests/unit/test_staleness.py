@@ -324,7 +324,7 @@ class _FakeEngine:
         self.running, self.added, self.aborted, self.steps, self.fail_at = {}, [], [], 0, fail_at
         self.llm_engine = self
 
-    def add_request(self, rid, prompt, sp):
+    def add_request(self, rid, prompt, sp, lora_request=None):
         self.added.append((rid, list(prompt["prompt_token_ids"]), sp.max_tokens))
         self.running[rid] = [len(prompt["prompt_token_ids"]), sp.max_tokens, 0]
 

@@ -1,0 +1,81 @@
+"""The LoRA adapter an engine serves over its base model (`trainer.lora`): one adapter, one folder.
+
+- The engine starts with vLLM's LoRA on (`lora_kwargs`: one slot, the trainer's rank rounded up to one
+  vLLM serves, LoRA layers on the target linears only) and serves the adapter in a folder of its own, in
+  /dev/shm, which always holds the version the engine serves: vLLM reloads an adapter lazily from its
+  request's path whenever it dropped it (`reset_lora_state`, an LRU eviction).
+- Before the first sync the folder holds an adapter that changes nothing (A = 0, B = 0): the trainer's
+  first adapters have B = 0, so engine and trainer start from the same policy, the base model; the
+  warm-up builds the LoRA kernels with it.
+- Every generate path (`LLM.generate`, held partial-rollout requests, the warm-ups) passes `request`,
+  which has `load_inplace = False`: vLLM re-applies the active requests on every scheduler step, and one
+  with `load_inplace = True` would re-read the folder on every step.
+- `install(src)` copies a new version's files into the folder and has every TP rank reload it once
+  (`LLMEngine.add_lora` with `load_inplace = True`: vLLM's own load, pack and scale into the same slot);
+  the caller then resets the prefix cache, whose block hashes hold the adapter's name and path, not its
+  version.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rl_tpu import peft_folder
+from rl_tpu.config import LoraConfig
+
+NAME, ID = "rl_tpu_policy", 1  # the one adapter an engine serves (vLLM ids start at 1)
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class ServedAdapter:
+    """The folder an engine serves its adapter from, and the request every generate call carries."""
+
+    def __init__(self, lc: LoraConfig, hf_shapes: dict[str, tuple[int, ...]], model_path: str, index: int):
+        from vllm.lora.request import LoRARequest
+
+        self.lc, self.model_path = lc, model_path
+        self.folder = Path(tempfile.mkdtemp(prefix=f"rl_tpu_lora{index}_", dir=SHM_DIR))
+        peft_folder.save(self.folder, peft_folder.zero_adapter(hf_shapes, lc), lc, model_path)
+        self.request = LoRARequest(NAME, ID, str(self.folder))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        from rl_tpu.rollout.engine import lora_kwargs
+
+        return lora_kwargs(self.lc.rank, self.lc.targets)
+
+    def install(self, llm, src: str) -> int:
+        """Serve the PEFT folder `src` from now on: its files replace the folder's, and every TP rank of
+        `llm` reloads the adapter once. Returns the bytes of its weights file. The caller resets the
+        prefix cache."""
+        from vllm.lora.request import LoRARequest
+
+        src_path = Path(src)
+        peft_folder.read_config(src, max_rank=self.engine_kwargs()["max_lora_rank"])
+        self._replace_from(self._staged(lambda d: [shutil.copy2(src_path / f, d / f) for f in self.files]))
+        reload = LoRARequest(NAME, ID, str(self.folder), load_inplace=True)
+        if not llm.llm_engine.add_lora(reload):
+            raise RuntimeError(f"vLLM did not load the adapter from {self.folder}")
+        return (self.folder / peft_folder.WEIGHTS).stat().st_size
+
+    files = (peft_folder.CONFIG, peft_folder.WEIGHTS)
+
+    def _staged(self, write) -> Path:
+        """A temporary folder beside ours, filled by `write(folder)`."""
+        stage = Path(tempfile.mkdtemp(prefix=".stage_", dir=self.folder.parent))
+        write(stage)
+        return stage
+
+    def _replace_from(self, stage: Path) -> None:
+        """Move the staged files over ours (each `os.replace` is atomic: a reader sees a whole file)."""
+        try:
+            for f in self.files:
+                os.replace(stage / f, self.folder / f)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

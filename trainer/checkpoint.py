@@ -72,6 +72,17 @@ def check_restartable(old: TrainerConfig, new: TrainerConfig, who: str) -> None:
         )
 
 
+def _options(model: torch.nn.Module, loading: bool = False):
+    """DCP state-dict options: a model with frozen parameters (a LoRA policy) saves its trained ones only;
+    loading then leaves the frozen ones as they are (`strict` would call them missing). Every trained
+    parameter is still loaded: `dcp.load` raises for a key of the state the checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+
 class Checkpointer:
     """Saves and loads the trained models (`{"policy": Trained, "critic": Trained}`) of this rank."""
 
@@ -83,13 +94,14 @@ class Checkpointer:
             dist.barrier()
 
     def _dcp_state(self, parts: dict[str, Trained]) -> tuple[dict, dict]:
-        """The DCP state of every trained model, and DCP's extra arguments."""
+        """The DCP state of every trained model, and DCP's extra arguments. Frozen parameters (a LoRA
+        policy's base, `_options`) are not saved: they come from `model.path`, as at the run's start."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from torch.utils._pytree import tree_map_only
 
         state = {}
         for name, (m, opt, _) in parts.items():
-            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt)
+            state[f"{name}_model"], state[f"{name}_optim"] = get_state_dict(m, opt, options=_options(m))
         if self.device.lazy_tensors:
             state = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
         return state, ({} if self.device.fsdp2 else {"no_dist": True})
@@ -119,7 +131,11 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path / "dcp"), **kw)
         for name, (m, opt, _) in parts.items():
             set_state_dict(
-                m, opt, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optim"]
+                m,
+                opt,
+                model_state_dict=state[f"{name}_model"],
+                optim_state_dict=state[f"{name}_optim"],
+                options=_options(m, loading=True),
             )
         self.device.step_end()
         own = path / f"extra_rank{self.rank}.pt"
@@ -184,6 +200,35 @@ def describe_shapes(shapes: dict[str, tuple[int, ...]]) -> str:
         else ""
     )
     return f"{dims}{_layers(shapes)} layers"
+
+
+def lora_mismatch(
+    saved: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]], rank: int
+) -> str | None:
+    """What keeps a checkpoint with parameter shapes `saved` from resuming a run whose `trainer.lora.rank`
+    is `rank` (0: full fine-tuning) over a model of parameter shapes `base` (None: nothing LoRA stands in
+    the way; a full-model checkpoint is then compared by `shape_mismatch`)."""
+    adapters = {k: v for k, v in saved.items() if ".lora_a." in k or ".lora_b." in k}
+    saved_rank = next((v[0] for k, v in adapters.items() if ".lora_a." in k), 0)
+    if not rank:
+        return (
+            f"it holds LoRA adapters of rank {saved_rank}: resume with trainer.lora.rank = {saved_rank}"
+            if adapters
+            else None
+        )
+    if not adapters:
+        return "it holds full-model weights, not LoRA adapters: resume it with trainer.lora.rank = 0"
+    if saved_rank != rank:
+        return f"its adapters have rank {saved_rank}, trainer.lora.rank is {rank}"
+    for key, shape in sorted(adapters.items()):
+        weight = key.split(".lora_")[0] + ".weight"
+        if weight not in base or len(base[weight]) != 2:
+            return f"{key} adapts {weight}, which the model does not have"
+        out, inp = base[weight]
+        want = (rank, inp) if ".lora_a." in key else (out, rank)
+        if tuple(shape) != want:
+            return f"{key} is {list(shape)} in the checkpoint, {list(want)} over this model"
+    return None
 
 
 def shape_mismatch(saved: dict[str, tuple[int, ...]], current: dict[str, tuple[int, ...]]) -> str | None:

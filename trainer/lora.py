@@ -141,10 +141,9 @@ def merged(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], sca
     return out
 
 
-def peft_state(spec, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight` `[rank, in]`,
-    `lora_B.weight` `[out, rank]`), B's rows in the HF weight's row order: Llama's HF q and k rows are
-    TorchTitan's permuted (rotary layout), and A's columns are the input, which no adapter moves."""
+def peft_layout(spec, adapters: dict[str, torch.Tensor]) -> list[tuple[str, str, torch.Tensor | None]]:
+    """Per adapted linear: (TorchTitan prefix, PEFT module name, the row order that puts B's rows in the HF
+    weight's order, None where it is the identity). Depends on the model's shapes only: computed once."""
     import functools
 
     from rl_tpu.trainer import model as tmodel
@@ -157,13 +156,34 @@ def peft_state(spec, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         ParamSpec.from_tensor(n, torch.empty(pairs[n][1].shape[0], pairs[n][0].shape[1], device="meta"))
         for n in names
     ]
-    out = {}
+    out = []
     for hf_name, (tid, runs) in hf_row_map(specs, functools.partial(tmodel.titan_to_hf, spec)).items():
-        a, b = pairs[names[tid]]
-        order = torch.empty(b.shape[0], dtype=torch.long)
-        for hf_row, titan_row, n in runs:
-            order[hf_row : hf_row + n] = torch.arange(titan_row, titan_row + n)
-        module = PREFIX + hf_name.removesuffix(".weight")
+        rows = pairs[names[tid]][1].shape[0]
+        hf_row, titan_row, n = torch.tensor(runs, dtype=torch.long).reshape(-1, 3).unbind(1)
+        within = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)  # j of each run
+        order = torch.empty(rows, dtype=torch.long)
+        order[torch.repeat_interleave(hf_row, n) + within] = torch.repeat_interleave(titan_row, n) + within
+        identity = bool((order == torch.arange(rows)).all())
+        out.append(
+            (
+                names[tid].removesuffix(".weight"),
+                PREFIX + hf_name.removesuffix(".weight"),
+                None if identity else order,
+            )
+        )
+    return out
+
+
+def peft_state(
+    spec, adapters: dict[str, torch.Tensor], layout: list | None = None
+) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight` `[rank, in]`,
+    `lora_B.weight` `[out, rank]`), B's rows in the HF weight's row order: Llama's HF q and k rows are
+    TorchTitan's permuted (rotary layout), and A's columns are the input, which no adapter moves.
+    `layout`: `peft_layout`'s, where the caller keeps it."""
+    out = {}
+    for prefix, module, order in layout if layout is not None else peft_layout(spec, adapters):
+        a, b = adapters[f"{prefix}.lora_a.weight"], adapters[f"{prefix}.lora_b.weight"]
         out[f"{module}.lora_A.weight"] = a.contiguous()
-        out[f"{module}.lora_B.weight"] = b[order].contiguous()
+        out[f"{module}.lora_B.weight"] = (b if order is None else b[order]).contiguous()
     return out

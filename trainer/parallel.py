@@ -331,13 +331,80 @@ def full_state_dict(
     model: torch.nn.Module, keep: Callable[[str, torch.Tensor], bool] | None = None
 ) -> dict[str, torch.Tensor]:
     """Unsharded parameters on CPU (collective: every rank must call it, with the same `keep`), only those
-    `keep(name, param)` accepts when given."""
-    out = {}
+    `keep(name, param)` accepts when given. FSDP's row shards (`Shard(0)` over one mesh dimension) are
+    gathered together, one collective per group of `GATHER_BYTES` of them rather than one per tensor:
+    many small tensors (a LoRA policy's adapters) otherwise cost one round trip each."""
+    out, batch, names = {}, [], []
     for name, p in named_parameters(model):
         if keep is not None and not keep(name, p):
             continue
+        names.append(name)
         t = p.detach()
+        if isinstance(t, DTensor) and _row_sharded(t):
+            batch.append((name, t))
+            continue
         if isinstance(t, DTensor):
             t = t.full_tensor()
         out[name] = t.to("cpu").clone()
+    # consecutive shards on one mesh and dtype gather together; every rank walks the same parameters in
+    # the same order, so every rank forms the same groups
+    group: list[tuple[str, DTensor]] = []
+    nbytes = 0
+    for name, t in batch:
+        size = _chunk_numel(t) * t.device_mesh.size() * t.element_size()
+        if group and (not _same_group(group[0][1], t) or nbytes + size > GATHER_BYTES):
+            out.update(_gather_rows(group))
+            group, nbytes = [], 0
+        group.append((name, t))
+        nbytes += size
+    out.update(_gather_rows(group))
+    return {name: out[name] for name in names}
+
+
+GATHER_BYTES = 256 * 2**20  # the gathered bytes of one batched collective in `full_state_dict`
+
+
+def _row_sharded(t: DTensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and t.placements == (Shard(0),) and t.dim() >= 1
+
+
+def _same_group(a: DTensor, b: DTensor) -> bool:
+    return a.device_mesh == b.device_mesh and a.dtype == b.dtype
+
+
+def _chunk_numel(t: DTensor) -> int:
+    """Elements of one rank's padded chunk: torch.chunk's row count (ceil) times the row size."""
+    rows = -(-t.shape[0] // t.device_mesh.size())
+    return rows * (t.numel() // max(t.shape[0], 1))
+
+
+def _gather_rows(group: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors of row-sharded DTensors on one mesh and dtype, by one all-gather of every rank's
+    chunks, each padded to torch.chunk's size."""
+    if not group:
+        return {}
+    mesh = group[0][1].device_mesh
+    world = mesh.size()
+    sizes = [_chunk_numel(t) for _, t in group]
+    send = torch.zeros(sum(sizes), dtype=group[0][1].dtype, device=group[0][1].to_local().device)
+    offset = 0
+    for (_, t), n in zip(group, sizes):
+        local = t.to_local().reshape(-1)
+        send[offset : offset + local.numel()] = local
+        offset += n
+    recv = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(recv, send, group=mesh.get_group())
+    out = {}
+    offset = 0
+    for (name, t), n in zip(group, sizes):
+        row = t.numel() // max(t.shape[0], 1)
+        chunk_rows = n // row if row else 0
+        parts = []
+        for r in range(world):
+            rows = max(0, min(chunk_rows, t.shape[0] - r * chunk_rows))
+            parts.append(recv[r][offset : offset + rows * row])
+        out[name] = torch.cat(parts).reshape(t.shape).to("cpu").clone()
+        offset += n
     return out

@@ -86,6 +86,9 @@ class TrainerWorker(SyncSender):
         self.ckpt = checkpoint.Checkpointer(self.device, rank, world_size)
         self.step = 0  # optimizer steps taken by the policy
         self._host: dict[str, torch.Tensor] | None = None  # host copy of the weights (lazy devices' sync)
+        self._peft_layout: list | None = (
+            None  # LoRA: the adapters' PEFT names and row orders (lora.peft_layout)
+        )
         self.device.step_end()  # loaded weights and optimizer state become device data before step 1
         if self.device.lazy_tensors:
             self.ws_shards()  # XLA compiles a transfer program per parameter shape: now, not after step 1
@@ -247,11 +250,9 @@ class TrainerWorker(SyncSender):
         loader read, over the base in `model.path`."""
         if not self.builder.lora:
             raise ValueError("export_adapter: trainer.lora.rank = 0, the policy has no adapters")
-        adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
+        tensors = self._peft_tensors()
         if self.rank == 0:
-            peft_folder.save(
-                out_dir, lora.peft_state(self.spec, adapters), self.builder.lora, self.model_path
-            )
+            peft_folder.save(out_dir, tensors, self.builder.lora, self.model_path)
         self.ckpt.barrier()
         return str(out_dir)
 
@@ -260,8 +261,15 @@ class TrainerWorker(SyncSender):
         elsewhere); collective. What `--sync.verify` compares the engines' LoRA slots with."""
         if not self.builder.lora:
             raise ValueError("adapter_state: trainer.lora.rank = 0, the policy has no adapters")
+        tensors = self._peft_tensors()
+        return tensors if self.rank == 0 else None
+
+    def _peft_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapters gathered (collective) under PEFT's names; the name and row layout computed once."""
         adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
-        return lora.peft_state(self.spec, adapters) if self.rank == 0 else None
+        if self._peft_layout is None:
+            self._peft_layout = lora.peft_layout(self.spec, adapters)
+        return lora.peft_state(self.spec, adapters, self._peft_layout)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""

@@ -39,6 +39,8 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.layers.linear", "LinearBase"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
     ("vllm.lora.model_manager", "LRUCacheLoRAModelManager"),
+    ("vllm.lora.punica_wrapper.punica_cpu", "PunicaWrapperCPU"),
+    ("vllm.platforms.cpu", "CpuPlatform"),
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _QBASE = "vllm.model_executor.layers.quantization.base_config"
@@ -611,3 +613,17 @@ def lora_slots(worker, lora_id: int) -> tuple[dict[str, Any], dict[str, list[str
     if lora_id not in manager.lora_index_to_id:
         raise RuntimeError(f"LoRA adapter {lora_id} is not active in any slot of this engine")
     return manager.modules, manager.packed_modules, manager.lora_index_to_id.index(lora_id)
+
+
+def use_one_adapter_lora_kernels() -> None:
+    """Have vLLM's CPU platform build our LoRA wrapper (`rl_tpu.rollout.lora_kernels`) for the engines of
+    this process (vllm/lora/punica_wrapper/punica_selector.py asks the platform for its class by name when
+    a LoRA engine loads its model). A no-op on other platforms and where this vLLM lacks the CPU wrapper."""
+    try:
+        from vllm.platforms import current_platform
+
+        cpu = _get("vllm.platforms.cpu", "CpuPlatform")
+    except (ImportError, AttributeError):
+        return
+    if isinstance(current_platform, cpu):
+        cpu.get_punica_wrapper = classmethod(lambda cls: "rl_tpu.rollout.lora_kernels.OneAdapterPunicaCPU")

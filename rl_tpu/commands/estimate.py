@@ -164,6 +164,36 @@ def _per_rank(specs: list, ws: int) -> list[int]:
     return out
 
 
+# HF name of a LoRA target -> the TorchTitan parameter (its last segments) that gets the adapter
+LORA_PARAMS = {
+    "q_proj": "qkv_linear.wq.weight",
+    "k_proj": "qkv_linear.wk.weight",
+    "v_proj": "qkv_linear.wv.weight",
+    "o_proj": "attention.wo.weight",
+    "gate_proj": "feed_forward.w1.weight",
+    "up_proj": "feed_forward.w3.weight",
+    "down_proj": "feed_forward.w2.weight",
+}
+
+
+def adapter_specs(cfg: Config, specs: list) -> list:
+    """The LoRA adapters' specs under `trainer.lora` (A `[rank, in]`, B `[out, rank]` per target linear
+    of every decoder layer, FSDP2-sharded like the rest; MoE experts have none); [] without LoRA."""
+    import dataclasses
+
+    lc = cfg.trainer.lora
+    if not lc.rank:
+        return []
+    wanted = tuple(LORA_PARAMS[t] for t in lc.targets)
+    out = []
+    for s in specs:
+        if s.name.startswith("layers.") and s.name.endswith(wanted):
+            prefix = s.name.removesuffix(".weight")
+            out.append(dataclasses.replace(s, name=f"{prefix}.lora_a.weight", shape=(lc.rank, s.shape[1])))
+            out.append(dataclasses.replace(s, name=f"{prefix}.lora_b.weight", shape=(s.shape[0], lc.rank)))
+    return out
+
+
 def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
     """Bytes per trainer rank (the largest), by kind; see the module docstring."""
     import dataclasses
@@ -172,20 +202,22 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
 
     tc = cfg.trainer
     ws = tc.world_size
-    per_rank = _per_rank(specs, ws)
+    adapters = adapter_specs(cfg, specs)
+    per_rank = _per_rank(specs + adapters, ws)
     rank = max(range(ws), key=per_rank.__getitem__)
     local = per_rank[rank]
-    n_tensors = len(specs)
     compute = DTYPE_BYTES[resolved_dtype(tc.param_dtype, cfg)]
     total = sum(math.prod(s.shape) for s in specs)
+    trained = adapters or specs  # under LoRA only the adapters have gradients and AdamW state
+    trained_local = _per_rank(trained, ws)[rank]
     out = {
         "rank": rank,
         "params": 4 * local,
-        "grads": 4 * local,
-        "optimizer": 8 * local + 4 * n_tensors,
+        "grads": 4 * trained_local,
+        "optimizer": 8 * trained_local + 4 * len(trained),
     }
     if tc.reference:
-        out["reference"] = 4 * local
+        out["reference"] = 4 * _per_rank(specs, ws)[rank]
     if tc.critic:  # the same body under a Linear(hidden, 1) head with bias (trainer/build.py)
         body = [s for s in specs if not s.name.startswith("lm_head.")]
         head = next(s for s in specs if s.name == "tok_embeddings.weight")
@@ -201,8 +233,9 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
         block += experts / tc.expert_parallel - experts
     unit = max(block, m["vocab"] * m["hidden"])
     nets = 1 + tc.critic
-    if ws > 1 and tc.fsdp == "fsdp2" and replicated_step(tc.fsdp_step, total):
-        out["fsdp_buffers"] = int(2 * compute * total * nets)
+    trained_total = sum(math.prod(s.shape) for s in trained)
+    if ws > 1 and tc.fsdp == "fsdp2" and replicated_step(tc.fsdp_step, total):  # parameters + gradients
+        out["fsdp_buffers"] = int(compute * (total + trained_total) * nets)
     elif ws > 1:
         out["fsdp_buffers"] = int(3 * compute * unit)
     T = cfg.data.max_prompt_length + max(response_budget(cfg), 1)
@@ -216,6 +249,8 @@ def trainer_memory(cfg: Config, m: dict, specs: list) -> dict:
         + resp * (m["hidden"] * compute + 16)  # log-prob head: its input, fp32 lse / E[z] / targets
         # "full": the fp32 log-softmax and its exp (the entropy's), kept for backward
         + (resp * m["vocab"] * 8 if tc.logprob_head == "full" else 0)
+        # LoRA: each adapter's A x (`[tokens, rank]`), what its B saves for backward
+        + tokens * (len(adapters) // 2) * tc.lora.rank * compute
     )
     out["total"] = sum(v for k, v in out.items() if k != "rank")
     out["resident"] = out["total"] - out["activations"] - out.get("fsdp_buffers", 0)
@@ -273,6 +308,33 @@ def engine_and_sync(cfg: Config, m: dict, specs: list, device_bytes: int, bandwi
     return engine, sync
 
 
+def lora_engine_and_sync(cfg: Config, adapters: list, engine: dict, sync: dict) -> tuple[dict, dict]:
+    """Under `trainer.lora`: the engine's LoRA slot tensors added (one slot: `max_lora_rank` x (in + out)
+    per adapted linear in the engine dtype, TP-split) and the sync replaced by the adapter's fp32 bytes,
+    sent whole to every engine (rollout/adapter.py)."""
+    from rl_tpu.rollout.engine import LORA_RANKS
+
+    r = cfg.rollout
+    slot_rank = next(x for x in LORA_RANKS if x >= cfg.trainer.lora.rank)
+    dt = DTYPE_BYTES[resolved_dtype(r.dtype, cfg)]
+    slots = sum(slot_rank * (s.shape[1] if ".lora_a." in s.name else s.shape[0]) for s in adapters)
+    engine = dict(engine, lora_slots=slots * dt // r.tensor_parallel_size)
+    # CPU: on top of the KV cache's fixed size; GPU: inside the memory budget, out of the KV cache's share
+    # (not recounted: ~0.2 % of it at rank 16 on attention)
+    engine["total"] += engine["lora_slots"] if engine.get("runtime") is None else 0
+    nbytes = 4 * sum(math.prod(s.shape) for s in adapters)
+    sync = dict(
+        sync,
+        bytes=nbytes,
+        buckets=1,
+        pieces=len(adapters),
+        busiest_link_bytes=nbytes * r.engines,  # rank 0 writes it once; every engine reads it
+        seconds=nbytes * r.engines / (sync["bandwidth_gbps"] * 1e9),
+        adapter_only=True,
+    )
+    return engine, sync
+
+
 # ---------------------------------------------------------------------------------------------- estimate
 
 
@@ -323,6 +385,9 @@ def estimate(
     ]
     trainer = trainer_memory(cfg, m, specs)
     engine, sync = engine_and_sync(cfg, m, specs, device_bytes, bandwidth_gbps)
+    adapters = adapter_specs(cfg, specs)
+    if adapters:  # the engines serve base + adapter; a sync moves the adapter file only
+        engine, sync = lora_engine_and_sync(cfg, adapters, engine, sync)
     r = cfg.rollout
     placement = choose_placement(
         cfg.cluster.placement,
@@ -410,9 +475,11 @@ def format_table(est: dict) -> str:
         + g(t["activations"]),
         "  trainer total".ljust(44) + g(t["total"]),
         "engine TP rank: weights".ljust(44) + g(e["weights"]),
+        *(["  LoRA slot (one adapter)".ljust(44) + g(e["lora_slots"])] if "lora_slots" in e else []),
         f"  KV cache ({e['kv_tokens']} tokens, {e['kv_seqs']} x max_model_len)".ljust(44) + g(e["kv_cache"]),
         "  engine total".ljust(44) + g(e["total"]),
-        f"sync: {_size(s['bytes'])} in {s['buckets']} buckets per sync, "
+        f"sync{' (the LoRA adapter only)' if s.get('adapter_only') else ''}: {_size(s['bytes'])} in "
+        f"{s['buckets']} buckets per sync, "
         f"{s['seconds']:.3g} s at {s['bandwidth_gbps']:g} GB/s per link (busiest link "
         f"{_size(s['busiest_link_bytes'])})",
         f"fits {est['hardware']}: " + ("yes" if est["fits"] else f"NO ({est['why_not']})"),

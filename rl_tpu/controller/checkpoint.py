@@ -231,7 +231,13 @@ def check_resume_model(cfg: Config) -> None:
     folder = resume_candidate(run_dir, cfg.checkpoint.resume)
     if folder is None:
         return
-    from rl_tpu.trainer.checkpoint import describe_shapes, model_shapes, saved_shapes, shape_mismatch
+    from rl_tpu.trainer.checkpoint import (
+        describe_shapes,
+        lora_mismatch,
+        model_shapes,
+        saved_shapes,
+        shape_mismatch,
+    )
 
     saved = saved_shapes(folder / "trainer")
     if not saved:
@@ -252,10 +258,16 @@ def check_resume_model(cfg: Config) -> None:
             e,
         )
         return
-    why = shape_mismatch(saved, current)
+    model = f"model.path = {cfg.model.path!r}" if cfg.model.path else f"the run's model {model_path!r}"
+    rank = cfg.trainer.lora.rank
+    why = lora_mismatch(saved, current, rank)
+    if why is not None:
+        raise CheckpointError(
+            f"checkpoint {folder} does not fit this run's trainer.lora.rank = {rank} over {model}: {why}"
+        )
+    why = None if rank else shape_mismatch(saved, current)
     if why is None:
         return
-    model = f"model.path = {cfg.model.path!r}" if cfg.model.path else f"the run's model {model_path!r}"
     raise CheckpointError(
         f"checkpoint {folder} was written for another model ({describe_shapes(saved)}) than {model} "
         f"({describe_shapes(current)}): {why}; resume with the model it was trained from, or start "

@@ -294,6 +294,59 @@ def test_resume_from_a_checkpoint_of_another_model_size_is_named_before_ray(
     check_resume_model(load_config(None, [*args, f"--model.path={tiny_qwen3}", "--checkpoint.resume=auto"]))
 
 
+def test_resume_of_a_lora_checkpoint_checks_rank_and_kind_before_ray(tiny_qwen3, tmp_path):
+    """A LoRA run's checkpoint holds only the adapters (the base comes from model.path): resuming it needs
+    the same rank over a model whose linears it adapts; a full-model checkpoint does not resume a LoRA run
+    nor the reverse. Each is one line before any actor starts."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rl_tpu.config import load_config
+    from rl_tpu.controller.checkpoint import CheckpointError, check_resume_model, save_checkpoint
+    from rl_tpu.trainer.checkpoint import model_shapes
+
+    base = model_shapes(tiny_qwen3)
+    wq = "layers.0.attention.qkv_linear.wq"
+    out, inp = base[f"{wq}.weight"]
+    adapters = {f"{wq}.lora_a.weight": torch.zeros(4, inp), f"{wq}.lora_b.weight": torch.zeros(out, 4)}
+    full = {k: torch.zeros(v) for k, v in base.items()}
+
+    def resume(state: dict, name: str, *args: str) -> None:
+        run_dir = tmp_path / name
+        save_checkpoint(
+            run_dir,
+            2,
+            {"version": 2},
+            lambda p: dcp.save({"policy_model": state}, checkpoint_id=str(p / "dcp"), no_dist=True),
+            keep_last=1,
+        )
+        check_resume_model(
+            load_config(
+                None,
+                [
+                    f"--logging.run_dir={run_dir}",
+                    f"--model.path={tiny_qwen3}",
+                    "--checkpoint.resume=auto",
+                    *args,
+                ],
+            )
+        )
+
+    resume(adapters, "lora", "--trainer.lora.rank=4")  # the run that wrote it
+    with pytest.raises(CheckpointError, match="its adapters have rank 4, trainer.lora.rank is 8"):
+        resume(adapters, "lora8", "--trainer.lora.rank=8")
+    with pytest.raises(
+        CheckpointError, match="holds LoRA adapters of rank 4: resume with trainer.lora.rank = 4"
+    ):
+        resume(adapters, "lora0")
+    with pytest.raises(CheckpointError, match="holds full-model weights, not LoRA adapters"):
+        resume(full, "full", "--trainer.lora.rank=4")
+    resume(full, "full0")
+    wrong = {f"{wq}.lora_a.weight": torch.zeros(4, inp + 1), f"{wq}.lora_b.weight": torch.zeros(out, 4)}
+    with pytest.raises(CheckpointError, match=rf"{wq}.lora_a.weight is \[4, {inp + 1}\] in the checkpoint"):
+        resume(wrong, "wrong", "--trainer.lora.rank=4")
+
+
 def test_verbose_adds_the_traceback(files, tiny_qwen3, capsys):
     rc, err = _main(
         capsys, "train", *_common(files, tiny_qwen3), f"--model.path={files / 'no_config'}", "--verbose"

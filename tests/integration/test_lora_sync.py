@@ -100,7 +100,34 @@ def test_engine_serves_the_trainers_policy_before_and_after_an_adapter_sync(stac
     for chunked in (False, True):  # LLM.generate and the held partial-rollout requests alike
         served = _served(worker, chunked)
         assert _gap(trainer, served) <= TOL, chunked
+    # the LoRA layers ran our one-adapter matmuls (rollout/lora_kernels.py), not vLLM's per-token ops
+    wrappers = worker.llm.collective_rpc(
+        lambda w: [
+            (type(p).__name__, p._slot)
+            for p in w.model_runner.lora_manager._adapter_manager.punica_wrapper_mapping.values()
+        ]
+    )[0]
+    assert wrappers and all(name == "OneAdapterPunicaCPU" and slot == 0 for name, slot in wrappers), wrappers
     assert [r for _, r, _ in _served(worker, True)] == [r for _, r, _ in _served(worker)]
+    ws.close()
+
+
+def test_held_sequences_continue_under_the_newly_synced_adapter(stack):
+    """A partial rollout's sequences stay in the engine between chunk calls; an adapter sync in between
+    (async mode's update) must not leave their KV or their next tokens under the old adapter."""
+    cfg, trainer, worker = stack
+    ws = _sync(cfg, trainer, worker)
+    seqs = [((i, 1), p, []) for i, p in enumerate(PROMPTS)]
+    first = worker.generate_chunk(seqs, GREEDY, chunk=2)
+    assert len(worker.held.held) == len(PROMPTS)  # held in the engine for the next call
+    batch = toy_batch(2, high=200)
+    trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
+    ws.sync(10)
+    rest = [(key, p, piece.token_ids) for (key, p, _), piece in zip(seqs, first)]
+    second = worker.generate_chunk(rest, GREEDY, chunk=4)
+    served = [(p + r, piece.token_ids, piece.logprobs) for (_, p, r), piece in zip(rest, second)]
+    assert all(piece.token_ids for piece in second)
+    assert _gap(trainer, served) <= TOL  # the continued tokens come from the new adapter
     ws.close()
 
 

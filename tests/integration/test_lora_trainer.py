@@ -115,10 +115,12 @@ def test_lora_policy_starts_as_the_base_trains_only_adapters_and_is_the_merged_m
 
 
 def test_lora_checkpoint_resume_continues_bit_for_bit(ray_session, tmp_path):
-    """A LoRA trainer's checkpoint (today the frozen base with the adapters and their AdamW state) resumes
-    into a new trainer whose next step equals the uninterrupted one's, adapter for adapter."""
+    """A LoRA trainer's checkpoint holds the adapters and their AdamW state only (the frozen base comes
+    from model.path); it resumes into a new trainer whose next step equals the uninterrupted one's,
+    adapter for adapter."""
     from rl_tpu.tiny_model import make_tiny_model
     from rl_tpu.trainer import TrainerGroup
+    from rl_tpu.trainer.checkpoint import saved_shapes
 
     model = str(make_tiny_model(tmp_path / "tiny", "qwen3"))
     cfg = _lora_cfg()
@@ -127,6 +129,9 @@ def test_lora_checkpoint_resume_continues_bit_for_bit(ray_session, tmp_path):
     try:
         first.train_step(batch.replace(old_log_probs=first.compute_log_probs(batch)), cfg.algorithm)
         first.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = saved_shapes(tmp_path / "ckpt")
+        adapters = first.policy_tensors(trainable=True)
+        assert saved == {k: tuple(t.shape) for k, t in adapters.items()}  # no frozen base weight
         resumed = TrainerGroup(cfg, model, world_size=2)
         resumed.load_checkpoint(str(tmp_path / "ckpt"))
         a, b = first.policy_tensors(trainable=True), resumed.policy_tensors(trainable=True)

@@ -10,11 +10,18 @@ Part `engine`: one vLLM engine per process on `--model`, plain or serving a rand
 same target linears; the same prompts, greedy with `ignore_eos` so both generate exactly the same number
 of tokens; tokens/s of the best of `--repeats` calls after a warm-up call. Ratio LoRA ÷ plain.
 
+Part `learn` (not in the default parts: ~15 minutes): GRPO on the real-model demo's task (`rl-tpu demo
+--model`'s plan: one-digit sums and products, 100 held-out questions, greedy accuracy) from the shipped
+weights, full fine-tuning at the demo's learning rate and LoRA at 10x it (LoRA's usual rule), the same
+number of steps; held-out accuracy before and after each, gains, and each run's training seconds
+(sum of `time/step` less evaluation). LoRA ÷ full gain is the headline of this part.
+
 The last line is one JSON object; its "ratio" is sync bytes LoRA ÷ full (issue #58's first target, ≤ 0.02).
 
     python bench/lora.py                                  # smollm2-135m-instruct, rank 16, 4 steps
     python bench/lora.py --parts engine --rank 16
     python bench/lora.py --model /path/to/hf_folder --steps 6
+    python bench/lora.py --parts learn --learn-steps 20
 """
 
 from __future__ import annotations
@@ -120,6 +127,65 @@ def engine_speed(work: Path, model: str, rank: int, prompts: int, tokens: int, r
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def learn(work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, targets: list[str]) -> dict:
+    """Held-out accuracy gain of GRPO with full fine-tuning vs LoRA on the real-model demo's task."""
+    from rl_tpu.cluster import start_ray
+    from rl_tpu.commands.demo_model import ModelDemoPlan, model_demo_config
+    from rl_tpu.config import with_overrides
+    from rl_tpu.controller.evaluation import Evaluator
+    from rl_tpu.controller.loop import start_shared_roles, train
+    from rl_tpu.data import build_datasets
+    from rl_tpu.metrics import read_metrics
+    from rl_tpu.model_folder import load_tokenizer
+    from rl_tpu.model_source import resolve_model_path
+
+    plan = ModelDemoPlan(model=model, grpo_steps=steps)
+    base = resolve_model_path(model, key="--model")
+    cfg = model_demo_config(plan, base, work / "learn")
+    _, test_set = build_datasets(cfg.data)
+    start_ray(cfg)
+    tok = load_tokenizer(base, chat_template=True)
+    out = {}
+    for name, extra in (
+        ("full", [f"--trainer.lr={plan.grpo_lr}"]),
+        (
+            "lora",
+            [
+                f"--trainer.lora.rank={rank}",
+                f"--trainer.lora.targets={json.dumps(targets)}",
+                f"--trainer.lr={plan.grpo_lr * lora_lr_factor}",
+            ],
+        ),
+    ):
+        run_cfg = with_overrides(
+            cfg,
+            [
+                f"--logging.run_dir={work / 'learn' / name}",
+                f"--trainer.total_steps={steps}",
+                f"--trainer.test_freq={steps}",  # evaluated once, after the last step's sync
+                *extra,
+            ],
+        )
+        roles = start_shared_roles(run_cfg, base)
+        try:
+            ev = Evaluator(run_cfg, roles.rollout, tok, test_set)
+            before = ev.accuracy()  # the shipped weights (a LoRA engine: the zero adapter)
+            ev.close()
+            train(run_cfg, roles=roles)
+        finally:
+            roles.shutdown()
+        rows = read_metrics(work / "learn" / name)
+        seconds = sum(r["time/step"] - r.get("time/eval", 0.0) for r in rows)
+        after = rows[-1]["eval/accuracy"]
+        out[name] = {"before": before, "after": after, "gain": after - before, "train_seconds": seconds}
+        print(
+            f"{name}: held-out accuracy {before:.3f} -> {after:.3f} in {seconds:.0f} s of steps", flush=True
+        )
+    out["gain_ratio"] = out["lora"]["gain"] / out["full"]["gain"] if out["full"]["gain"] else float("nan")
+    out["seconds_ratio"] = out["lora"]["train_seconds"] / out["full"]["train_seconds"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="model.path (a folder or a known name)")
@@ -129,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="engine part: prompts per call")
     p.add_argument("--tokens", type=int, default=64, help="engine part: tokens per response")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--learn-steps", type=int, default=20, help="learn part: GRPO steps per run")
+    p.add_argument("--lora-lr-factor", type=float, default=10.0, help="learn part: LoRA lr / full lr")
+    p.add_argument(
+        "--learn-targets",
+        default=",".join(TARGETS),
+        help="learn part: the adapted linears (HF names, commas)",
+    )
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
@@ -154,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{plain['tokens_per_s']:.0f}, with a rank-{a.rank} adapter {served['tokens_per_s']:.0f}: {ratio:.3f}"
         )
         result |= {"engine_plain": plain, "engine_lora": served, "engine_tokens_per_s_ratio": ratio}
+        result.setdefault("ratio", None)
+    if "learn" in parts:
+        targets = a.learn_targets.split(",")
+        result["learn"] = learn(work, a.model, a.rank, a.learn_steps, a.lora_lr_factor, targets)
         result.setdefault("ratio", None)
     result["load_end"] = load_average()
     print(json_line(result))

@@ -507,7 +507,8 @@ def _check_value(key: str, tp: Any, value: Any, meta: Any, where: str) -> Any:
     return value
 
 
-def _check_lora(cfg: Config) -> None:
+def check_lora(cfg: Config) -> None:
+    """`trainer.lora`: known targets, k and v together, none of the modes LoRA is not verified with."""
     lc, tc = cfg.trainer.lora, cfg.trainer
     if not lc.rank:
         return
@@ -728,7 +729,7 @@ def _check_cross_fields(cfg: Config) -> None:
             "config error: `rollout.partial = true` generates in chunks, and a stop string can span two "
             "chunks: use `rollout.stop_token_ids`, or no partial rollouts"
         )
-    _check_lora(cfg)
+    check_lora(cfg)
     if cfg.trainer.mode == "graph" and cfg.trainer.fsdp != "simple":
         raise ConfigError(
             'config error: `trainer.mode = "graph"` captures the collectives of SimpleFSDP in its graph, and '

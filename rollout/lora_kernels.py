@@ -29,6 +29,7 @@ class OneAdapterPunicaCPU(PunicaWrapperCPU):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls = [0, 0]  # linears run by the one-adapter path, by vLLM's ops
 
     def update_metadata(self, *args: Any, **kwargs: Any) -> None:
         super().update_metadata(*args, **kwargs)
@@ -51,9 +52,11 @@ class OneAdapterPunicaCPU(PunicaWrapperCPU):
     ) -> None:
         slot = self._slot
         if slot is None or buffer is not None or x.size(0) != self._tokens or y.dim() != 2:
+            self.calls[1] += 1
             return super().add_lora_linear(
                 y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
             )
+        self.calls[0] += 1
         x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
         offset = 0
         for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):

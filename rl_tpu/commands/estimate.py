@@ -38,6 +38,11 @@ What is counted, per device (bytes; GiB = 2**30):
   synthetic engine layouts, `sync.bucket_mb` buckets), its bytes and buckets per sync, and its time at
   `--bandwidth-gbps` (GB/s per sender and per receiver link, links in parallel: the busiest link's bytes
   over that bandwidth; the per-iteration plan execution only, not plan building).
+- LoRA (`trainer.lora.rank > 0`): the adapters (A `[rank, in]`, B `[out, rank]` per target linear,
+  FSDP-sharded) join the parameters; gradients and AdamW state are the adapters' only; activations add
+  each adapter's `[tokens, rank]` input to B; the engine adds one LoRA slot (the rank rounded up to one
+  vLLM serves, x (in + out) per adapted linear, engine dtype); the sync is the adapter's fp32 bytes to
+  every engine (no plan). tests/integration/test_estimate.py checks the trainer side against a built one.
 - Fit: disaggregated (TPU, TP > 1 engines, async) = trainer peak <= device memory and an engine's
   KV cache holds at least one `rollout.max_model_len` sequence; colocated (a TP-1 engine sharing each
   trainer rank's GPU, sleeping while it trains) = trainer peak <= device memory and trainer's resident

@@ -103,11 +103,12 @@ def test_engine_serves_the_trainers_policy_before_and_after_an_adapter_sync(stac
     # the LoRA layers ran our one-adapter matmuls (rollout/lora_kernels.py), not vLLM's per-token ops
     wrappers = worker.llm.collective_rpc(
         lambda w: [
-            (type(p).__name__, p._slot)
+            (type(p).__name__, p.calls)
             for p in w.model_runner.lora_manager._adapter_manager.punica_wrapper_mapping.values()
         ]
     )[0]
-    assert wrappers and all(name == "OneAdapterPunicaCPU" and slot == 0 for name, slot in wrappers), wrappers
+    assert wrappers and all(name == "OneAdapterPunicaCPU" for name, _ in wrappers), wrappers
+    assert all(fast > 0 for _, (fast, _) in wrappers), wrappers
     assert [r for _, r, _ in _served(worker, True)] == [r for _, r, _ in _served(worker)]
     ws.close()
 

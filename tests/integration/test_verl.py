@@ -180,7 +180,7 @@ class _VerlRank:
     as `ActorRolloutRefWorker.init_model` builds it for the actor; the test calls its methods the way
     verl's dispatch does, each rank with its data-parallel chunk."""
 
-    def __init__(self, rank: int, world: int, port: int, model_path: str):
+    def __init__(self, rank: int, world: int, port: int, model_path: str, lora: dict | None = None):
         import os
 
         os.environ.update(
@@ -200,7 +200,7 @@ class _VerlRank:
         from verl.workers.engine_workers import TrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
-        model = HFModelConfig(path=model_path, load_tokenizer=False)
+        model = HFModelConfig(path=model_path, load_tokenizer=False, **(lora or {}))
         engine = EngineConfig(
             strategy="rl_tpu",
             dtype="float32",
@@ -313,6 +313,19 @@ class _VerlRank:
         gen, peft = self.worker.engine.get_per_tensor_param()
         assert peft is None
         return {k: v.detach().clone() for k, v in gen}
+
+    def lora_params(self, base_sync_done: bool, merge: bool = False) -> tuple[dict, dict | None]:
+        """What verl's naive sync hands its rollout (engine_workers.py:786-805) under LoRA."""
+        object.__setattr__(self.worker.engine.model_config, "lora", {"merge": merge})  # verl's config is frozen
+        gen, peft = self.worker.engine.get_per_tensor_param(
+            layered_summon=False, base_sync_done=base_sync_done
+        )
+        return {k: v.detach().clone() for k, v in gen}, peft
+
+    def infer_without_adapter(self, td):
+        """verl's reference through the actor (`no_lora_adapter`): `disable_adapter()` around the forward."""
+        with self.worker.engine.disable_adapter():
+            return self.infer(td)
 
 
 def _rank_chunks(td, world: int):
@@ -744,3 +757,61 @@ def test_separate_async_pi_old_save_and_restore_over_our_engine(verl_ranks, ray_
     call("clear_cpu_model", 1)
     for want, got in zip(new, shards()):
         assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_verl_lora_settings_train_adapters_and_hand_the_rollout_base_then_adapters(ray_session, tiny_qwen3):
+    """verl's `model.lora_rank / lora_alpha / target_modules` on our engine, 2 ranks: the frozen base goes to
+    the rollout under HF names with verl's PEFT config, then the adapters under PEFT's names (what verl's
+    vLLM rollout loads as a `TensorLoRARequest`), or merged; a PPO update moves the adapters only;
+    `disable_adapter()` gives the base model's log-probs exactly."""
+    import ray
+
+    from rl_tpu.trainer.group import _free_port
+    from rl_tpu.trainer.model import load_hf_state_dict
+
+    port = _free_port()
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    ranks = [ray.remote(num_cpus=1)(_VerlRank).remote(r, 2, port, tiny_qwen3, lora) for r in range(2)]
+    try:
+        P, R, adv, old = _sequences()
+        td = _verl_batch(P, R, adv, old, 3)
+
+        def infer(method="infer"):
+            return ray.get([getattr(a, method).remote(c) for a, c in zip(ranks, _rank_chunks(td, 2))])
+
+        def params(base_sync_done, merge=False):
+            return ray.get([a.lora_params.remote(base_sync_done, merge) for a in ranks])[0]
+
+        shipped = load_hf_state_dict(tiny_qwen3)
+        base, peft = params(False)
+        assert peft["r"] == 4 and peft["lora_alpha"] == 8.0 and len(peft["target_modules"]) == 7
+        assert base.keys() == shipped.keys() and all(torch.equal(base[k], shipped[k]) for k in base)
+        before = infer()
+        ray.get([a.update_actor.remote(c) for a, c in zip(ranks, _rank_chunks(td, 2))])
+        base_after, _ = params(False)
+        assert all(torch.equal(base_after[k], shipped[k]) for k in base)  # the base is frozen
+        adapters, peft = params(True)
+        layers = {k.split(".layers.")[1].split(".")[0] for k in adapters}
+        assert len(adapters) == 2 * 7 * len(layers) and peft["r"] == 4
+        for k, t in adapters.items():
+            assert k.startswith("base_model.model.model.layers.") and k.endswith(
+                ("lora_A.weight", "lora_B.weight")
+            )
+            assert t.shape[0 if k.endswith("lora_A.weight") else 1] == 4
+        assert any(k.endswith("lora_B.weight") and bool(t.abs().sum() > 0) for k, t in adapters.items())
+        merged, none = params(True, merge=True)
+        assert none is None
+        q = "model.layers.0.self_attn.q_proj"
+        a, b = (
+            adapters[f"base_model.model.{q}.lora_A.weight"],
+            adapters[f"base_model.model.{q}.lora_B.weight"],
+        )
+        assert torch.equal(merged[f"{q}.weight"], shipped[f"{q}.weight"] + (b @ a) * 2.0)
+        after, off = infer(), infer("infer_without_adapter")
+        for (v0, _), (v1, _), (v2, _) in zip(before, after, off):
+            assert torch.equal(v2, v0)  # adapters off: the base model, bit for bit (B = 0 before the step)
+            assert not torch.equal(v1, v0)  # the trained adapters move the log-probs
+    finally:
+        for a in ranks:
+            ray.kill(a)

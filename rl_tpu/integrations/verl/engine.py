@@ -17,8 +17,14 @@ Invariants and decisions:
   `loss / dp_size`. The reported loss is verl's own value.
 - Micro-batching is verl's (`prepare_micro_batches` / `postprocess_batch_func`), driven by the
   engine config's `use_dynamic_bsz` / `micro_batch_size_per_gpu` as for verl's own engines.
-- Not implemented (raise NotImplementedError naming the option): parameter/optimizer offload, LoRA,
-  fp16, optimizers other than AdamW, per-shard exports, hdfs checkpoint paths, 3-D (m-RoPE) positions.
+- LoRA (`model.lora_rank > 0`, `lora_alpha`, `target_modules` "all-linear" or a list of the decoder's
+  linears) maps onto `trainer.lora`, and weights leave as verl's own FSDP engine hands them to its
+  rollout: `get_per_tensor_param(base_sync_done=False)` the frozen base under HF names (with the PEFT
+  config), `base_sync_done=True` the adapters under PEFT's names, `model.lora.merge = true` the merged
+  weights; `disable_adapter()` (verl's reference without a separate model) zeroes the adapter path.
+- Not implemented (raise NotImplementedError naming the option): parameter/optimizer offload, LoRA's
+  `lora_adapter_path` and `exclude_modules`, fp16, optimizers other than AdamW, per-shard exports, hdfs
+  checkpoint paths, 3-D (m-RoPE) positions.
 """
 
 from __future__ import annotations
@@ -37,14 +43,37 @@ from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from rl_tpu.config import Config
+from rl_tpu.config import Config, LoraConfig, check_lora
 
 BACKEND = "rl_tpu"  # actor_rollout_ref.actor.strategy / critic.strategy
 DEVICES = ["cpu", "cuda", "tpu"]
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def trainer_config(engine_config: Any, optimizer_config: Any, device: str, world_size: int) -> Config:
+def lora_config(model_config: Any) -> LoraConfig:
+    """verl's LoRA keys (`model.lora_rank`, `lora_alpha`, `target_modules`) as `trainer.lora` (rank 0: off)."""
+    from rl_tpu.config import LORA_TARGETS
+
+    rank = int(getattr(model_config, "lora_rank", 0) or 0)
+    if not rank:
+        return LoraConfig()
+    for key in ("lora_adapter_path", "exclude_modules"):
+        if getattr(model_config, key, None):
+            raise NotImplementedError(f"rl_tpu engine: LoRA with model.{key} is not implemented")
+    targets = getattr(model_config, "target_modules", "all-linear")
+    if targets == "all-linear":
+        targets = list(LORA_TARGETS)
+    if isinstance(targets, str) or not set(targets) <= set(LORA_TARGETS):
+        raise NotImplementedError(
+            f"rl_tpu engine: model.target_modules = {targets!r}: 'all-linear' or a list of "
+            f"{', '.join(LORA_TARGETS)}"
+        )
+    return LoraConfig(rank=rank, alpha=float(getattr(model_config, "lora_alpha", 16)), targets=list(targets))
+
+
+def trainer_config(
+    engine_config: Any, optimizer_config: Any, device: str, world_size: int, lora: LoraConfig | None = None
+) -> Config:
     """rl-tpu's `Config` for one verl engine: verl's engine/optimizer keys mapped onto `[trainer]`."""
     opt = optimizer_config
     dtype = _DTYPES.get(str(engine_config.dtype))
@@ -75,6 +104,9 @@ def trainer_config(engine_config: Any, optimizer_config: Any, device: str, world
     t.total_steps, t.warmup_steps, t.lr_schedule = int(total), int(warmup), schedule
     t.min_lr_ratio = float(getattr(opt, "min_lr_ratio", None) or 0.0)
     t.num_threads = torch.get_num_threads()  # keep the process's thread count (verl sets it per worker)
+    if lora is not None and lora.rank:
+        t.lora = lora
+        check_lora(cfg)  # k/v together, the modes LoRA runs with
     return cfg
 
 
@@ -87,8 +119,7 @@ class RlTpuEngine(BaseEngine):
         for key in ("param_offload", "optimizer_offload"):
             if getattr(engine_config, key, False):
                 raise NotImplementedError(f"rl_tpu engine: {key} is not implemented")
-        if getattr(model_config, "lora_rank", 0):
-            raise NotImplementedError("rl_tpu engine: LoRA (model.lora_rank > 0) is not implemented")
+        self.lora = lora_config(model_config)
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.worker = None  # rl_tpu.trainer.worker.TrainerWorker, built by initialize()
@@ -106,7 +137,7 @@ class RlTpuEngine(BaseEngine):
             raise RuntimeError("rl_tpu engine: torch.distributed is not initialised (verl's worker does it)")
         path = getattr(self.model_config, "local_path", None) or self.model_config.path
         cfg = trainer_config(
-            self.engine_config, self.optimizer_config, get_device_name(), dist.get_world_size()
+            self.engine_config, self.optimizer_config, get_device_name(), dist.get_world_size(), self.lora
         )
         # TrainerWorker joins the group verl already initialised (init_process_group is skipped then)
         self.worker = TrainerWorker(
@@ -251,17 +282,53 @@ class RlTpuEngine(BaseEngine):
 
     # ------------------------------------------------------------------ weights out
 
-    def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
-        """Full tensors under Hugging Face names. Lazy: the gather (collective, every rank must iterate)
-        starts at the first `next()`. verl calls this before every `send_weights` (engine_workers.py:764);
-        the `rl_tpu` checkpoint backend never iterates it, so it never gathers."""
-        return self._hf_params(), None
+    def get_per_tensor_param(
+        self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs
+    ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict | None]:
+        """Full tensors under Hugging Face names, and verl's PEFT config (None without LoRA). Lazy: the
+        gather (collective, every rank must iterate) starts at the first `next()`. verl calls this before
+        every `send_weights` (engine_workers.py:764); the `rl_tpu` checkpoint backend never iterates it,
+        so it never gathers. Under LoRA, as verl's FSDP engine: the frozen base (`base_sync_done` False),
+        the adapters under PEFT's names (True), or the merged weights (`model.lora.merge`, no config)."""
+        if not self.lora.rank:
+            return self._hf_params(), None
+        if (getattr(self.model_config, "lora", None) or {}).get("merge", False):
+            return self._hf_params(), None  # export_hf's merge: W + (alpha / rank) B A
+        peft = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.lora.rank,
+            "lora_alpha": self.lora.alpha,
+            "target_modules": sorted(self.lora.targets),
+            "lora_dropout": self.lora.dropout,
+            "bias": "none",
+        }
+        return (self._adapter_params() if base_sync_done else self._base_params()), peft
 
     def _hf_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        from rl_tpu.trainer import lora, parallel
         from rl_tpu.trainer import model as tmodel
-        from rl_tpu.trainer import parallel
 
-        yield from tmodel.titan_to_hf(self.worker.spec, parallel.full_state_dict(self.worker.model)).items()
+        full = parallel.full_state_dict(self.worker.model)
+        if self.lora.rank:
+            base, adapters = lora.split(full)
+            full = lora.merged(base, adapters, self.lora.alpha / self.lora.rank)
+        yield from tmodel.titan_to_hf(self.worker.spec, full).items()
+
+    def _base_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        from rl_tpu.trainer import lora, parallel
+        from rl_tpu.trainer import model as tmodel
+
+        base = parallel.full_state_dict(self.worker.model, lambda n, _: not lora.is_adapter(n))
+        yield from tmodel.titan_to_hf(self.worker.spec, base).items()
+
+    def _adapter_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        yield from self.worker._peft_tensors().items()
+
+    def disable_adapter(self):
+        """The base model for the span of the context (verl's reference without a separate model): every
+        LoRA linear's adapter path is scaled by 0, which leaves base + 0 = base exactly."""
+        return _adapters_off(self.worker.model)
 
     def get_per_tensor_param_shard(self, **kwargs):
         raise NotImplementedError(
@@ -289,6 +356,23 @@ class RlTpuEngine(BaseEngine):
         if hdfs_path:
             raise NotImplementedError("rl_tpu engine: hdfs checkpoint paths are not implemented")
         self.worker.load_checkpoint(local_path)
+
+
+class _adapters_off:
+    def __init__(self, model: torch.nn.Module):
+        from rl_tpu.trainer import lora
+
+        self.layers = lora.lora_linears(model)
+
+    def __enter__(self):
+        self.saved = [m._lora_scaling for m in self.layers]
+        for m in self.layers:
+            m._lora_scaling = 0.0
+
+    def __exit__(self, *exc):
+        for m, s in zip(self.layers, self.saved):
+            m._lora_scaling = s
+        return False
 
 
 def _check_positions(position_ids: torch.Tensor, lens: list[int]) -> None:

@@ -330,11 +330,11 @@ def lora_engine_and_sync(cfg: Config, adapters: list, engine: dict, sync: dict) 
     nbytes = 4 * sum(math.prod(s.shape) for s in adapters)
     sync = dict(
         sync,
-        bytes=nbytes,
+        bytes=nbytes * r.engines,  # every engine reads the whole adapter
         buckets=1,
         pieces=len(adapters),
-        busiest_link_bytes=nbytes * r.engines,  # rank 0 writes it once; every engine reads it
-        seconds=nbytes * r.engines / (sync["bandwidth_gbps"] * 1e9),
+        busiest_link_bytes=nbytes,  # rank 0 writes it once; each engine reads it, in parallel
+        seconds=nbytes / (sync["bandwidth_gbps"] * 1e9),
         adapter_only=True,
     )
     return engine, sync

@@ -316,7 +316,9 @@ class _VerlRank:
 
     def lora_params(self, base_sync_done: bool, merge: bool = False) -> tuple[dict, dict | None]:
         """What verl's naive sync hands its rollout (engine_workers.py:786-805) under LoRA."""
-        object.__setattr__(self.worker.engine.model_config, "lora", {"merge": merge})  # verl's config is frozen
+        object.__setattr__(
+            self.worker.engine.model_config, "lora", {"merge": merge}
+        )  # verl's config is frozen
         gen, peft = self.worker.engine.get_per_tensor_param(
             layered_summon=False, base_sync_done=base_sync_done
         )

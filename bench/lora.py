@@ -127,7 +127,9 @@ def engine_speed(work: Path, model: str, rank: int, prompts: int, tokens: int, r
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def learn(work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, targets: list[str]) -> dict:
+def learn(
+    work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, targets: list[str], arms: list[str]
+) -> dict:
     """Held-out accuracy gain of GRPO with full fine-tuning vs LoRA on the real-model demo's task."""
     from rl_tpu.cluster import start_ray
     from rl_tpu.commands.demo_model import ModelDemoPlan, model_demo_config
@@ -146,7 +148,7 @@ def learn(work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, 
     start_ray(cfg)
     tok = load_tokenizer(base, chat_template=True)
     out = {}
-    for name, extra in (
+    runs = (
         ("full", [f"--trainer.lr={plan.grpo_lr}"]),
         (
             "lora",
@@ -156,7 +158,8 @@ def learn(work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, 
                 f"--trainer.lr={plan.grpo_lr * lora_lr_factor}",
             ],
         ),
-    ):
+    )
+    for name, extra in (run for run in runs if run[0] in arms):
         run_cfg = with_overrides(
             cfg,
             [
@@ -181,8 +184,9 @@ def learn(work: Path, model: str, rank: int, steps: int, lora_lr_factor: float, 
         print(
             f"{name}: held-out accuracy {before:.3f} -> {after:.3f} in {seconds:.0f} s of steps", flush=True
         )
-    out["gain_ratio"] = out["lora"]["gain"] / out["full"]["gain"] if out["full"]["gain"] else float("nan")
-    out["seconds_ratio"] = out["lora"]["train_seconds"] / out["full"]["train_seconds"]
+    if {"full", "lora"} <= set(out):
+        out["gain_ratio"] = out["lora"]["gain"] / out["full"]["gain"] if out["full"]["gain"] else float("nan")
+        out["seconds_ratio"] = out["lora"]["train_seconds"] / out["full"]["train_seconds"]
     return out
 
 
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--learn-steps", type=int, default=20, help="learn part: GRPO steps per run")
     p.add_argument("--lora-lr-factor", type=float, default=10.0, help="learn part: LoRA lr / full lr")
+    p.add_argument("--learn-arms", default="full,lora", help="learn part: which runs (full, lora)")
     p.add_argument(
         "--learn-targets",
         default=",".join(TARGETS),
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("ratio", None)
     if "learn" in parts:
         targets = a.learn_targets.split(",")
-        result["learn"] = learn(work, a.model, a.rank, a.learn_steps, a.lora_lr_factor, targets)
+        arms = a.learn_arms.split(",")
+        result["learn"] = learn(work, a.model, a.rank, a.learn_steps, a.lora_lr_factor, targets, arms)
         result.setdefault("ratio", None)
     result["load_end"] = load_average()
     print(json_line(result))

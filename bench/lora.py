@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.workdir or Path(tempfile.mkdtemp(prefix="rl_tpu_bench_lora_"))
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"bench": "lora", "model": a.model, "rank": a.rank, "load_start": load_average()}
-    print(f"model {a.model}, rank {a.rank}, targets {TARGETS}; load average {result['load_start']:.2f}")
+    print(f"model {a.model}, rank {a.rank}; load average {result['load_start']:.2f}")
     if "runs" in parts:
         full = train_run(work, "full", a.model, a.steps, [])
         lora = train_run(work, "lora", a.model, a.steps, [f"--trainer.lora.rank={a.rank}"])
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = lora[k] / full[k] if full[k] else float("nan")
             print(f"{k:28s} {full[k]:12.4g} {lora[k]:12.4g} {ratio:10.4f}")
             result[f"{k}_ratio"] = ratio
-        result |= {"full": full, "lora": lora, "ratio": result["sync/bytes_ratio"]}
+        result |= {"full": full, "lora": lora, "ratio": result["sync/bytes_ratio"], "targets": TARGETS}
     if "engine" in parts:
         plain = engine_speed(work, a.model, 0, a.prompts, a.tokens, a.repeats)
         served = engine_speed(work, a.model, a.rank, a.prompts, a.tokens, a.repeats)
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = a.learn_targets.split(",")
         arms = a.learn_arms.split(",")
         result["learn"] = learn(work, a.model, a.rank, a.learn_steps, a.lora_lr_factor, targets, arms)
+        result["learn"]["targets"] = targets
         result.setdefault("ratio", None)
     result["load_end"] = load_average()
     print(json_line(result))

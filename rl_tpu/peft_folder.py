@@ -21,6 +21,19 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
+def config(lc: LoraConfig) -> dict[str, Any]:
+    """PEFT's LoRA config of `lc`: the keys PEFT and vLLM's LoRA loader need (verl hands this to its rollout)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lc.rank,
+        "lora_alpha": lc.alpha,
+        "lora_dropout": lc.dropout,
+        "target_modules": sorted(lc.targets),
+        "bias": "none",
+    }
+
+
 def save(out: str | Path, tensors: dict[str, torch.Tensor], lc: LoraConfig, base_model: str) -> Path:
     """Write `tensors` (PEFT names) and the adapter's config into the folder `out`."""
     from safetensors.torch import save_file
@@ -28,15 +41,9 @@ def save(out: str | Path, tensors: dict[str, torch.Tensor], lc: LoraConfig, base
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+    full = {
+        **config(lc),
         "base_model_name_or_path": str(base_model),
-        "r": lc.rank,
-        "lora_alpha": lc.alpha,
-        "lora_dropout": lc.dropout,
-        "target_modules": sorted(lc.targets),
-        "bias": "none",
         "use_rslora": False,
         "use_dora": False,
         "fan_in_fan_out": False,
@@ -44,7 +51,7 @@ def save(out: str | Path, tensors: dict[str, torch.Tensor], lc: LoraConfig, base
         "init_lora_weights": True,
         "inference_mode": True,
     }
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(full, indent=2) + "\n")
     return out
 
 

@@ -26,18 +26,20 @@ from typing import Any
 
 from rl_tpu import peft_folder
 from rl_tpu.config import LoraConfig
+from rl_tpu.weight_sync.transports import SHM_DIR
 
 NAME, ID = "rl_tpu_policy", 1  # the one adapter an engine serves (vLLM ids start at 1)
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class ServedAdapter:
     """The folder an engine serves its adapter from, and the request every generate call carries."""
 
+    files = (peft_folder.CONFIG, peft_folder.WEIGHTS)
+
     def __init__(self, lc: LoraConfig, hf_shapes: dict[str, tuple[int, ...]], model_path: str, index: int):
         from vllm.lora.request import LoRARequest
 
-        self.lc, self.model_path = lc, model_path
+        self.lc = lc
         self.folder = Path(tempfile.mkdtemp(prefix=f"rl_tpu_lora{index}_", dir=SHM_DIR))
         peft_folder.save(self.folder, peft_folder.zero_adapter(hf_shapes, lc), lc, model_path)
         self.request = LoRARequest(NAME, ID, str(self.folder))
@@ -53,26 +55,20 @@ class ServedAdapter:
         prefix cache."""
         from vllm.lora.request import LoRARequest
 
-        src_path = Path(src)
         peft_folder.read_config(src, max_rank=self.engine_kwargs()["max_lora_rank"])
-        self._replace_from(self._staged(lambda d: [shutil.copy2(src_path / f, d / f) for f in self.files]))
+        self._copy_in(Path(src))
         reload = LoRARequest(NAME, ID, str(self.folder), load_inplace=True)
         if not llm.llm_engine.add_lora(reload):
             raise RuntimeError(f"vLLM did not load the adapter from {self.folder}")
         return (self.folder / peft_folder.WEIGHTS).stat().st_size
 
-    files = (peft_folder.CONFIG, peft_folder.WEIGHTS)
-
-    def _staged(self, write) -> Path:
-        """A temporary folder beside ours, filled by `write(folder)`."""
+    def _copy_in(self, src: Path) -> None:
+        """`src`'s files over ours, each copied beside ours first and moved over it (`os.replace` is atomic:
+        a reader sees a whole file, the old one or the new)."""
         stage = Path(tempfile.mkdtemp(prefix=".stage_", dir=self.folder.parent))
-        write(stage)
-        return stage
-
-    def _replace_from(self, stage: Path) -> None:
-        """Move the staged files over ours (each `os.replace` is atomic: a reader sees a whole file)."""
         try:
             for f in self.files:
+                shutil.copy2(src / f, stage / f)
                 os.replace(stage / f, self.folder / f)
         finally:
             shutil.rmtree(stage, ignore_errors=True)

@@ -29,7 +29,6 @@ import ctypes
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -57,10 +56,9 @@ from rl_tpu.rollout.worker_extension import decode_payload
 from rl_tpu.types import Completion
 from rl_tpu.weight_sync.names import checkpoint_shapes, header_shapes
 from rl_tpu.weight_sync.receiver import SyncReceiver, reset_kv
+from rl_tpu.weight_sync.transports import SHM_DIR
 
 logger = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def payload_shapes(payload: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -397,7 +395,7 @@ class RolloutWorker(SyncReceiver):
         if self.adapter is None:
             raise ValueError(f"rollout worker {self.index} serves no adapter (trainer.lora.rank = 0)")
         lc = self.adapter.lc
-        wire, path = self._to_wire(tensors if isinstance(tensors, (str, list)) else list(tensors.items()))
+        wire, path = self._to_wire(tensors)
         try:
             return self._ws_ranks().lora_verify(wire, self.adapter.request.lora_int_id, lc.alpha / lc.rank)
         finally:

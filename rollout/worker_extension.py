@@ -280,7 +280,7 @@ class WorkerExtension(EngineSide):
             used.update(f"{PREFIX}{n}.lora_{x}.weight" for n in members for x in "AB")
             dtype = m.lora_a_stacked[0].dtype
             a = [None if t is None else t.to(dtype) for t in a]
-            b = [None if t is None else t.to(dtype) * scaling if scaling != 1 else t.to(dtype) for t in b]
+            b = [None if t is None else t.to(dtype) * scaling for t in b]  # x * 1.0 is x, bit for bit
             if m.tp_size > 1:
                 one = len(members) == 1
                 a = [m.slice_lora_a(a[0])] if one else m.slice_lora_a(a)

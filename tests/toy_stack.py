@@ -10,6 +10,12 @@ from rl_tpu.config import Config, load_config
 from rl_tpu.types import TrainBatch
 
 TOL = 1e-5  # fp32 log-prob parity, trainer vs engine
+# a reward file a randomly initialised tiny model learns within a few GRPO steps: the share of digit
+# characters in the response (digits are 10 of the 512 tokens, so groups always have variance)
+DIGITS_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
+    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
+"""
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7], [300, 301, 2, 9, 11, 12]]
 # metrics that measure time or memory: a resumed run reproduces every metric but these
 WALL_CLOCK_METRICS = {

@@ -1,4 +1,4 @@
-"""Checkpoints, restarts and HF export of one trainer rank.
+"""Checkpoints and restarts of one trainer rank (the HF export is `TrainerWorker.export_hf`).
 
 Invariants:
 - A checkpoint folder holds `dcp/` (torch.distributed.checkpoint: every trained model and its optimizer
@@ -10,8 +10,10 @@ Invariants:
   backend rejects on CPU tensors.
 - A restart (`TrainerWorker.restart_from`) may change only the RESTARTABLE fields of the trainer
   config; the others shape the processes, the model build or the sharding and are fixed at start.
-- Saving, loading and exporting are collective (every rank calls them); saving and exporting end on a
-  barrier, so the folder is complete when any rank returns.
+- A model with frozen parameters (a LoRA policy's base) saves its trained ones only (`_options`): the
+  frozen ones come from `model.path`, as at the run's start.
+- Saving and loading are collective (every rank calls them); saving ends on a barrier, so the folder is
+  complete when any rank returns.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import torch.distributed as dist
 from rl_tpu.config import TrainerConfig
 from rl_tpu.devices import Device
 from rl_tpu.trainer import model as tmodel
-from rl_tpu.trainer import parallel
 from rl_tpu.trainer.optim import Trained
 
 # what `restart_from` may change: the optimizer, its schedule and the step's batching and row layout; the
@@ -146,14 +147,6 @@ class Checkpointer:
         torch.set_rng_state(extra["torch_rng"])
         random.setstate(extra["py_rng"])
         return extra["step"]
-
-    def export_hf(self, spec, model: torch.nn.Module, out_dir: str, src: str) -> str:
-        """The model's full weights as an HF folder `out_dir` (written by rank 0), with `src`'s side files."""
-        full = parallel.full_state_dict(model)
-        if self.rank == 0:
-            tmodel.save_hf(spec, full, out_dir, src)
-        self.barrier()
-        return str(out_dir)
 
 
 def saved_shapes(folder: str | Path, name: str = "policy") -> dict[str, tuple[int, ...]] | None:

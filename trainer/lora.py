@@ -18,9 +18,11 @@ first adapters drawn on the host, and a forward that keeps the adapter path unde
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +96,21 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def lora_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "lora_a") and hasattr(m, "_lora_scaling")]
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model for the span of the context: every LoRA linear's adapter path scaled by 0, which
+    leaves base + 0 = base exactly."""
+    layers = lora_linears(model)
+    saved = [m._lora_scaling for m in layers]
+    for m in layers:
+        m._lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(layers, saved):
+            m._lora_scaling = scaling
 
 
 @dataclass
@@ -174,15 +191,13 @@ def peft_layout(spec, adapters: dict[str, torch.Tensor]) -> list[tuple[str, str,
     return out
 
 
-def peft_state(
-    spec, adapters: dict[str, torch.Tensor], layout: list | None = None
-) -> dict[str, torch.Tensor]:
+def peft_state(adapters: dict[str, torch.Tensor], layout: list) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight` `[rank, in]`,
-    `lora_B.weight` `[out, rank]`), B's rows in the HF weight's row order: Llama's HF q and k rows are
-    TorchTitan's permuted (rotary layout), and A's columns are the input, which no adapter moves.
-    `layout`: `peft_layout`'s, where the caller keeps it."""
+    `lora_B.weight` `[out, rank]`), B's rows in the HF weight's row order (`peft_layout`): Llama's HF q and
+    k rows are TorchTitan's permuted (rotary layout), and A's columns are the input, which no adapter
+    moves."""
     out = {}
-    for prefix, module, order in layout if layout is not None else peft_layout(spec, adapters):
+    for prefix, module, order in layout:
         a, b = adapters[f"{prefix}.lora_a.weight"], adapters[f"{prefix}.lora_b.weight"]
         out[f"{module}.lora_A.weight"] = a.contiguous()
         out[f"{module}.lora_B.weight"] = (b if order is None else b[order]).contiguous()

@@ -86,9 +86,8 @@ class TrainerWorker(SyncSender):
         self.ckpt = checkpoint.Checkpointer(self.device, rank, world_size)
         self.step = 0  # optimizer steps taken by the policy
         self._host: dict[str, torch.Tensor] | None = None  # host copy of the weights (lazy devices' sync)
-        self._peft_layout: list | None = (
-            None  # LoRA: the adapters' PEFT names and row orders (lora.peft_layout)
-        )
+        # LoRA: the adapters' PEFT names and B row orders (lora.peft_layout), computed on first use
+        self._peft_layout: list | None = None
         self.device.step_end()  # loaded weights and optimizer state become device data before step 1
         if self.device.lazy_tensors:
             self.ws_shards()  # XLA compiles a transfer program per parameter shape: now, not after step 1
@@ -231,17 +230,20 @@ class TrainerWorker(SyncSender):
                 "adapters (export_adapter, adapter_state; docs/lora.md)"
             )
 
-    def export_hf(self, out_dir: str) -> str | None:
-        """The policy as an HF folder (rank 0 writes); under trainer.lora the base with the adapters merged
-        in, W + (alpha / rank) B A."""
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights under TorchTitan names, on every rank (collective); under trainer.lora
+        the base with the adapters merged in, W + (alpha / rank) B A (PEFT's order of operations)."""
+        full = parallel.full_state_dict(self.model)
         if not self.builder.lora:
-            return self.ckpt.export_hf(self.spec, self.model, out_dir, self.model_path)
-        base, adapters = lora.split(parallel.full_state_dict(self.model))
+            return full
+        lc = self.builder.lora
+        return lora.merged(*lora.split(full), lc.alpha / lc.rank)
+
+    def export_hf(self, out_dir: str) -> str | None:
+        """The policy as an HF folder (rank 0 writes): `policy_state`, with `model.path`'s side files."""
+        full = self.policy_state()
         if self.rank == 0:
-            lc = self.builder.lora
-            tmodel.save_hf(
-                self.spec, lora.merged(base, adapters, lc.alpha / lc.rank), out_dir, self.model_path
-            )
+            tmodel.save_hf(self.spec, full, out_dir, self.model_path)
         self.ckpt.barrier()
         return str(out_dir)
 
@@ -250,7 +252,7 @@ class TrainerWorker(SyncSender):
         loader read, over the base in `model.path`."""
         if not self.builder.lora:
             raise ValueError("export_adapter: trainer.lora.rank = 0, the policy has no adapters")
-        tensors = self._peft_tensors()
+        tensors = self.peft_tensors()
         if self.rank == 0:
             peft_folder.save(out_dir, tensors, self.builder.lora, self.model_path)
         self.ckpt.barrier()
@@ -261,15 +263,16 @@ class TrainerWorker(SyncSender):
         elsewhere); collective. What `--sync.verify` compares the engines' LoRA slots with."""
         if not self.builder.lora:
             raise ValueError("adapter_state: trainer.lora.rank = 0, the policy has no adapters")
-        tensors = self._peft_tensors()
+        tensors = self.peft_tensors()
         return tensors if self.rank == 0 else None
 
-    def _peft_tensors(self) -> dict[str, torch.Tensor]:
-        """The adapters gathered (collective) under PEFT's names; the name and row layout computed once."""
+    def peft_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapters under PEFT's names, full, on every rank (collective); the names and row orders are
+        computed once."""
         adapters = parallel.full_state_dict(self.model, lambda n, _: lora.is_adapter(n))
         if self._peft_layout is None:
             self._peft_layout = lora.peft_layout(self.spec, adapters)
-        return lora.peft_state(self.spec, adapters, self._peft_layout)
+        return lora.peft_state(adapters, self._peft_layout)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""

@@ -23,7 +23,7 @@ from typing import Any
 from rl_tpu.fault_hooks import fault_hook
 
 from .calls import call, get, node_id, ready, route
-from .transports import get_transport
+from .transports import SHM_DIR, get_transport
 
 
 def reset_kv(llm) -> None:
@@ -236,8 +236,7 @@ class SyncReceiver:
         if self.ws_crosses_process() and not isinstance(hf_weights, str):
             from safetensors.torch import save_file
 
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=shm)
+            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=SHM_DIR)
             os.close(fd)
             try:
                 save_file({n: t.contiguous() for n, t in hf_weights}, path)

@@ -15,13 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from toy_stack import DIGITS_REWARD  # tests/
 
 from rl_tpu.config import load_config
-
-DIGITS_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
-    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
-"""
 
 
 @pytest.fixture(scope="module")

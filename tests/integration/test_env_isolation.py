@@ -11,6 +11,7 @@ import time
 
 import pytest
 from process_probes import group_alive  # tests/: shared /proc probes
+from toy_stack import DIGITS_REWARD  # tests/
 
 from rl_tpu.controller.producer import turn_metrics
 from rl_tpu.rollout.env_pool import EnvPool
@@ -178,11 +179,6 @@ class Again:
         if self.turns >= 3:
             return [], sum(len(m["content"]) for m in messages if m["role"] == "assistant") / 100.0, True
         return [{"role": "user", "content": f"Try again ({self.turns})."}], None, False
-"""
-
-DIGITS_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
-    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
 """
 
 

@@ -10,14 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from toy_stack import WALL_CLOCK_METRICS  # tests/
+from toy_stack import DIGITS_REWARD, WALL_CLOCK_METRICS  # tests/
 
 pytestmark = pytest.mark.usefixtures("loop_ray")  # one Ray for the module's runs (tests/conftest.py)
-
-DIGITS = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
-    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
-"""
 
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
@@ -25,7 +20,7 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     from rl_tpu.controller.loop import train
 
     reward = tmp_path / "digits.py"
-    reward.write_text(DIGITS)
+    reward.write_text(DIGITS_REWARD)
     cfg = load_config(
         None,
         [

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from toy_stack import DIGITS_REWARD  # tests/
 
 from rl_tpu.config import ConfigError, load_config
 
@@ -29,11 +30,6 @@ class Again:
         if self.turns >= 3:
             return [], sum(len(m["content"]) for m in messages if m["role"] == "assistant") / 100.0, True
         return [{"role": "user", "content": f"Try again ({self.turns})."}], None, False
-"""
-
-DIGITS_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
-    return sum(ch.isdigit() for ch in solution_str[:64]) / 16.0
 """
 
 

@@ -3,7 +3,14 @@ version, the lock, verify and engine restarts; an installer only moves a version
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rl_tpu.trainer import TrainerGroup
 
 
 @dataclass
@@ -43,3 +50,30 @@ class Installer:
 
     def close(self) -> None:
         """Free what the installer holds (pooled buffers, regions, temporary files)."""
+
+
+class ExportInstall(Installer):
+    """An installer whose engines read what the trainer group exports into one folder, reused by every
+    sync (`reload`: an HF folder; `adapter`: a PEFT folder). `what` names it in errors; `shm` puts the
+    folder in shared memory."""
+
+    what, prefix, shm = "", "rl_tpu_sync_", False
+
+    def __init__(self, trainer: TrainerGroup | None, receivers: list):
+        self.trainer, self.receivers = trainer, receivers
+        self._tmp: Path | None = None
+
+    def folder(self) -> Path:
+        """The export folder, made on first use."""
+        if self.trainer is None:
+            raise ValueError(f"weight sync: {self.what} needs the trainer group (WeightSync.for_run)")
+        if self._tmp is None:
+            from ..transports import SHM_DIR
+
+            self._tmp = Path(tempfile.mkdtemp(prefix=self.prefix, dir=SHM_DIR if self.shm else None))
+        return self._tmp
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

@@ -33,7 +33,7 @@ from .collective import Collective, group_backend, join_group, leave_group, wait
 from .cuda_ipc import CudaIpc, device_uuid, local_cuda_index, visible_cuda_uuids
 from .in_process import InProcess
 from .ray_store import RayObjectStore
-from .shm import Region, SharedMemory, SharedRegion, sweep_stale_files
+from .shm import SHM_DIR, Region, SharedMemory, SharedRegion, sweep_stale_files
 
 __all__ = [
     "Collective",
@@ -52,6 +52,7 @@ __all__ = [
     "leave_group",
     "local_cuda_index",
     "sweep_stale_files",
+    "SHM_DIR",
     "visible_cuda_uuids",
     "wait_work",
 ]

@@ -6,12 +6,14 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import tempfile
 import uuid
 import weakref
 
 from .base import Transport
 
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+# where this project puts files other processes map or read: RAM-backed where the machine has it
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class SharedMemory(Transport):
@@ -23,7 +25,7 @@ class SharedMemory(Transport):
 
     def alloc(self, nbytes, slot=None):
         if slot is None:
-            path = os.path.join(_SHM_DIR, f"rl_tpu_ws_{uuid.uuid4().hex}")
+            path = os.path.join(SHM_DIR, f"rl_tpu_ws_{uuid.uuid4().hex}")
             state = (path, self._create(path, nbytes), nbytes, False)
             return state, self.view(state)
         ent = self._pool.get(slot)
@@ -32,7 +34,7 @@ class SharedMemory(Transport):
                 ent[1].close()
                 os.unlink(ent[0])
             _sweep_once()
-            path = os.path.join(_SHM_DIR, f"rl_tpu_ws_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            path = os.path.join(SHM_DIR, f"rl_tpu_ws_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}")
             ent = self._pool[slot] = (path, self._create(path, nbytes), nbytes)
             if len(self._pool) == 1:
                 atexit.register(SharedMemory._cleanup)
@@ -118,9 +120,7 @@ class Region:
     @classmethod
     def create(cls, nbytes: int) -> Region:
         _sweep_once()
-        r = cls(
-            os.path.join(_SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True
-        )
+        r = cls(os.path.join(SHM_DIR, f"rl_tpu_ws_region_{os.getpid()}_{uuid.uuid4().hex[:8]}"), nbytes, True)
         weakref.finalize(r, _unlink_quietly, r.path)  # at exit or when dropped, whichever comes first
         return r
 
@@ -159,7 +159,7 @@ class Region:
             pass
 
 
-def sweep_stale_files(shm_dir: str = _SHM_DIR) -> list[str]:
+def sweep_stale_files(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink the pooled slot and region files (`rl_tpu_ws_pool_PID_*`, `rl_tpu_ws_region_PID_*`) whose
     process is gone: a SIGKILLed trainer or engine never unlinks its own, and a pool is a bucket's size
     (GBs for a large model), so crash-and-resume cycles would fill /dev/shm. Only files of this user whose

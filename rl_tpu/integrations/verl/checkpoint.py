@@ -43,7 +43,6 @@ import functools
 import json
 import os
 import pickle
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncGenerator, Generator
@@ -55,7 +54,6 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 BACKEND = "rl_tpu"  # actor_rollout_ref.rollout.checkpoint_engine.backend
 WORKER_EXTENSION = "rl_tpu.integrations.verl.receiver.VerlWeightReceiver"
 RECORD = "__rl_tpu_weight_sync__"  # the one name receive_weights yields: a control record, not a weight
-_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _node_id() -> str:
@@ -206,7 +204,9 @@ class RlTpuCheckpointEngine(CheckpointEngine):
     def _rpc_results(self, method: str, *args) -> list:
         """Call `method` on every vLLM worker of this replica and read their results, which each worker
         writes to `<prefix>.<tp rank>` (verl's server returns none, vllm_async_server.py:256)."""
-        prefix = os.path.join(_SHM, f"rl_tpu_verl_{uuid.uuid4().hex[:12]}")
+        from rl_tpu.weight_sync.transports import SHM_DIR
+
+        prefix = os.path.join(SHM_DIR, f"rl_tpu_verl_{uuid.uuid4().hex[:12]}")
         tp = int(self.server_adapter.config.tensor_model_parallel_size)
         try:
             self._rpc(method, *args, prefix)

@@ -293,27 +293,16 @@ class RlTpuEngine(BaseEngine):
         if not self.lora.rank:
             return self._hf_params(), None
         if (getattr(self.model_config, "lora", None) or {}).get("merge", False):
-            return self._hf_params(), None  # export_hf's merge: W + (alpha / rank) B A
-        peft = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": self.lora.rank,
-            "lora_alpha": self.lora.alpha,
-            "target_modules": sorted(self.lora.targets),
-            "lora_dropout": self.lora.dropout,
-            "bias": "none",
-        }
-        return (self._adapter_params() if base_sync_done else self._base_params()), peft
+            return self._hf_params(), None  # the merged weights, W + (alpha / rank) B A
+        from rl_tpu import peft_folder
+
+        params = self._adapter_params() if base_sync_done else self._base_params()
+        return params, peft_folder.config(self.lora)
 
     def _hf_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        from rl_tpu.trainer import lora, parallel
         from rl_tpu.trainer import model as tmodel
 
-        full = parallel.full_state_dict(self.worker.model)
-        if self.lora.rank:
-            base, adapters = lora.split(full)
-            full = lora.merged(base, adapters, self.lora.alpha / self.lora.rank)
-        yield from tmodel.titan_to_hf(self.worker.spec, full).items()
+        yield from tmodel.titan_to_hf(self.worker.spec, self.worker.policy_state()).items()
 
     def _base_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         from rl_tpu.trainer import lora, parallel
@@ -323,12 +312,13 @@ class RlTpuEngine(BaseEngine):
         yield from tmodel.titan_to_hf(self.worker.spec, base).items()
 
     def _adapter_params(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        yield from self.worker._peft_tensors().items()
+        yield from self.worker.peft_tensors().items()
 
     def disable_adapter(self):
-        """The base model for the span of the context (verl's reference without a separate model): every
-        LoRA linear's adapter path is scaled by 0, which leaves base + 0 = base exactly."""
-        return _adapters_off(self.worker.model)
+        """The base model for the span of the context (verl's reference without a separate model)."""
+        from rl_tpu.trainer import lora
+
+        return lora.adapters_off(self.worker.model)
 
     def get_per_tensor_param_shard(self, **kwargs):
         raise NotImplementedError(
@@ -356,23 +346,6 @@ class RlTpuEngine(BaseEngine):
         if hdfs_path:
             raise NotImplementedError("rl_tpu engine: hdfs checkpoint paths are not implemented")
         self.worker.load_checkpoint(local_path)
-
-
-class _adapters_off:
-    def __init__(self, model: torch.nn.Module):
-        from rl_tpu.trainer import lora
-
-        self.layers = lora.lora_linears(model)
-
-    def __enter__(self):
-        self.saved = [m._lora_scaling for m in self.layers]
-        for m in self.layers:
-            m._lora_scaling = 0.0
-
-    def __exit__(self, *exc):
-        for m, s in zip(self.layers, self.saved):
-            m._lora_scaling = s
-        return False
 
 
 def _check_positions(position_ids: torch.Tensor, lens: list[int]) -> None:

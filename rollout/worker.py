@@ -137,10 +137,13 @@ class RolloutWorker(SyncReceiver):
         if threads:  # per TP rank, from the placement bundle; before the engine starts (rl_tpu.placement)
             tp = cfg.rollout.tensor_parallel_size
             apply_threads(threads, cpu_tp_engine=self.traits.bind_threads_per_rank and tp > 1)
-        elif not self.ws_crosses_process():
+        elif not self.ws_crosses_process() and os.environ.get("OMP_NUM_THREADS"):
             # Ray's OMP_NUM_THREADS (from num_cpus) reaches an in-process engine only if libgomp was not
             # loaded at exec: a driver that started vLLM's CPU platform puts libgomp in LD_PRELOAD, and
-            # actors it starts afterwards then run the machine's core count (rl_tpu.placement)
+            # actors it starts afterwards then run the machine's core count (rl_tpu.placement). Unset
+            # (an engine in a plain process, not an actor), the process's threads are left as they are:
+            # pinning them to 1 would outlive this worker and break the next in-process vLLM engine
+            # ("cpu_attn_impl.hpp: thread_num 2 vs 1")
             apply_threads(omp_threads(os.environ.get("OMP_NUM_THREADS")))
         # the device Ray assigned this actor, visible to vLLM as device 0 (rl_tpu.devices.bind)
         self.binding = bind(self.device, set_local_rank=False, engine=True)

@@ -103,15 +103,24 @@ def _fingerprint(t: torch.Tensor) -> list[int]:
     return [int(bits.sum()), int((bits * w).sum())]
 
 
-def _trainer(conn, m: dict, device: str, dtype: str, transport: str, bucket_mb: float) -> None:
+def _join(group: tuple | None, rank: int, device: str) -> None:
+    """The `collective` transport: join the two-member sync group (sender 0, receiver 1)."""
+    if group is not None:
+        from rl_tpu.weight_sync.transports import join_group
+
+        host, port, backend = group
+        join_group(host, port, 2, rank, senders=1, backend=backend, device=device, timeout_s=120.0)
+
+
+def _trainer(conn, m: dict, device: str, dtype: str, transport: str, bucket_mb: float, group=None) -> None:
     """The sender process: holds the trainer's tensors, packs buckets on request, and reports the engine
     tensors' fingerprints computed by applying the layout directly (the reference)."""
     from rl_tpu.weight_sync.rows import as_2d
     from rl_tpu.weight_sync.sender import LocalSender
 
     torch.manual_seed(0)
-    if device == "cuda":
-        torch.cuda.set_device(0)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device).index or 0)
     plan, layout, order = plan_for(m, dtype, bucket_mb)
     dt = getattr(torch, dtype)
     shards = {n: torch.randn(s, device=device).to(dt) for n, s in order}
@@ -125,6 +134,7 @@ def _trainer(conn, m: dict, device: str, dtype: str, transport: str, bucket_mb: 
             v[dr : dr + nr, dc : dc + nc] = as_2d(shards[order[h][0]])[hr : hr + nr, hc : hc + nc]
         ref[name] = _fingerprint(t)
     conn.send(("ready", ref))
+    _join(group, 0, device)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -134,25 +144,39 @@ def _trainer(conn, m: dict, device: str, dtype: str, transport: str, bucket_mb: 
     sender.ws_close()
 
 
-def _engine(conn, pipe, m: dict, device: str, dtype: str, transport: str, bucket_mb: float, syncs: int):
-    """The receiver process: engine parameters in the fused layout, filled bucket by bucket."""
+def _engine(
+    conn, pipe, m: dict, device: str, dtype: str, transport: str, bucket_mb: float, syncs: int, group=None
+):
+    """The receiver process: engine parameters in the fused layout, filled bucket by bucket. Under
+    `collective` each bucket's receive is posted before the sender is asked for it (as an engine does)."""
     from rl_tpu.weight_sync.engine_side import apply_bucket
     from rl_tpu.weight_sync.rows import rows_cols
-    from rl_tpu.weight_sync.transports import get_transport
+    from rl_tpu.weight_sync.transports import Collective, get_transport
+    from rl_tpu.weight_sync.wire import bucket_nbytes
 
-    if device == "cuda":
-        torch.cuda.set_device(0)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device).index or 0)
     plan, layout, _ = plan_for(m, dtype, bucket_mb)
     dt = getattr(torch, dtype)
     params = {n: torch.zeros(s, dtype=dt, device=device) for n, s in layout.shapes.items()}
     names = plan.dst_names[0]
     order = plan.for_receiver(0)
     tr = get_transport(transport)
+    _join(group, 1, device)
+
+    def ask(k: int, version: int) -> None:
+        bid, _, pieces = order[k]
+        if transport == "collective":
+            numel = int((pieces[:, 3] * pieces[:, 4]).sum())
+            Collective.post(0, bid, bucket_nbytes(dt, numel, version, bid), (0, k % 2))
+        pipe.send((bid, version, (0, k % 2)))
+
     seconds = []
     for version in range(syncs):
         t0 = time.perf_counter()
         for k in range(min(2, len(order))):
-            pipe.send((order[k][0], version, (0, k % 2)))
+            ask(k, version)
         for k, (bid, _, pieces) in enumerate(order):
             handle = pipe.recv()
             buf = tr.open(handle)
@@ -160,11 +184,11 @@ def _engine(conn, pipe, m: dict, device: str, dtype: str, transport: str, bucket
                 buf, pieces, names, lambda n: params[n].view(rows_cols(tuple(params[n].shape))), bucket=bid
             )
             del buf
-            if device == "cuda":
+            if cuda:
                 torch.cuda.current_stream().synchronize()  # the slot is free before the sender reuses it
             tr.release(handle)
             if k + 2 < len(order):
-                pipe.send((order[k + 2][0], version, (0, k % 2)))
+                ask(k + 2, version)
         seconds.append(time.perf_counter() - t0)
     prints = {n: _fingerprint(t) for n, t in params.items()}
     conn.send({"seconds": seconds, "prints": prints, "bytes": plan.nbytes, "buckets": int(len(plan.buckets))})
@@ -186,15 +210,49 @@ def device_copy_gbps(nbytes: int, device: str, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def check_sync(m: dict, device: str, dtype: str, bucket_mb: float, syncs: int) -> dict:
-    transport = "cuda_ipc" if device == "cuda" else "shm"
+def _recv(conn, procs: list, what: str, timeout: float = 600.0):
+    """`conn.recv()`, or an error naming `what` once a process in `procs` died or `timeout` passed
+    (a child that fails at import would otherwise leave the parent waiting for good)."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        dead = [p for p in procs if p.exitcode is not None and p.exitcode != 0]
+        if dead:
+            raise RuntimeError(
+                f"{what}: a child process exited with code {dead[0].exitcode} (its output is above)"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: nothing after {timeout:.0f} s")
+    return conn.recv()
+
+
+def check_sync(
+    m: dict, device: str, dtype: str, bucket_mb: float, syncs: int, transport: str | None = None
+) -> dict:
+    """Sync the model `syncs` times from a trainer process into an engine process over `transport`
+    (default `cuda_ipc` on CUDA, `shm` on CPU; `collective`: NCCL between GPUs 0 and 1 on CUDA, gloo on
+    CPU); GB/s of the best sync after the first against one device copy of the same bytes."""
+    transport = transport or ("cuda_ipc" if device == "cuda" else "shm")
+    devices = (device, device)
+    group = None
+    if transport == "collective":
+        import socket
+
+        import torch.distributed as dist
+
+        if device == "cuda":
+            devices = ("cuda:0", "cuda:1")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+        group = ("127.0.0.1", port, "nccl" if device == "cuda" else "gloo")
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     t_conn, t_child = ctx.Pipe()
     e_conn, e_child = ctx.Pipe()
     pipe_t, pipe_e = ctx.Pipe()
-    trainer = ctx.Process(target=_trainer, args=(t_child, m, device, dtype, transport, bucket_mb))
+    trainer = ctx.Process(target=_trainer, args=(t_child, m, devices[0], dtype, transport, bucket_mb, group))
     trainer.start()
-    tag, ref = t_conn.recv()
+    tag, ref = _recv(t_conn, [trainer], "the trainer process's reference")
 
     def relay():  # the engine's requests go to the trainer and its handles come back (the driver's role)
         while True:
@@ -209,10 +267,15 @@ def check_sync(m: dict, device: str, dtype: str, bucket_mb: float, syncs: int) -
     th = threading.Thread(target=relay, daemon=True)
     th.start()
     engine = ctx.Process(
-        target=_engine, args=(e_child, pipe_e, m, device, dtype, transport, bucket_mb, syncs)
+        target=_engine, args=(e_child, pipe_e, m, devices[1], dtype, transport, bucket_mb, syncs, group)
     )
     engine.start()
-    res = e_conn.recv()
+    try:
+        res = _recv(e_conn, [trainer, engine], "the engine process's syncs")
+    except BaseException:
+        for proc in (trainer, engine):
+            proc.kill()
+        raise
     pipe_e.send(None)
     th.join(timeout=60)
     engine.join(timeout=60)
@@ -371,8 +434,8 @@ def main() -> None:
     p.add_argument("--parts", default="sync,step")
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--syncs", type=int, default=3)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)  # 8 x 2048 would not leave room on 80 GB
+    p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
     m = TINY if a.tiny else QWEN3_1_7B

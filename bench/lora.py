@@ -1,10 +1,12 @@
 """LoRA benchmark: the adapter-only sync, step time, memory and engine speed against full fine-tuning of
 the same model, measured side by side in one run.
 
-Part `runs`: `rl-tpu train` twice on `--model` (full fine-tuning, then `--trainer.lora.rank=R`), the same
-batch and seed, each in its own process tree (peak PSS of the tree sampled every second: driver, Ray,
-trainer ranks, engine). Medians over steps 2..N of `sync/bytes`, `sync/seconds`, `time/step`,
-`time/train`, `time/generate`; the ratios LoRA ÷ full.
+Part `runs`: `rl-tpu train` three times on `--model` (full fine-tuning; `--trainer.lora.rank=R` with the
+adapter written into the engines' LoRA slots, the default; the same through a PEFT folder and vLLM's
+reload, `--sync.transport=reload`), the same batch and seed, each in its own process tree (peak PSS of
+the tree sampled every second: driver, Ray, trainer ranks, engine). Medians over steps 2..N of
+`sync/bytes`, `sync/seconds`, `time/step`, `time/train`, `time/generate`; the ratios LoRA ÷ full for
+both LoRA runs.
 
 Part `engine`: one vLLM engine per process on `--model`, plain or serving a random rank-R adapter on the
 same target linears; the same prompts, greedy with `ignore_eos` so both generate exactly the same number
@@ -219,13 +221,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {a.model}, rank {a.rank}; load average {result['load_start']:.2f}")
     if "runs" in parts:
         full = train_run(work, "full", a.model, a.steps, [])
-        lora = train_run(work, "lora", a.model, a.steps, [f"--trainer.lora.rank={a.rank}"])
-        print(f"\n{'per step (median of 2..N)':28s} {'full':>12s} {'lora':>12s} {'lora/full':>10s}")
+        lora_args = [f"--trainer.lora.rank={a.rank}"]
+        lora = train_run(work, "lora", a.model, a.steps, lora_args)
+        folder = train_run(work, "lora_folder", a.model, a.steps, [*lora_args, "--sync.transport=reload"])
+        print(
+            f"\n{'per step (median of 2..N)':28s} {'full':>12s} {'lora':>12s} {'lora folder':>12s} "
+            f"{'lora/full':>10s} {'folder/full':>12s}"
+        )
         for k in (*RUN_METRICS, "pss_gib", "wall_s"):
             ratio = lora[k] / full[k] if full[k] else float("nan")
-            print(f"{k:28s} {full[k]:12.4g} {lora[k]:12.4g} {ratio:10.4f}")
+            ratio_folder = folder[k] / full[k] if full[k] else float("nan")
+            print(
+                f"{k:28s} {full[k]:12.4g} {lora[k]:12.4g} {folder[k]:12.4g} {ratio:10.4f} {ratio_folder:12.4f}"
+            )
             result[f"{k}_ratio"] = ratio
-        result |= {"full": full, "lora": lora, "ratio": result["sync/bytes_ratio"], "targets": TARGETS}
+            result[f"{k}_ratio_folder"] = ratio_folder
+        result |= {
+            "full": full,
+            "lora": lora,
+            "lora_folder": folder,
+            "ratio": result["sync/bytes_ratio"],
+            "targets": TARGETS,
+        }
     if "engine" in parts:
         plain = engine_speed(work, a.model, 0, a.prompts, a.tokens, a.repeats)
         served = engine_speed(work, a.model, a.rank, a.prompts, a.tokens, a.repeats)

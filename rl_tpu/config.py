@@ -378,7 +378,9 @@ class SyncConfig:
 
     # plan-based transports ("auto": CUDA IPC between GPUs of one node, shared memory within a Ray node,
     # the object store across nodes), or
-    # "reload": the full-tensor reference path (HF export + vLLM reload_weights)
+    # "reload": the full-tensor reference path (HF export + vLLM reload_weights). Under trainer.lora only
+    # the adapters move: written in place into the engines' LoRA slots, or through a PEFT folder and vLLM's
+    # LoRA reload with "reload" (docs/lora.md)
     transport: Literal["auto", "inprocess", "shm", "cuda_ipc", "ray", "collective", "reload"] = "auto"
     bucket_mb: float = F(64.0, gt=0)  # MiB per bucket of the plan-based transports
     # shm into a CPU engine: each engine rank keeps one shared-memory region holding its loaded-layout

@@ -266,6 +266,24 @@ def choose_placement(
     return "colocated" if mode == "sync" and shareable else "disaggregated"
 
 
+def check_collective_devices(cfg: Any, plan: PlacementPlan) -> None:
+    """`sync.transport = "collective"` between GPU roles forms one NCCL group over trainer ranks and
+    engine ranks, and NCCL refuses a group with two ranks on one GPU ("Duplicate GPU detected"): colocated,
+    trainer rank i and engine i share one. A ConfigError saying what to use instead, before anything
+    starts (`PlannedInstall._form_group` checks the GPUs the members actually hold, too)."""
+    from rl_tpu.config import ConfigError
+    from rl_tpu.devices import get_device, rollout_device
+
+    if cfg.sync.transport != "collective" or plan.placement != "colocated":
+        return
+    if get_device(cfg.trainer.device).ray_resource == "GPU" and rollout_device(cfg).ray_resource == "GPU":
+        raise ConfigError(
+            "config error: `sync.transport = collective` with colocated GPU roles: NCCL refuses a trainer "
+            "rank and an engine on one GPU in one group; use sync.transport = auto (CUDA IPC on one GPU) "
+            "or cluster.placement = disaggregated"
+        )
+
+
 def plan_from_config(cfg: Any, cores: int) -> PlacementPlan:
     """`plan_placement` for a `Config` (`cluster.placement = "auto"` resolved by `choose_placement`);
     `cores` sizes `rollout.num_threads = 0` (auto). The trainer's bundles take `trainer.device`'s Ray

@@ -10,10 +10,14 @@
 - Every generate path (`LLM.generate`, held partial-rollout requests, the warm-ups) passes `request`,
   which has `load_inplace = False`: vLLM re-applies the active requests on every scheduler step, and one
   with `load_inplace = True` would re-read the folder on every step.
-- `install(src)` copies a new version's files into the folder and has every TP rank reload it once
-  (`LLMEngine.add_lora` with `load_inplace = True`: vLLM's own load, pack and scale into the same slot);
-  the caller then resets the prefix cache, whose block hashes hold the adapter's name and path, not its
-  version.
+- A new version arrives one of two ways (`sync.transport`): `write(ranks, tensors)` (the default) hands
+  the full tensors to every TP rank, which writes them in place into the adapter vLLM registered and into
+  its slot through each LoRA layer's `set_lora` (`vllm_compat.lora_write`): no file, no reload; the folder
+  is then rewritten on a background thread, so that it again holds the served version. `install(src)`
+  (`sync.transport = "reload"`) copies a PEFT folder's files into ours and has every TP rank reload it
+  once (`LLMEngine.add_lora` with `load_inplace = True`: vLLM's own load, pack and scale into the same
+  slot). Either way the caller then resets the prefix cache, whose block hashes hold the adapter's name
+  and path, not its version.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 from rl_tpu import peft_folder
-from rl_tpu.config import LoraConfig
+from rl_tpu.config import ConfigError, LoraConfig
 from rl_tpu.weight_sync.transports import SHM_DIR
 
 NAME, ID = "rl_tpu_policy", 1  # the one adapter an engine serves (vLLM ids start at 1)
@@ -39,15 +44,57 @@ class ServedAdapter:
     def __init__(self, lc: LoraConfig, hf_shapes: dict[str, tuple[int, ...]], model_path: str, index: int):
         from vllm.lora.request import LoRARequest
 
-        self.lc = lc
+        self.lc, self.model_path = lc, model_path
         self.folder = Path(tempfile.mkdtemp(prefix=f"rl_tpu_lora{index}_", dir=SHM_DIR))
-        peft_folder.save(self.folder, peft_folder.zero_adapter(hf_shapes, lc), lc, model_path)
+        zero = peft_folder.zero_adapter(hf_shapes, lc)
+        peft_folder.save(self.folder, zero, lc, model_path)
+        self.shapes = {n: tuple(t.shape) for n, t in zero.items()}  # what `write` accepts
         self.request = LoRARequest(NAME, ID, str(self.folder))
+        self._saving: threading.Thread | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         from rl_tpu.rollout.engine import lora_kwargs
 
         return lora_kwargs(self.lc.rank, self.lc.targets)
+
+    def check(self, tensors: dict) -> int:
+        """The adapter's bytes if `tensors` are exactly the served adapter's names and shapes; a
+        ConfigError naming the first difference otherwise."""
+        got = {n: tuple(t.shape) for n, t in tensors.items()}
+        if got != self.shapes:
+            diff = sorted(set(got) ^ set(self.shapes)) or [n for n in sorted(got) if got[n] != self.shapes[n]]
+            n = diff[0]
+            raise ConfigError(
+                f"adapter tensor {n}: {got.get(n, 'missing')} where the served adapter has "
+                f"{self.shapes.get(n, 'none')} ({len(diff)} differ; trainer.lora must match the engine's)"
+            )
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def write(self, ranks, tensors: dict, wire) -> int:
+        """Serve `tensors` (PEFT names, full; checked by `check`) from now on, written in place by every
+        TP rank (`ranks`: the engine's `EngineRanks`; `wire`: the tensors as they can reach them), then
+        saved into the folder in the background. Returns the bytes written. The caller resets the prefix
+        cache."""
+        nbytes = self.check(tensors)
+        self._wait_saved()
+        ranks.lora_write(wire, ID, self.lc.alpha / self.lc.rank)
+        self._saving = threading.Thread(target=self._save, args=(tensors,), daemon=True)
+        self._saving.start()
+        return nbytes
+
+    def _save(self, tensors: dict) -> None:
+        stage = Path(tempfile.mkdtemp(prefix=".stage_", dir=self.folder.parent))
+        try:
+            peft_folder.save(stage, tensors, self.lc, self.model_path)
+            for f in self.files:  # atomic, as in `_copy_in`
+                os.replace(stage / f, self.folder / f)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def _wait_saved(self) -> None:
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
 
     def install(self, llm, src: str) -> int:
         """Serve the PEFT folder `src` from now on: its files replace the folder's, and every TP rank of
@@ -56,6 +103,7 @@ class ServedAdapter:
         from vllm.lora.request import LoRARequest
 
         peft_folder.read_config(src, max_rank=self.engine_kwargs()["max_lora_rank"])
+        self._wait_saved()
         self._copy_in(Path(src))
         reload = LoRARequest(NAME, ID, str(self.folder), load_inplace=True)
         if not llm.llm_engine.add_lora(reload):
@@ -74,4 +122,5 @@ class ServedAdapter:
             shutil.rmtree(stage, ignore_errors=True)
 
     def close(self) -> None:
+        self._wait_saved()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -371,14 +371,38 @@ class RolloutWorker(SyncReceiver):
         return {"tensors": len(shapes), "engine_params": len(loaded[0]), "seconds": time.perf_counter() - t0}
 
     def load_adapter(self, folder: str, version: int) -> dict:
-        """Serve the LoRA adapter in the PEFT folder `folder` (trainer.lora's adapter-only sync), reset the
-        prefix cache and record `version`. A folder this engine cannot serve is `WeightsRejected` (engine
-        untouched); a failed install restarts the engine, as `load_weights` does."""
+        """Serve the LoRA adapter in the PEFT folder `folder` (trainer.lora's adapter-only sync with
+        `sync.transport = "reload"`), reset the prefix cache and record `version`. A folder this engine
+        cannot serve is `WeightsRejected` (engine untouched); a failed install restarts the engine, as
+        `load_weights` does."""
+        return self._serve_adapter(version, lambda adapter: adapter.install(self.llm, folder))
+
+    def write_adapter(self, version: int, *shares: dict) -> dict:
+        """Serve the LoRA adapter of every trainer rank's `shares` (`TrainerWorker.adapter_rows`, in rank
+        order; Ray hands an actor the values of references): joined here, written in place into the
+        engine's LoRA slot by every TP rank (`ServedAdapter.write`), then as `load_adapter`."""
+        from rl_tpu.trainer.lora import join_peft_rows
+
+        def write(adapter: ServedAdapter) -> int:
+            try:
+                tensors = join_peft_rows(list(shares))
+            except (KeyError, IndexError, RuntimeError) as e:  # shares of different adapters
+                raise ConfigError(f"the trainer ranks' adapter shares do not join: {e!r}") from e
+            wire, path = self._to_wire(tensors)
+            try:
+                return adapter.write(self._ws_ranks(), tensors, wire)
+            finally:
+                if path is not None:
+                    os.unlink(path)
+
+        return self._serve_adapter(version, write)
+
+    def _serve_adapter(self, version: int, install: Callable[[ServedAdapter], int]) -> dict:
         t0 = time.perf_counter()
         if self.adapter is None:
             raise WeightsRejected(f"rollout worker {self.index} serves no adapter (trainer.lora.rank = 0)")
         try:
-            nbytes = self.adapter.install(self.llm, folder)
+            nbytes = install(self.adapter)
         except ConfigError as e:
             raise WeightsRejected(str(e)) from e
         except Exception as e:

@@ -261,6 +261,14 @@ class WorkerExtension(EngineSide):
         }
 
     # -- LoRA (trainer.lora; rl_tpu.rollout.adapter) ------------------------------------------------
+    def rl_lora_write(self, payload: Payload, lora_id: int, scaling: float) -> int:
+        """Write the adapter `payload` (PEFT names, full tensors) into adapter `lora_id`'s slot and vLLM's
+        record of it, in place (`vllm_compat.lora_write`); returns the tensors written."""
+        from rl_tpu.peft_folder import PREFIX
+        from rl_tpu.weight_sync import vllm_compat
+
+        return vllm_compat.lora_write(self, lora_id, dict(decode_payload(payload)), PREFIX, scaling)
+
     def rl_lora_verify(self, payload: Payload, lora_id: int, scaling: float) -> dict[str, float]:
         """Max |diff| per LoRA slot tensor of adapter `lora_id` on this rank against the trainer's
         adapter `payload` (PEFT names), as vLLM serves an adapter: each packed module's members as its

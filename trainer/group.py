@@ -270,6 +270,16 @@ class TrainerGroup:
         """The LoRA adapters under PEFT's names, full tensors (trainer.lora)."""
         return self._call(self._worker.adapter_state)[0]
 
+    def adapter_rows(self) -> list[dict[str, dict]]:
+        """Every rank's share of the LoRA adapters, in rank order (`TrainerWorker.adapter_rows`; joined by
+        `trainer.lora.join_peft_rows`)."""
+        return self._call(self._worker.adapter_rows)
+
+    def adapter_rows_refs(self) -> list:
+        """Every rank's `adapter_rows` as an object-store reference, in rank order (the rows stay with the
+        ranks until an engine fetches them)."""
+        return [refs[0] for refs in self._call(self._worker.adapter_rows_ref)]
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._call(self._worker.hf_state_dict)[0]
 

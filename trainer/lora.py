@@ -202,3 +202,70 @@ def peft_state(adapters: dict[str, torch.Tensor], layout: list) -> dict[str, tor
         out[f"{module}.lora_A.weight"] = a.contiguous()
         out[f"{module}.lora_B.weight"] = (b if order is None else b[order]).contiguous()
     return out
+
+
+def peft_rows(adapters: dict[str, torch.Tensor], layout: list, first: bool) -> dict:
+    """This rank's share of `peft_state`, without a collective where FSDP shards an adapter by rows, packed
+    into one buffer (one to serialize, not hundreds): `{"rows": [(PEFT name, shape)] of this rank's row
+    chunks (TorchTitan row order), "whole": [(PEFT name, shape)] of full tensors, "order": {PEFT name: HF
+    row order}, "dtype", "flat": the tensors' elements in that order, as bytes (a numpy uint8 array)}`,
+    whole tensors and orders from the `first` rank only. `adapters` are this rank's parameters (DTensors
+    or tensors) by TorchTitan name; an adapter sharded any other way is gathered (a collective every rank
+    runs, in the same order). `join_peft_rows` of every rank's share in rank order is `peft_state` of the
+    full adapters."""
+    from torch.distributed.tensor import DTensor
+
+    from rl_tpu.trainer.parallel import row_sharded
+
+    rows, whole, order, parts = [], [], {}, []
+    with torch.no_grad():  # no `detach`: a DTensor's costs ~10 us per call, 240 adapters per sync
+        for prefix, module, perm in layout:
+            for kind, peft in (("a", "A"), ("b", "B")):
+                t = adapters[f"{prefix}.lora_{kind}.weight"]
+                name = f"{module}.lora_{peft}.weight"
+                if isinstance(t, DTensor) and row_sharded(t):
+                    local = t.to_local()
+                    rows.append((name, tuple(local.shape)))
+                    parts.append(local.reshape(-1))
+                else:
+                    full = t.full_tensor() if isinstance(t, DTensor) else t
+                    if first:
+                        whole.append((name, tuple(full.shape)))
+                        parts.append(full.reshape(-1))
+                if kind == "b" and perm is not None and first:
+                    order[name] = perm
+    if len({p.dtype for p in parts}) > 1:
+        raise ValueError(
+            f"adapters of several dtypes {sorted({str(p.dtype) for p in parts})}: one is expected"
+        )
+    with torch.no_grad():
+        flat = torch.cat(parts).to("cpu") if parts else torch.empty(0)
+    # raw bytes as a numpy array: Ray moves numpy buffers without pickling them (torch tensors it copies)
+    return {
+        "rows": rows,
+        "whole": whole,
+        "order": order,
+        "dtype": str(flat.dtype),
+        "flat": flat.view(torch.uint8).numpy(),
+    }
+
+
+def join_peft_rows(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """The full adapters under PEFT's names from every trainer rank's `peft_rows`, in rank order: row
+    chunks concatenated, then B's rows put in the HF weight's order."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for p in parts:
+        # a copy: the array Ray hands over is read-only, a view of its object store
+        dtype = getattr(torch, p["dtype"].removeprefix("torch."))
+        flat = (
+            torch.from_numpy(p["flat"].copy()).view(dtype) if p["flat"].size else torch.empty(0, dtype=dtype)
+        )
+        off = 0
+        for name, shape in [*p["rows"], *p["whole"]]:
+            n = math.prod(shape)
+            pieces.setdefault(name, []).append(flat[off : off + n].view(shape))
+            off += n
+    out = {name: torch.cat(ts) if len(ts) > 1 else ts[0] for name, ts in pieces.items()}
+    for name, perm in parts[0]["order"].items():
+        out[name] = out[name][perm]
+    return {name: out[name].contiguous() for name in sorted(out)}

@@ -340,7 +340,7 @@ def full_state_dict(
             continue
         names.append(name)
         t = p.detach()
-        if isinstance(t, DTensor) and _row_sharded(t):
+        if isinstance(t, DTensor) and row_sharded(t):
             batch.append((name, t))
             continue
         if isinstance(t, DTensor):
@@ -364,7 +364,8 @@ def full_state_dict(
 GATHER_BYTES = 256 * 2**20  # the gathered bytes of one batched collective in `full_state_dict`
 
 
-def _row_sharded(t: DTensor) -> bool:
+def row_sharded(t: DTensor) -> bool:
+    """FSDP's row sharding: `Shard(0)` over a one-dimensional mesh (each rank holds torch.chunk's rows)."""
     from torch.distributed.tensor import Shard
 
     return t.device_mesh.ndim == 1 and t.placements == (Shard(0),) and t.dim() >= 1

@@ -274,6 +274,24 @@ class TrainerWorker(SyncSender):
             self._peft_layout = lora.peft_layout(self.spec, adapters)
         return lora.peft_state(adapters, self._peft_layout)
 
+    def adapter_rows(self) -> dict[str, dict]:
+        """This rank's share of the adapters under PEFT's names (`lora.peft_rows`): its FSDP row chunks as
+        they are, no gather; `lora.join_peft_rows` of every rank's share is `peft_tensors()`. What the
+        adapter sync into the engines' LoRA slots sends."""
+        if not self.builder.lora:
+            raise ValueError("adapter_rows: trainer.lora.rank = 0, the policy has no adapters")
+        adapters = {n: p for n, p in parallel.named_parameters(self.model) if lora.is_adapter(n)}
+        if self._peft_layout is None:
+            self._peft_layout = lora.peft_layout(self.spec, adapters)
+        return lora.peft_rows(adapters, self._peft_layout, first=self.rank == 0)
+
+    def adapter_rows_ref(self) -> list:
+        """`adapter_rows` put in Ray's object store by this rank, as a one-element list: the driver hands
+        the reference on and each engine fetches the rows from here (the driver never copies them)."""
+        import ray
+
+        return [ray.put(self.adapter_rows())]
+
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full tensors under HF names on rank 0 (None elsewhere): the full-tensor sync fallback."""
         self._refuse_lora("hf_state_dict")

@@ -110,6 +110,9 @@ class EngineRanks:
     def named_weights(self, names: list[str] | None) -> list[dict]:
         return self._all("rl_named_weights", names)
 
+    def lora_write(self, payload: Any, lora_id: int, scaling: float) -> list[int]:
+        return self._all("rl_lora_write", payload, lora_id, scaling)
+
     def lora_verify(self, payload: Any, lora_id: int, scaling: float) -> list[dict]:
         return self._all("rl_lora_verify", payload, lora_id, scaling)
 

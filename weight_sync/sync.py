@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .calls import ReceiverLost, call, get
-from .installers import AdapterInstall, Installer, PlannedInstall, ReloadInstall, SyncStats
+from .installers import AdapterReload, AdapterWrite, Installer, PlannedInstall, ReloadInstall, SyncStats
 from .plan import SyncPlan
 from .specs import ParamSpec
 
@@ -113,7 +113,7 @@ class WeightSync:
         self.verify_each, self.trainer, self.lora = verify, trainer, lora
         self.lock = threading.Lock()
         self.installer: Installer = (
-            AdapterInstall(trainer, receivers)
+            (AdapterReload if transport == "reload" else AdapterWrite)(trainer, receivers)
             if lora
             else ReloadInstall(trainer, receivers)
             if transport == "reload"
@@ -134,7 +134,8 @@ class WeightSync:
     @classmethod
     def for_run(cls, sync: SyncConfig, trainer: TrainerGroup, rollout: RolloutGroup, model_path: str):
         """The loop's weight sync between its trainer group and its engines (`sync.*` config); under
-        `trainer.lora` only the adapters move (`AdapterInstall`)."""
+        `trainer.lora` only the adapters move (`AdapterWrite` into the engines' LoRA slots, or
+        `AdapterReload` through a PEFT folder with `sync.transport = "reload"`)."""
         lora = bool(trainer.cfg.trainer.lora.rank)
         planned = sync.transport != "reload" and not lora
         return cls(

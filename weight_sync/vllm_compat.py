@@ -39,6 +39,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.layers.linear", "LinearBase"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
     ("vllm.lora.model_manager", "LRUCacheLoRAModelManager"),
+    ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA"),
     ("vllm.lora.punica_wrapper.punica_cpu", "PunicaWrapperCPU"),
     ("vllm.platforms.cpu", "CpuPlatform"),
 )
@@ -602,17 +603,69 @@ def request_sample(req_id: str) -> tuple[str, int]:
     return m.group(2), int(m.group(1) or 0)
 
 
+def _lora_manager(worker) -> Any:
+    manager = getattr(getattr(worker.model_runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None:
+        raise RuntimeError("this vLLM engine has no LoRA manager (started without enable_lora?)")
+    return manager
+
+
 def lora_slots(worker, lora_id: int) -> tuple[dict[str, Any], dict[str, list[str]], int]:
     """A LoRA engine rank's LoRA layers by module name (`BaseLayerWithLoRA`: `lora_a_stacked`,
     `lora_b_stacked`, one tensor per slice, `[slots, 1, rank, in]` / `[slots, 1, out, rank]`), the
     members of each packed module (`qkv_proj` -> its q/k/v module names), and the slot that adapter
     `lora_id` is active in (vllm/lora/model_manager.py `LoRAModelManager`)."""
-    manager = getattr(getattr(worker.model_runner, "lora_manager", None), "_adapter_manager", None)
-    if manager is None:
-        raise RuntimeError("this vLLM engine has no LoRA manager (started without enable_lora?)")
+    manager = _lora_manager(worker)
     if lora_id not in manager.lora_index_to_id:
         raise RuntimeError(f"LoRA adapter {lora_id} is not active in any slot of this engine")
     return manager.modules, manager.packed_modules, manager.lora_index_to_id.index(lora_id)
+
+
+def lora_write(worker, lora_id: int, tensors: dict[str, Any], prefix: str, scaling: float) -> int:
+    """Write new weights of the active adapter `lora_id` in place (its A and B under PEFT's names,
+    `prefix` + module): first into the adapter vLLM registered (its `LoRAModel`, what vLLM re-activates
+    a slot from: A cast to its dtype, B cast then times `scaling`, as vLLM's `optimize` stores it), then
+    into the slot through each layer's own `set_lora`, as vLLM's `activate_adapter` does (TP share, zero
+    padding). Returns the tensors written. Raises ValueError naming a tensor whose shape differs or that
+    no layer takes, and NotImplementedError for a LoRA layer other than a linear one (MoE experts), before
+    anything is written."""
+    import torch
+
+    base_linear = _get("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA")
+    manager = _lora_manager(worker)
+    modules, packed, slot = lora_slots(worker, lora_id)
+    registered = manager.get_adapter(lora_id)
+    plan, used = [], set()
+    for mname, m in modules.items():
+        weights = registered.get_lora(mname)
+        if weights is None:
+            continue
+        if not isinstance(m, base_linear):
+            raise NotImplementedError(f"in-place LoRA write into {type(m).__name__} ({mname})")
+        members = packed.get(mname, [mname])
+        dst_a = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
+        dst_b = weights.lora_b if isinstance(weights.lora_b, list) else [weights.lora_b]
+        for n, da, db in zip(members, dst_a, dst_b):
+            for dst, kind in ((da, "A"), (db, "B")):
+                name = f"{prefix}{n}.lora_{kind}.weight"
+                src = tensors.get(name)
+                if dst is None or src is None or tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"LoRA tensor {name}: {None if src is None else tuple(src.shape)} does not fit the "
+                        f"served adapter's {None if dst is None else tuple(dst.shape)}"
+                    )
+                plan.append((dst, src, scaling if kind == "B" else None))
+                used.add(name)
+        plan.append((m, weights, None))
+    if set(tensors) - used:
+        raise ValueError(f"LoRA tensors no layer of this engine serves: {sorted(set(tensors) - used)[:4]}")
+    with torch.inference_mode():  # vLLM loaded its record inside inference mode: inference tensors
+        for dst, src, scale in plan:
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src if scale is None else src.to(dst.dtype) * scale)
+            else:  # a layer, after its weights: vLLM's activation path from here
+                dst.set_lora(slot, src.lora_a, src.lora_b)
+    return len(used)
 
 
 def use_one_adapter_lora_kernels() -> None:

@@ -55,7 +55,7 @@ from rl_tpu.hf_config import check_expert_parallel, check_routing_replay, read_h
 from rl_tpu.metrics import MetricsLogger
 from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.model_source import resolve_model_path
-from rl_tpu.placement import PlacementPlan, plan_from_config
+from rl_tpu.placement import PlacementPlan, check_collective_devices, plan_from_config
 from rl_tpu.rewards import RewardPool
 from rl_tpu.rollout.multi_turn import load_env
 from rl_tpu.rollout.tools import check_tools_kwargs
@@ -131,6 +131,7 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
     check_expert_parallel(cfg)  # experts to split, evenly
     loader = PromptLoader(train_set, cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
     plan = plan_from_config(cfg, os.cpu_count() or 1)
+    check_collective_devices(cfg, plan)
     if roles is not None:
         check_roles(cfg, roles, plan)
     # A multi-turn environment class and the tools load here (the tools' workers start later), and every

@@ -83,12 +83,30 @@ def check_roles(cfg: Config, roles: Roles, plan) -> None:
         )
 
 
+def engines_first(cfg: Config, placement: str) -> bool:
+    """Whether the engines must be up before the trainer starts: colocated on an accelerator whose vLLM
+    sizes its KV cache from the device's memory (`gpu_memory_utilization`: vLLM's profiler reads the
+    device-wide free memory before and after its own profile run, and a trainer loading on the same device
+    meanwhile would count as the engine's, or leave less free than it asked for)."""
+    from rl_tpu.devices import rollout_device
+    from rl_tpu.rollout.engine import engine_traits
+
+    device = rollout_device(cfg)
+    return (
+        placement == "colocated"
+        and device.ray_resource is not None
+        and not engine_traits(device).kv_cache_from_gb
+    )
+
+
 def start_roles(
     cfg: Config, model_path: str, groups: PlacementGroups, trainer_then: Callable[[Any], Any] | None = None
 ):
     """Trainer ranks and engines, started at the same time (each mostly waits on its own processes:
-    TorchTitan builds, vLLM engine start-up); `trainer_then(trainer)` in the trainer's thread once it is
-    up (an engine takes longer to start: its warm-up generations)."""
+    TorchTitan builds, vLLM engine start-up), or the engines first where they size their KV cache from
+    the device's free memory on a device they share with the trainer (`engines_first`);
+    `trainer_then(trainer)` in the trainer's thread once it is up (an engine takes longer to start: its
+    warm-up generations)."""
     from rl_tpu.rollout import RolloutGroup
     from rl_tpu.trainer import TrainerGroup
 
@@ -102,7 +120,17 @@ def start_roles(
                 raise
         return group
 
-    return start_side_by_side(trainer, lambda: RolloutGroup(cfg, model_path, placement=groups))
+    def engines():
+        return RolloutGroup(cfg, model_path, placement=groups)
+
+    if engines_first(cfg, groups.plan.placement):
+        rollout = engines()
+        try:
+            return trainer(), rollout
+        except BaseException:
+            rollout.shutdown()
+            raise
+    return start_side_by_side(trainer, engines)
 
 
 def start_side_by_side(*makers: Callable[[], Any]) -> tuple:

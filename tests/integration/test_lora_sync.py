@@ -71,25 +71,31 @@ def _gap(trainer, served) -> float:
     return max((lp[i, : len(r)] - torch.tensor(e)).abs().max().item() for i, (_, r, e) in enumerate(served))
 
 
-def _sync(cfg, trainer, worker, verify: bool = False):
+def _sync(cfg, trainer, worker, verify: bool = False, transport: str = "auto"):
+    """The adapter sync: written into the slots (`AdapterWrite`), or through a PEFT folder ("reload")."""
     from rl_tpu.weight_sync import WeightSync
 
-    return WeightSync([], None, trainer.actors, [worker], trainer=trainer, verify=verify, lora=True)
+    return WeightSync(
+        [], None, trainer.actors, [worker], trainer=trainer, verify=verify, lora=True, transport=transport
+    )
 
 
 def _differ(diffs: dict) -> set[str]:
     return {name for (_, name), d in diffs.items() if d != 0.0}
 
 
-def test_engine_serves_the_trainers_policy_before_and_after_an_adapter_sync(stack):
+@pytest.mark.parametrize("transport", ["auto", "reload"])
+def test_engine_serves_the_trainers_policy_before_and_after_an_adapter_sync(stack, transport):
     cfg, trainer, worker = stack
-    base = _served(worker)
-    assert _gap(trainer, base) <= TOL  # B = 0 on both sides: the base model
+    ws = _sync(cfg, trainer, worker, transport=transport)
+    if worker.version:  # a test before this one synced: serve the trainer's policy again
+        ws.sync(0)
+    before = _served(worker)
+    assert _gap(trainer, before) <= TOL  # first run: B = 0 on both sides, the base model
     batch = toy_batch(0, high=200)
     trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
-    assert _gap(trainer, base) > 100 * TOL  # the step moved the policy away from what the engine serves
+    assert _gap(trainer, before) > 100 * TOL  # the step moved the policy away from what the engine serves
 
-    ws = _sync(cfg, trainer, worker)
     stats = ws.sync(1)
     adapter = trainer.adapter_state()
     assert stats.bytes < sum(t.numel() * 4 for t in adapter.values()) + 2**16  # the adapter, not the model
@@ -176,4 +182,35 @@ def test_restarted_engine_serves_the_base_until_synced(stack):
     assert not _differ(ws.verify_adapter(sorted(zero.items())))
     ws.sync(5, engines=[0])
     assert worker.version == 5 and _gap(trainer, _served(worker)) <= TOL
+    ws.close()
+
+
+def test_written_adapter_is_what_vllm_restores_after_dropping_it(stack):
+    """The in-place write updates the slot and vLLM's record of the adapter, and the folder catches up in
+    the background: an engine that re-activates the adapter from its record, or drops it and reloads it
+    from the folder, serves the written version."""
+    from safetensors.torch import load_file
+
+    from rl_tpu import peft_folder
+
+    cfg, trainer, worker = stack
+    ws = _sync(cfg, trainer, worker)
+    batch = toy_batch(3, high=200)
+    trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
+    ws.sync(6)
+    adapter = trainer.adapter_state()
+    worker.adapter._wait_saved()
+    saved = load_file(str(worker.adapter.folder / peft_folder.WEIGHTS))
+    assert saved.keys() == adapter.keys() and all(torch.equal(saved[n], adapter[n]) for n in adapter)
+
+    def reactivate(w):
+        manager = w.model_runner.lora_manager._adapter_manager
+        manager.deactivate_adapter(1)
+        manager.activate_adapter(1)
+
+    worker.llm.collective_rpc(reactivate)  # from vLLM's record (its LoRAModel)
+    assert not _differ(ws.verify_adapter(sorted(adapter.items())))
+    worker.llm.collective_rpc(lambda w: w.model_runner.reset_lora_state())  # dropped: reloaded lazily
+    assert _gap(trainer, _served(worker)) <= TOL  # from the folder, on the next request
+    assert not _differ(ws.verify_adapter(sorted(adapter.items())))
     ws.close()

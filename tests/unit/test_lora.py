@@ -77,3 +77,46 @@ def test_forward_keeps_the_adapter_path_under_the_cpu_kernels_and_drops_out_in_t
         assert torch.allclose(layer(x), want, atol=1e-4)
         layer.train()
         assert not torch.allclose(layer(x), want, atol=1e-4)  # dropout on the adapter's input
+
+
+def test_rank_shares_of_the_adapters_join_into_peft_state_on_llama(tmp_path):
+    """What the adapter sync sends (each trainer rank's row chunks, `peft_rows`) joins on the engine
+    (`join_peft_rows`) into exactly `peft_state`: on Llama, whose HF q/k rows are TorchTitan's permuted."""
+    from rl_tpu.tiny_model import make_tiny_model
+
+    llama = tmodel.build_model_spec(str(make_tiny_model(tmp_path, "llama")))
+    shapes = lora.adapter_shapes(lora.convert(llama.config, LoraConfig(rank=4)))
+    g = torch.Generator().manual_seed(0)
+    adapters = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    layout = lora.peft_layout(llama, adapters)
+    assert any(order is not None for _, _, order in layout)  # the permuted q/k B rows are exercised
+    want = lora.peft_state(adapters, layout)
+    titan = {  # PEFT name -> the TorchTitan tensor (row order) behind it
+        f"{module}.lora_{peft}.weight": adapters[f"{prefix}.lora_{kind}.weight"]
+        for prefix, module, _ in layout
+        for kind, peft in (("a", "A"), ("b", "B"))
+    }
+    # plain tensors: whole (TorchTitan's row order), from the first rank only
+    first = lora.peft_rows(adapters, layout, first=True)
+    other = lora.peft_rows(adapters, layout, first=False)
+    assert (other["rows"], other["whole"], other["order"], other["flat"].size) == ([], [], {}, 0)
+    whole = lora.join_peft_rows([first, other])
+    assert whole.keys() == want.keys() and all(torch.equal(whole[n], want[n]) for n in want)
+    # FSDP's row chunks of three ranks (torch.chunk's split, uneven where rows % 3 != 0), as peft_rows
+    # packs a rank's DTensor chunks
+    shares = []
+    for r in range(3):
+        chunks = [
+            (n, torch.chunk(t, 3)[r] if len(torch.chunk(t, 3)) > r else t[:0]) for n, t in titan.items()
+        ]
+        shares.append(
+            {
+                "rows": [(n, tuple(c.shape)) for n, c in chunks],
+                "whole": [],
+                "order": first["order"] if r == 0 else {},
+                "dtype": "torch.float32",
+                "flat": torch.cat([c.reshape(-1) for _, c in chunks]).view(torch.uint8).numpy(),
+            }
+        )
+    joined = lora.join_peft_rows(shares)
+    assert joined.keys() == want.keys() and all(torch.equal(joined[n], want[n]) for n in want)

@@ -313,6 +313,32 @@ def test_unknown_transport_and_unjoined_collective_errors_say_what_is_wrong():
         get_transport("collective").alloc(16, slot=0)
 
 
+def test_collective_refuses_two_nccl_members_on_one_gpu_before_it_starts():
+    """NCCL refuses a group with two ranks on one GPU: colocated GPU roles are refused at config time,
+    and the GPUs the members report are checked again when the group forms."""
+    from rl_tpu.config import ConfigError, load_config
+    from rl_tpu.placement import check_collective_devices, plan_from_config
+    from rl_tpu.weight_sync.transports import check_distinct_gpus
+
+    gpu = ["--trainer.device=cuda", "--sync.transport=collective"]
+    cfg = load_config(None, gpu)
+    with pytest.raises(ConfigError, match="NCCL refuses a trainer rank and an engine on one GPU"):
+        check_collective_devices(cfg, plan_from_config(cfg, 8))  # sync mode: colocated
+    for ok in (
+        [*gpu, "--cluster.placement=disaggregated"],
+        [*gpu, "--cluster.mode=async"],  # auto: disaggregated
+        ["--trainer.device=cuda"],  # another transport
+        ["--sync.transport=collective"],  # CPU roles: gloo
+    ):
+        cfg = load_config(None, ok)
+        check_collective_devices(cfg, plan_from_config(cfg, 8))
+    check_distinct_gpus({"trainer rank 0": "GPU-a", "engine 0 rank 0": "GPU-b"})
+    with pytest.raises(ValueError, match=r"trainer rank 1 and engine 0 rank 0 are on one GPU \(GPU-b\)"):
+        check_distinct_gpus(
+            {"trainer rank 0": "GPU-a", "trainer rank 1": "GPU-b", "engine 0 rank 0": "GPU-b"}
+        )
+
+
 def test_wire_packs_into_and_reads_from_tensor_buffers_like_host_buffers():
     tensors = [
         ("a@0", torch.arange(6, dtype=torch.float32)),

@@ -19,7 +19,7 @@ from ..calls import call, get, get_each, route
 from ..engine_layout import EngineLayout
 from ..plan import DCOL, DROW, DST, NC, NR, SyncPlan, build_plan, check_names
 from ..specs import ParamSpec
-from ..transports import get_transport, group_backend
+from ..transports import check_distinct_gpus, get_transport, group_backend
 from .base import Installer, SyncStats
 
 if TYPE_CHECKING:
@@ -197,8 +197,21 @@ class PlannedInstall(Installer):
         import ray
 
         devices = get([call(s.ws_device) for s in self.senders])
-        devices += [d for per_rank in get([call(r.ws_device) for r in self.receivers]) for d in per_rank]
+        engine_devices = get([call(r.ws_device) for r in self.receivers])
+        devices += [d for per_rank in engine_devices for d in per_rank]
         backend = group_backend(devices)
+        if backend == "nccl":
+            import torch
+
+            # NCCL refuses two members on one GPU: say so before it does
+            gpus = {
+                f"trainer rank {r}": u
+                for r, u in enumerate(get([call(s.ws_cuda_uuid) for s in self.senders]))
+            }
+            for e, (rcv, devs) in enumerate(zip(self.receivers, engine_devices)):
+                for tp, (d, seen) in enumerate(zip(devs, get(call(rcv.ws_cuda_uuids)))):
+                    gpus[f"engine {e} rank {tp}"] = seen[torch.device(d).index or 0]
+            check_distinct_gpus(gpus)
         log.info(
             "weight sync: collective group over %d members uses %s (devices %s)",
             len(devices),

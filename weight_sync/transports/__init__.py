@@ -29,7 +29,7 @@ driver routes handles, never bytes.
 from __future__ import annotations
 
 from .base import Transport
-from .collective import Collective, group_backend, join_group, leave_group, wait_work
+from .collective import Collective, check_distinct_gpus, group_backend, join_group, leave_group, wait_work
 from .cuda_ipc import CudaIpc, device_uuid, local_cuda_index, visible_cuda_uuids
 from .in_process import InProcess
 from .ray_store import RayObjectStore
@@ -47,6 +47,7 @@ __all__ = [
     "Transport",
     "device_uuid",
     "get_transport",
+    "check_distinct_gpus",
     "group_backend",
     "join_group",
     "leave_group",

@@ -13,11 +13,16 @@ class Collective(Transport):
     Order, which NCCL needs (it matches sends to receives by posting order per pair and ignores tags): the
     receiver posts its receive for a bucket (`post`, into a reused buffer of the bucket's known size)
     before it asks the sender to pack it, and the sender's send is posted as soon as the bucket is
-    packed, so no send ever waits on a receive that is not there. On NCCL every operation runs as its own
-    coalesced group, which puts it on the group's communicator that `join_group` connected eagerly: a
-    lone p2p op would build a two-rank communicator lazily, blocking until the peer does the same, and
-    the peer is waiting for our answer. gloo runs the same order and matches by tag (the bucket id), so
-    the default CPU suite exercises it. Waits are bounded (`timeout_s` of the group) and name the peer.
+    packed, so no send ever waits on a receive that is not there. NCCL connects a pair on its first
+    point-to-point operation, inside that operation, and only once both peers are in one: a receive
+    posted first would block until the sender posts, while the sender waits to be asked for the bucket.
+    So `join_group`, where every member is present, runs one exchange over every (sender, receiver) pair
+    (`_connect_pairs`; torch's `batch_isend_irecv` states the same rule: the group's first p2p call needs
+    every rank), after which a posted operation returns at once. On NCCL every operation runs as its own
+    coalesced group, on the communicator `join_group` connected eagerly. gloo runs the same order and
+    matches by tag (the bucket id), so the default CPU suite exercises it; tests/integration/
+    test_collective_order.py also runs it over a process group that behaves as NCCL does on a pair's first
+    operation. Waits are bounded (`timeout_s` of the group) and name the peer.
 
     A handle is (source rank, bucket id, nbytes); the receiver checks the bucket id in the header too,
     so a broken order fails loudly instead of installing the wrong bytes. The sender's buffer stays alive
@@ -141,6 +146,20 @@ def group_backend(devices: list[str]) -> str:
     return "nccl" if devices and all(torch.device(d).type == "cuda" for d in devices) else "gloo"
 
 
+def check_distinct_gpus(members: dict[str, str]) -> None:
+    """NCCL refuses a group with two ranks on one GPU ("Duplicate GPU detected"): a ValueError naming the
+    first two `members` (label -> GPU UUID) that share one."""
+    first: dict[str, str] = {}
+    for who, uuid in members.items():
+        if uuid in first:
+            raise ValueError(
+                f"sync.transport = collective: {first[uuid]} and {who} are on one GPU ({uuid}), which NCCL "
+                "refuses in one group; use sync.transport = auto (CUDA IPC between them) or give each "
+                "its own GPU"
+            )
+        first[uuid] = who
+
+
 def join_group(
     host: str,
     port: int,
@@ -165,12 +184,7 @@ def join_group(
         "rl_tpu_ws", dist.TCPStore(host, port, world + 1, is_master=False, timeout=timeout)
     )
     if backend == "nccl":
-        dev = torch.device(device)
-        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world, opts)
-        pg.eager_connect_single_device(dev)
+        pg, dev = nccl_group(store, rank, world, timeout, device)
     elif backend == "gloo":
         dev = torch.device("cpu")
         pg = dist.ProcessGroupGloo(store, rank, world, timeout)
@@ -185,7 +199,50 @@ def join_group(
         timeout_s=timeout_s,
         store=store,
     )
+    _connect_pairs()
     return rank
+
+
+def nccl_group(store, rank: int, world: int, timeout, device: str):
+    """An NCCL process group with its communicator built now on this member's GPU (every member is in
+    `join_group`), and that device."""
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    pg.eager_connect_single_device(dev)
+    return pg, dev
+
+
+CONNECT_TAG = 2**31 - 1  # the pair exchange's tag (gloo matches by tag; bucket ids are smaller)
+
+
+def _connect_pairs() -> None:
+    """One byte from every sender to every receiver, each member's operations posted together and waited
+    for, while every member is in `join_group`: the pairs a sync uses are connected before any bucket."""
+    import torch
+
+    g = Collective._g()
+    rank, senders, world = g["rank"], g["senders"], g["pg"].size()
+    peers = range(senders, world) if rank < senders else range(senders)
+    op = "send" if rank < senders else "recv"
+    bufs = {p: torch.full((1,), rank, dtype=torch.uint8, device=g["device"]) for p in peers}
+    pg = g["pg"]
+    if g["coalesce"]:
+        pg._start_coalescing(g["device"])
+        for p in peers:
+            getattr(pg, op)([bufs[p]], p, CONNECT_TAG)
+        works = [pg._end_coalescing(g["device"])]
+    else:
+        works = [getattr(pg, op)([bufs[p]], p, CONNECT_TAG) for p in peers]
+    for w in works:
+        wait_work(w, g["timeout_s"], f"sync group rank {rank}'s first exchange with its peers")
+    if op == "recv" and any(int(bufs[p].item()) != p for p in peers):
+        raise RuntimeError(f"weight sync group: rank {rank}'s first exchange got the wrong bytes")
 
 
 def leave_group() -> None:

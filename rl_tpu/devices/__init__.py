@@ -166,6 +166,8 @@ class Device:
             import torch_xla.core.xla_model as xm
 
             return xm.xla_device() if not index else xm.xla_device(n=index)
+        if self.name == "tpu" and _TPU_INDEX and local_rank is None:
+            index = _TPU_INDEX[0]  # what torch-tpu reports once the chip is open (`_init_tpu`)
         if self.name == "cpu" or index is None:
             return torch.device(self.torch_device)
         return torch.device(self.torch_device, index)
@@ -225,9 +227,21 @@ def _init_xla() -> None:
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" torch.distributed backend
 
 
+_TPU_INDEX: list[int] = []  # the index torch-tpu gave this process's chip (`_init_tpu`)
+
+
 def _init_tpu() -> None:
-    # untested on hardware: torch-tpu is expected to register the `tpu` device and `tpu_dist` on import
+    """Import torch-tpu (it registers the `tpu` device and `tpu_dist`), open this process's chip now and
+    keep the index torch-tpu reports for it. Untested on hardware, checked against the sources: torch's
+    DeviceMesh calls `torch.tpu.set_device(LOCAL_RANK)` unless the device is already initialized
+    (torch/distributed/device_mesh.py 458-469, torch 2.13), torch-tpu's `set_device` refuses any index but
+    the current one (torch_tpu/_internal/device/_device_module.py 456-480), and our `LOCAL_RANK` is the
+    physical chip (`torch_tpu_env`): initialized here, the mesh leaves the device as it is, and
+    `local_device` addresses the index torch-tpu chose rather than assuming 0."""
     import torch_tpu  # noqa: F401
+
+    torch.empty(0, device="tpu")
+    _TPU_INDEX[:] = [torch.accelerator.current_device_index()]
 
 
 _INIT: dict[str, Callable[[], None]] = {"cpu": _init_cpu, "xla": _init_xla, "tpu": _init_tpu}
@@ -475,22 +489,34 @@ def torch_tpu_env(ray_ids: Sequence[str], env: Mapping[str, str], *, engine: boo
     """What a torch-tpu process needs to open the chips Ray assigned it. torch_tpu copies `LOCAL_RANK`
     verbatim into `TPU_VISIBLE_CHIPS`, overwriting Ray's mask (vllm_torchtpu/worker/tpu_rank_binding.py
     3-6; Ray's ray/_private/accelerators/tpu.py 809-812 says the same), so `LOCAL_RANK` must be the
-    *physical* chip, and the process then sees that one chip as tpu:0. A trainer rank holds one chip:
-    `LOCAL_RANK` = its chip. vLLM-TorchTPU's worker sets `LOCAL_RANK` itself to `TPU_LOCAL_RANK_OFFSET` + its
-    TP rank (tpu_rank_binding.py `get_tpu_worker_binding`), so an engine gets the offset = its first chip,
-    and its chips must be consecutive. Pure."""
+    *physical* chip, and the process then sees that one chip. A trainer rank holds one chip: `LOCAL_RANK`
+    = its chip. A vLLM-TorchTPU engine's worker (0.29, single engine, no PCP: worker/tpu_worker.py 365-388)
+    sets `LOCAL_RANK` itself to its TP rank plus `DEBUG_TPU_LOCAL_RANK_OFFSET`, and only logs
+    `TPU_LOCAL_RANK_OFFSET` there (390-398; its DP and PCP paths read that one, tpu_rank_binding.py 213);
+    the multiprocess executor pins each TP rank's `TPU_VISIBLE_CHIPS` / `TPU_VISIBLE_DEVICES` from
+    `VLLM_TPU_DEVICE_ORDER` (vllm_torchtpu/__init__.py 495-505). An engine gets all three, naming the same
+    chips, which must be consecutive. Every process also gets `ALLOW_MULTIPLE_LIBTPU_LOAD`: the trainer
+    ranks and engines of one host each load libtpu, which otherwise takes a host-wide lock (the worker
+    sets it itself only on its DP path, tpu_worker.py 305). Pure."""
     per_chip = int(env.get(TPU_PER_CHIP_ENV) or 1)
     chips = sorted({int(i) // per_chip for i in ray_ids})
+    shared = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     if engine:
         if chips != list(range(chips[0], chips[0] + len(chips))):
             raise ValueError(
-                f"a vLLM-TorchTPU engine binds its TP ranks to consecutive chips from TPU_LOCAL_RANK_OFFSET, "
+                f"a vLLM-TorchTPU engine binds its TP ranks to consecutive chips from its first, "
                 f"but Ray assigned chips {chips}; give each engine a whole host or a slice of its own"
             )
-        return {"TPU_LOCAL_RANK_OFFSET": str(chips[0])}
+        first = str(chips[0])
+        order = ",".join(str(c) for c in chips)
+        return shared | {
+            "TPU_LOCAL_RANK_OFFSET": first,
+            "DEBUG_TPU_LOCAL_RANK_OFFSET": first,
+            "VLLM_TPU_DEVICE_ORDER": order,
+        }
     if len(chips) != 1:
         raise ValueError(f"a torch-tpu trainer rank opens one chip; Ray assigned it chips {chips}")
-    return {"LOCAL_RANK": str(chips[0])}
+    return shared | {"LOCAL_RANK": str(chips[0])}
 
 
 TORCH_TPU_LAUNCH_VARS = (

@@ -188,7 +188,7 @@ def test_device_binding_from_rays_logical_gpus_and_tpus(tmp_path):
         assert a["resources"][resource] == 1.0 and set(a["resources"]) == {"CPU", resource}
         assert len(a["ray_accelerator_ids"]) == 1
         assert a["visible_devices"] == a["ray_accelerator_ids"][0]  # what Ray set
-        # engines on torch-tpu name their chip through TPU_LOCAL_RANK_OFFSET (torch_tpu_env), then see tpu:0
+        # engines on torch-tpu name their chips through the variables of torch_tpu_env, then see tpu:0
         assert (a["device_index"], a["binding"]) == (0, "visible" if resource == "GPU" else "torch_tpu")
     assert [t["device"] for t in trainers] == ["cuda:0", "cuda:0"]
     assert [e["device"] for e in engines] == ["tpu:0", "tpu:0"]
@@ -337,12 +337,22 @@ if __name__ == "__main__":
 def test_torch_tpu_env_names_the_physical_chip_because_torch_tpu_overwrites_rays_mask():
     """torch_tpu copies LOCAL_RANK into TPU_VISIBLE_CHIPS (vllm_torchtpu/worker/tpu_rank_binding.py), so a
     trainer rank on Ray's chip 2 must say LOCAL_RANK=2, not its position (0) in Ray's one-chip mask; a
-    vLLM-TorchTPU engine on chips 2-3 gets TPU_LOCAL_RANK_OFFSET=2 (its worker adds its TP rank)."""
+    vLLM-TorchTPU engine on chips 2-3 names them three ways, as its worker's paths read them (its single-
+    engine path adds DEBUG_TPU_LOCAL_RANK_OFFSET to its TP rank; the multiprocess executor pins each TP
+    rank from VLLM_TPU_DEVICE_ORDER; DP/PCP read TPU_LOCAL_RANK_OFFSET); every process may load libtpu
+    beside the others of its host."""
     from rl_tpu.devices import torch_tpu_env
 
-    assert torch_tpu_env(["2"], {"TPU_VISIBLE_CHIPS": "2"}, engine=False) == {"LOCAL_RANK": "2"}
-    assert torch_tpu_env(["3"], {"RAY_TPU_RESOURCE_PER_CHIP": "2"}, engine=False) == {"LOCAL_RANK": "1"}
-    assert torch_tpu_env(["2", "3"], {}, engine=True) == {"TPU_LOCAL_RANK_OFFSET": "2"}
+    shared = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    assert torch_tpu_env(["2"], {"TPU_VISIBLE_CHIPS": "2"}, engine=False) == shared | {"LOCAL_RANK": "2"}
+    assert torch_tpu_env(["3"], {"RAY_TPU_RESOURCE_PER_CHIP": "2"}, engine=False) == shared | {
+        "LOCAL_RANK": "1"
+    }
+    assert torch_tpu_env(["4", "5", "6", "7"], {}, engine=True) == shared | {
+        "TPU_LOCAL_RANK_OFFSET": "4",
+        "DEBUG_TPU_LOCAL_RANK_OFFSET": "4",
+        "VLLM_TPU_DEVICE_ORDER": "4,5,6,7",
+    }  # TP 4 on the second half of an 8-chip host (the v6e recipe): chips 4-7, not 0-3
     with pytest.raises(ValueError, match="consecutive chips"):
         torch_tpu_env(["1", "3"], {}, engine=True)
     with pytest.raises(ValueError, match="opens one chip"):

@@ -235,7 +235,7 @@ def _init_tpu() -> None:
     keep the index torch-tpu reports for it. Untested on hardware, checked against the sources: torch's
     DeviceMesh calls `torch.tpu.set_device(LOCAL_RANK)` unless the device is already initialized
     (torch/distributed/device_mesh.py 458-469, torch 2.13), torch-tpu's `set_device` refuses any index but
-    the current one (torch_tpu/_internal/device/_device_module.py 456-480), and our `LOCAL_RANK` is the
+    the current one (torch_tpu/_internal/device/_device_module.py 456-497), and our `LOCAL_RANK` is the
     physical chip (`torch_tpu_env`): initialized here, the mesh leaves the device as it is, and
     `local_device` addresses the index torch-tpu chose rather than assuming 0."""
     import torch_tpu  # noqa: F401

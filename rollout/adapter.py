@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,8 @@ from typing import Any
 from rl_tpu import peft_folder
 from rl_tpu.config import ConfigError, LoraConfig
 from rl_tpu.weight_sync.transports import SHM_DIR
+
+log = logging.getLogger("rl_tpu")
 
 NAME, ID = "rl_tpu_policy", 1  # the one adapter an engine serves (vLLM ids start at 1)
 
@@ -83,11 +86,16 @@ class ServedAdapter:
         return nbytes
 
     def _save(self, tensors: dict) -> None:
+        """The folder catches up with what the slots serve (the background thread of `write`)."""
         stage = Path(tempfile.mkdtemp(prefix=".stage_", dir=self.folder.parent))
         try:
             peft_folder.save(stage, tensors, self.lc, self.model_path)
             for f in self.files:  # atomic, as in `_copy_in`
                 os.replace(stage / f, self.folder / f)
+        except OSError as e:  # the slots serve the new version; only a reload after a drop would not
+            log.warning(
+                "LoRA adapter folder %s not updated (%s): it holds the previous version", self.folder, e
+            )
         finally:
             shutil.rmtree(stage, ignore_errors=True)
 

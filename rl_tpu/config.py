@@ -376,8 +376,8 @@ class DataConfig:
 class SyncConfig:
     """How the trained weights reach the engines after every update (docs/weight_sync.md)."""
 
-    # plan-based transports ("auto": CUDA IPC between GPUs of one node, shared memory within a Ray node,
-    # the object store across nodes), or
+    # plan-based transports ("auto": CUDA IPC between GPUs of one node, for which CUDA engines see every
+    # GPU of their node, shared memory within a Ray node, the object store across nodes), or
     # "reload": the full-tensor reference path (HF export + vLLM reload_weights). Under trainer.lora only
     # the adapters move: written in place into the engines' LoRA slots, or through a PEFT folder and vLLM's
     # LoRA reload with "reload" (docs/lora.md)

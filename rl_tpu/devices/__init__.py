@@ -458,7 +458,9 @@ def ray_accelerator_ids() -> dict[str, list[str]]:
 _BOUND: dict[str, Binding] = {}  # device row -> this process's binding (set by `bind`)
 
 
-def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -> Binding:
+def bind(
+    device: Device, *, set_local_rank: bool = True, engine: bool = False, node_view: bool = False
+) -> Binding:
     """Bind this process to the device Ray assigned its actor: compute `local_device_index` from Ray's ids
     and the environment, set LOCAL_RANK to the index (`set_local_rank`; torch's DeviceMesh, TorchTitan and
     torch-tpu read it; left alone for the host), make it torch's current device where the runtime has one
@@ -466,7 +468,10 @@ def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -
 
     `engine`: a vLLM engine numbers its TP ranks from device 0 of what it sees, so where Ray's id is used
     as is (no visible-devices variable: NOSET mode), the variable is set to Ray's ids first (what Ray would
-    have set), and the engine's processes see exactly its devices; the binding is then index 0."""
+    have set), and the engine's processes see exactly its devices; the binding is then index 0.
+    `node_view` (an engine on CUDA started in NOSET mode by `engine_actor_env`): the variable lists Ray's
+    ids first and then every other GPU of the node (`node_view_visible`), so the engine still opens exactly
+    its own GPUs and can also map CUDA IPC handles of buckets on any trainer rank's GPU of its node."""
     env = os.environ
     b = local_device_index(device, ray_accelerator_ids(), env)
     if device.name == "tpu" and b.resource == "TPU" and b.ray_ids:
@@ -474,7 +479,10 @@ def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -
         b = dataclasses.replace(b, index=0, source="torch_tpu")
         _BOUND[device.name] = b
         return b
-    if engine and b.source == "ray_id" and b.resource in VISIBLE_DEVICES_ENV:
+    if engine and node_view and b.noset and b.resource == "GPU" and b.ray_ids:
+        env[VISIBLE_DEVICES_ENV["GPU"]] = node_view_visible(b.ray_ids, node_gpu_ids(env))
+        b = local_device_index(device, ray_accelerator_ids(), env)
+    elif engine and b.source == "ray_id" and b.resource in VISIBLE_DEVICES_ENV:
         env.update(_visible_env(b.resource, b.ray_ids, env))
         b = local_device_index(device, ray_accelerator_ids(), env)
     if set_local_rank and b.index is not None:
@@ -483,6 +491,45 @@ def bind(device: Device, *, set_local_rank: bool = True, engine: bool = False) -
         torch.cuda.set_device(b.index)
     _BOUND[device.name] = b
     return b
+
+
+def engine_sees_node(cfg: Any) -> bool:
+    """Whether engines map every GPU of their node: CUDA engines under `sync.transport` "auto" (whose
+    routes then take CUDA IPC from every trainer rank on the node, `auto_route`, not only from one on the
+    engine's own GPU; the rest would go through /dev/shm) or "cuda_ipc". Under any other transport an
+    engine sees only its own GPUs, as Ray sets them."""
+    return rollout_device(cfg).name == "cuda" and cfg.sync.transport in ("auto", "cuda_ipc")
+
+
+def engine_actor_env(cfg: Any) -> dict[str, str]:
+    """Environment variables an engine's Ray actor starts with: where `engine_sees_node`, Ray is told to
+    leave CUDA_VISIBLE_DEVICES unset (ray/_private/accelerators/nvidia_gpu.py: set unless
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), so `bind(node_view=True)` can set it before CUDA starts."""
+    return {NOSET_ENV["GPU"]: "1"} if engine_sees_node(cfg) else {}
+
+
+def node_view_visible(ray_ids: Sequence[str], node_ids: Sequence[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine that maps the other GPUs of its node: Ray's ids first, in order,
+    since vLLM opens logical device k as the variable's k-th entry (vllm/platforms/interface.py,
+    `device_id_to_physical_device_id`), so TP rank k opens the engine's k-th GPU; then the node's other
+    GPUs in the node's order, which the engine only maps. Pure."""
+    own = [str(i) for i in ray_ids]
+    return ",".join(own + [str(i) for i in node_ids if str(i) not in own])
+
+
+def node_gpu_ids(env: Mapping[str, str]) -> list[str]:
+    """The GPU ids of this process's Ray node, as Ray numbers them: the raylet's CUDA_VISIBLE_DEVICES where
+    it started under one (Ray's ids are then that list's entries, and a NOSET actor inherits it), else
+    0..n-1 for the node's `GPU` resource. Read before CUDA starts: counting devices through CUDA would fix
+    the process's view before the variable is set."""
+    visible = (env.get(VISIBLE_DEVICES_ENV["GPU"]) or "").strip()
+    if visible:
+        return [v.strip() for v in visible.split(",") if v.strip()]
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    n = next((int(x["Resources"].get("GPU", 0)) for x in ray.nodes() if x["NodeID"] == node), 0)
+    return [str(i) for i in range(n)]
 
 
 def torch_tpu_env(ray_ids: Sequence[str], env: Mapping[str, str], *, engine: bool) -> dict[str, str]:

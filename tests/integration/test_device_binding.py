@@ -74,6 +74,27 @@ def test_local_device_index_refuses_a_mask_that_hides_rays_device():
         local_device_index(get_device("cuda"), {"GPU": ["2"]}, {"CUDA_VISIBLE_DEVICES": "0,1"})
 
 
+def test_engines_on_cuda_under_the_auto_sync_list_their_own_gpus_first_then_the_nodes():
+    from rl_tpu.devices import engine_actor_env, engine_sees_node, node_gpu_ids, node_view_visible
+
+    # a TP-2 engine on GPUs 2 and 3 of an 8-GPU node: vLLM's ranks 0 and 1 open 2 and 3, the rest is mapped
+    assert node_view_visible(("2", "3"), [str(i) for i in range(8)]) == "2,3,0,1,4,5,6,7"
+    # under a raylet's own mask (Ray's ids are its entries): the mask's GPUs only, in its order
+    assert node_gpu_ids({"CUDA_VISIBLE_DEVICES": "4, 6,5"}) == ["4", "6", "5"]
+    assert node_view_visible(("5",), node_gpu_ids({"CUDA_VISIBLE_DEVICES": "4,6,5"})) == "5,4,6"
+    b = local_device_index(
+        get_device("cuda"), {"GPU": ["5"]}, {NOSET_GPU: "1", "CUDA_VISIBLE_DEVICES": "5,4,6"}
+    )
+    assert (b.index, b.source) == (0, "visible")  # the engine's own GPU is device 0
+
+    cuda = ["--trainer.device=cuda", "--rollout.device=cuda"]
+    assert engine_sees_node(load_config(None, cuda))  # auto
+    assert engine_sees_node(load_config(None, cuda + ["--sync.transport=cuda_ipc"]))
+    assert engine_actor_env(load_config(None, cuda)) == {NOSET_GPU: "1"}
+    for off in (cuda + ["--sync.transport=shm"], cuda + ["--sync.transport=collective"], []):
+        assert not engine_sees_node(load_config(None, off)) and engine_actor_env(load_config(None, off)) == {}
+
+
 def test_local_device_follows_the_binding_and_leaves_the_host_alone(monkeypatch):
     import torch
 
@@ -216,6 +237,24 @@ def test_device_binding_from_rays_logical_gpus_and_tpus(tmp_path):
         (gpu,) = a["ray_accelerator_ids"]
         assert (a["device"], a["binding"], a["visible_devices"]) == ("cuda:0", "visible", gpu)
 
+    # 3. CUDA engines under the auto sync (RolloutGroup's actor environment): Ray leaves their variable
+    # unset, and each engine lists its own GPU first (vLLM opens that one as device 0) and then every other
+    # GPU of the node (the trainer ranks' among them, whose CUDA IPC buckets it maps); trainer ranks keep
+    # Ray's mask
+    node = json.loads((tmp_path / "node" / "placement.json").read_text())
+    actors = {(a["role"], a["index"]): a for a in node["actors"]}
+    trainer_gpus = [actors["trainer", r]["ray_accelerator_ids"][0] for r in (0, 1)]
+    for r in (0, 1):
+        t = actors["trainer", r]
+        assert (t["device"], t["binding"], t["visible_devices"]) == ("cuda:0", "visible", trainer_gpus[r])
+    for e in (0, 1):
+        a = actors["rollout", e]
+        (gpu,) = a["ray_accelerator_ids"]
+        listed = a["visible_devices"].split(",")
+        assert listed[0] == gpu and sorted(listed) == ["0", "1", "2", "3"], a["visible_devices"]
+        assert set(trainer_gpus) <= set(listed)
+        assert (a["device"], a["binding"]) == ("cuda:0", "visible")
+
 
 # ---------------------------------------------------------------------------------------------------
 # the subprocess: its own Ray instance with 4 logical GPUs and 4 logical TPU chips
@@ -258,11 +297,11 @@ class Engine:
     `threads()` report."""
 
     def __init__(self, cfg):
-        from rl_tpu.devices import bind
+        from rl_tpu.devices import bind, engine_sees_node
         from rl_tpu.rollout.engine import rollout_device
 
         self.device = rollout_device(cfg)
-        self.binding = bind(self.device, set_local_rank=False, engine=True)
+        self.binding = bind(self.device, set_local_rank=False, engine=True, node_view=engine_sees_node(cfg))
 
     def threads(self) -> dict:
         from rl_tpu.rollout.worker import RolloutWorker
@@ -278,10 +317,13 @@ class _Reports:
         return self._engines
 
 
-def _run_case(ray, run_dir: Path, overrides: list[str], env: dict[str, str]) -> None:
+def _run_case(ray, run_dir: Path, overrides: list[str], env: dict[str, str] | None) -> None:
+    """`env`: every actor's extra environment; None: none for trainer ranks, and for engines what
+    `RolloutGroup` gives them (`engine_actor_env`)."""
     import socket
 
     from rl_tpu.controller.roles import write_placement_json
+    from rl_tpu.devices import engine_actor_env
     from rl_tpu.placement import PlacementGroups
 
     cfg = load_config(
@@ -293,16 +335,17 @@ def _run_case(ray, run_dir: Path, overrides: list[str], env: dict[str, str]) -> 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        runtime_env = {"env_vars": env} if env else {}
+        trainer_env = {"env_vars": env} if env else {}
+        engine_env = trainer_env if env is not None else {"env_vars": engine_actor_env(cfg)}
         trainer_cls, engine_cls = ray.remote(TrainerRank), ray.remote(Engine)
         ranks = [
-            trainer_cls.options(**groups.options(s), runtime_env=runtime_env).remote(
+            trainer_cls.options(**groups.options(s), runtime_env=trainer_env).remote(
                 cfg.trainer.device, s.index, 2, port
             )
             for s in groups.plan.role("trainer")
         ]
         engines = [
-            engine_cls.options(**groups.options(s), runtime_env=runtime_env).remote(cfg)
+            engine_cls.options(**groups.options(s), runtime_env=engine_env).remote(cfg)
             for s in groups.plan.role("rollout")
         ]
         info = ray.get([r.ready.remote() for r in ranks], timeout=300)
@@ -324,7 +367,13 @@ def main(out: Path) -> None:
     init_ray(num_cpus=8, num_gpus=4, resources={"TPU": 4}, include_dashboard=False, log_to_driver=False)
     try:
         _run_case(ray, out / "visible", ["--trainer.device=cuda", "--rollout.device=tpu"], {})
-        _run_case(ray, out / "noset", ["--trainer.device=cuda", "--rollout.device=cuda"], {NOSET_GPU: "1"})
+        _run_case(
+            ray,
+            out / "noset",
+            ["--trainer.device=cuda", "--rollout.device=cuda", "--sync.transport=shm"],
+            {NOSET_GPU: "1"},
+        )
+        _run_case(ray, out / "node", ["--trainer.device=cuda", "--rollout.device=cuda"], None)
     finally:
         ray.shutdown()
 

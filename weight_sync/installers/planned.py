@@ -318,8 +318,9 @@ class PlannedInstall(Installer):
 
 def auto_route(same_node: bool, sender_gpu: str | None, receiver_gpus: list[list[str]]) -> str:
     """`sync.transport = auto` for one (sender, engine) route: `cuda_ipc` when both are on one node and
-    every engine rank can map the sender's GPU (`receiver_gpus`: per rank, the UUIDs it sees), else `shm`
-    on one node, else `ray`."""
+    every engine rank can map the sender's GPU (`receiver_gpus`: per rank, the UUIDs it sees: under `auto`
+    a CUDA engine sees its whole node, `rl_tpu.devices.engine_sees_node`), else `shm` on one node, else
+    `ray`."""
     if not same_node:
         return "ray"
     if sender_gpu is not None and receiver_gpus and all(sender_gpu in seen for seen in receiver_gpus):

@@ -11,7 +11,9 @@ One interface, five kinds:
   the engine dtype, so no bucket file exists and the engine copies nothing. The handle is
   (receiver index, bucket); the bytes are already in place when it is returned.
 - `cuda_ipc`: same node, both sides on CUDA (`auto` picks it there): the receiver maps the sender's
-  pooled GPU bucket through a CUDA IPC handle and copies on the device (`CudaIpc`).
+  pooled GPU bucket through a CUDA IPC handle and copies on the device (`CudaIpc`). Under `auto` a CUDA
+  engine sees every GPU of its node (`rl_tpu.devices.engine_sees_node`), so every trainer rank of the node
+  reaches it this way, not only one on its own GPU.
 - `ray`: cross host; the sender `ray.put`s a numpy view of the bucket and the receiver gets a read-only,
   zero-copy view from the object store.
 - `collective`: torch.distributed point-to-point over one extra process group spanning the trainer

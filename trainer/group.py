@@ -85,15 +85,7 @@ class TrainerGroup:
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
         from rl_tpu.devices import cpu_process_env, torch_tpu_launch_env
 
-        env_vars = {}  # what every rank's process starts with
-        if cfg.trainer.device == "cpu":
-            env_vars = cpu_process_env()
-        elif (
-            cfg.trainer.device == "tpu"
-        ):  # torch-tpu: every rank gets the same launch variables, decided here
-            env_vars = torch_tpu_launch_env(cfg.trainer.python or sys.executable, self.world_size)
-        if env_vars:
-            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
+        env_vars = cpu_process_env() if cfg.trainer.device == "cpu" else {}  # every rank starts with them
         self._own_placement: PlacementGroups | None = None
         if placement is None:
             placement = self._own_placement = PlacementGroups(
@@ -117,6 +109,22 @@ class TrainerGroup:
         rank_nodes = [nodes[(s.group, s.bundle)] for s in slots]
         if len(set(rank_nodes)) > 1:
             addr = placement.node_ips[rank_nodes[0]]
+        if cfg.trainer.device == "tpu":  # torch-tpu: every rank gets the same launch variables, decided here
+            try:
+                env_vars.update(
+                    torch_tpu_launch_env(
+                        cfg.trainer.python or sys.executable,
+                        self.world_size,
+                        rank_hosts=[placement.node_ips[n] for n in rank_nodes],
+                        driver_host=ray.util.get_node_ip_address(),
+                    )
+                )
+            except RuntimeError:
+                if self._own_placement is not None:
+                    self._own_placement.remove()
+                raise
+        if env_vars:
+            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
         for attempt in range(_PORT_ATTEMPTS):
             self.actors = [
                 cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)

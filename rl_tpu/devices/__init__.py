@@ -29,6 +29,7 @@ import json
 import os
 import random
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -581,19 +582,28 @@ print("RL_TPU_LAUNCH_ENV=" + json.dumps({k: os.environ[k] for k in sys.argv[2:] 
 """
 
 
-def torch_tpu_launch_env(python: str, world: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def torch_tpu_launch_env(
+    python: str,
+    world: int,
+    env: Mapping[str, str] | None = None,
+    rank_hosts: Sequence[str] | None = None,
+    driver_host: str | None = None,
+) -> dict[str, str]:
     """The variables every torch-tpu trainer rank must share, decided once, before any rank imports
     torch_tpu (torch_tpu/_internal/distributed/distributed.py: "TorchTPU needs three environment variables
     to be decided in the *parent* process"): the slice-builder addresses (one per rank), the topology and
     the profiling session. Given as they are where the driver's environment sets both of the first two
-    (a multi-host slice: the operator's values); otherwise torch_tpu's own `set_tpu_launch_env` decides
-    them, run once by the trainer's interpreter `python` in a child process (it claims no chip). A host
-    without TPU chips is a `RuntimeError` saying so."""
+    (the operator's values). Ranks on hosts other than the driver's (`rank_hosts`: each rank's host
+    address, in rank order, from the placement): `torch_tpu_slice_env`. Otherwise torch_tpu's own
+    `set_tpu_launch_env` decides them, run once by the trainer's interpreter `python` in a child process
+    (it claims no chip). A host without TPU chips is a `RuntimeError` saying so."""
     import subprocess
 
     env = os.environ if env is None else env
     if all(env.get(k) for k in TORCH_TPU_LAUNCH_VARS[:2]):
         return {k: env[k] for k in TORCH_TPU_LAUNCH_VARS if env.get(k)}
+    if rank_hosts and set(rank_hosts) - {driver_host}:
+        return torch_tpu_slice_env(rank_hosts, env)
     r = subprocess.run(
         [python, "-c", _LAUNCH_PROBE, str(world), *TORCH_TPU_LAUNCH_VARS],
         capture_output=True,
@@ -612,6 +622,62 @@ def torch_tpu_launch_env(python: str, world: int, env: Mapping[str, str] | None 
         f"{python}: {tail}. On a multi-host slice set TORCH_TPU_SLICEBUILDER_ADDRESSES and "
         "TORCH_TPU_TOPOLOGY in the driver's environment"
     )
+
+
+def torch_tpu_slice_env(rank_hosts: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The launch variables of a torch-tpu trainer whose ranks run on other hosts than the driver (a
+    multi-host slice, or one TPU host driven from elsewhere), where torch-tpu's own single-host choice
+    (`localhost:<a port free on the driver's host>`, the driver's chips' topology) would be wrong. As
+    torch-tpu's multi-host path builds them (`set_tpu_launch_env`, `build_slicebuilder_addresses`): rank
+    r's address is its own host at `TORCH_TPU_BASE_PORT` (8070) + its index among the ranks of that host;
+    the topology must come from the operator (`TORCH_TPU_TOPOLOGY`: "only a topology supplied from the
+    outside describes the whole slice"). torch-tpu orders a slice's hosts as `TPU_WORKER_HOSTNAMES` lists
+    them; where the driver's environment has that list, the ranks must fill its hosts in that order,
+    each host's ranks together (rank r on the list's host r // ranks-per-host). Each problem is a
+    `RuntimeError` in one line naming what to set."""
+    import socket
+
+    hosts = list(rank_hosts)
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    order = list(by_host)  # hosts by their first rank
+    shown = "; ".join(
+        f"ranks {v[0]}-{v[-1]} on {h}" if len(v) > 1 else f"rank {v[0]} on {h}" for h, v in by_host.items()
+    )
+    topology = (env.get("TORCH_TPU_TOPOLOGY") or "").strip()
+    if not topology:
+        raise RuntimeError(
+            f"trainer.device = 'tpu' with {shown}: set TORCH_TPU_TOPOLOGY in the driver's environment to "
+            "the whole slice's topology (e.g. 2x2x2); it cannot be read from the driver's host"
+        )
+    if any(v != list(range(v[0], v[0] + len(v))) for v in by_host.values()):
+        raise RuntimeError(
+            f"trainer.device = 'tpu': the placement interleaves hosts ({shown}); torch-tpu needs each "
+            "host's ranks together: set TORCH_TPU_SLICEBUILDER_ADDRESSES yourself (one host:port per rank)"
+        )
+    workers = [w.strip() for w in (env.get("TPU_WORKER_HOSTNAMES") or "").split(",") if w.strip()]
+    if len(workers) > 1:
+
+        def address(w: str) -> str:
+            try:
+                return socket.gethostbyname(w)
+            except OSError:
+                return w
+
+        listed = [address(w) for w in workers]
+        if [h for h in listed if h in by_host] != order:
+            raise RuntimeError(
+                f"trainer.device = 'tpu': the ranks' hosts ({shown}) are not in TPU_WORKER_HOSTNAMES's "
+                f"order ({','.join(workers)}); set TORCH_TPU_SLICEBUILDER_ADDRESSES yourself"
+            )
+    base = int(env.get("TORCH_TPU_BASE_PORT") or 8070)
+    addresses = [f"{h}:{base + by_host[h].index(r)}" for r, h in enumerate(hosts)]
+    return {
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(addresses),
+        "TORCH_TPU_TOPOLOGY": topology,
+        "TORCH_TPU_XPROF_SESSION_ID": env.get("TORCH_TPU_XPROF_SESSION_ID") or str(time.time_ns()),
+    }
 
 
 def _visible_env(resource: str, ids: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:

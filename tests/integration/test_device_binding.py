@@ -418,6 +418,38 @@ def test_torch_tpu_launch_env_set_by_the_operator_is_given_to_every_rank_as_is()
     assert torch_tpu_launch_env("/nonexistent/python", 2, env) == env  # no child process is needed
 
 
+def test_torch_tpu_trainer_on_other_hosts_gets_each_ranks_own_host_as_torch_tpu_builds_a_slice():
+    """Ranks placed on hosts other than the driver's: addresses on each rank's own host at 8070 + its
+    index there (torch-tpu's multi-host scheme), the operator's slice topology, one profiling session; no
+    child process (the driver's host may have no chip). What cannot be right is refused in one line."""
+    from rl_tpu.devices import torch_tpu_launch_env
+
+    hosts = ["10.0.0.5"] * 4 + ["10.0.0.6"] * 4  # v5p: 4 chips a host, 8 ranks
+    env = {"TORCH_TPU_TOPOLOGY": "2x2x2"}
+    out = torch_tpu_launch_env("/nonexistent/python", 8, env, rank_hosts=hosts, driver_host="10.0.0.5")
+    assert out["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == ",".join(
+        [f"10.0.0.5:{8070 + i}" for i in range(4)] + [f"10.0.0.6:{8070 + i}" for i in range(4)]
+    )
+    assert out["TORCH_TPU_TOPOLOGY"] == "2x2x2" and out["TORCH_TPU_XPROF_SESSION_ID"].isdigit()
+    # TPU_WORKER_HOSTNAMES in the same order, and a base port of the operator's: accepted
+    ok = {**env, "TPU_WORKER_HOSTNAMES": "10.0.0.5,10.0.0.6", "TORCH_TPU_BASE_PORT": "9000"}
+    out = torch_tpu_launch_env("/x", 8, ok, rank_hosts=hosts, driver_host="10.0.0.9")
+    assert out["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[4] == "10.0.0.6:9000"
+    # one TPU host driven from another machine: its own address, not localhost
+    one = torch_tpu_launch_env("/x", 2, env, rank_hosts=["10.0.0.7"] * 2, driver_host="10.0.0.1")
+    assert one["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "10.0.0.7:8070,10.0.0.7:8071"
+
+    with pytest.raises(
+        RuntimeError, match=r"ranks 0-3 on 10.0.0.5; ranks 4-7 on 10.0.0.6: set TORCH_TPU_TOPOLOGY"
+    ):
+        torch_tpu_launch_env("/x", 8, {}, rank_hosts=hosts, driver_host="10.0.0.5")
+    with pytest.raises(RuntimeError, match="interleaves hosts"):
+        torch_tpu_launch_env("/x", 4, env, rank_hosts=["a", "b", "a", "b"], driver_host="a")
+    reversed_order = {**env, "TPU_WORKER_HOSTNAMES": "10.0.0.6,10.0.0.5"}
+    with pytest.raises(RuntimeError, match="not in TPU_WORKER_HOSTNAMES's order"):
+        torch_tpu_launch_env("/x", 8, reversed_order, rank_hosts=hosts, driver_host="10.0.0.5")
+
+
 @pytest.mark.skipif(
     not TPU_PY.exists(),
     reason="needs the `tpu` extra environment .venv-tpu (Python 3.12, locks/tpu.txt): "

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_tpu.cluster import start_ray
-from rl_tpu.config import Config, check_lora_runnable, to_dict, to_toml
+from rl_tpu.config import Config, ConfigError, check_lora_runnable, to_dict, to_toml
 from rl_tpu.containment import check_sandbox
 from rl_tpu.controller.checkpoint import check_resume_model, load_state, resolve_resume, save_checkpoint
 from rl_tpu.controller.evaluation import Evaluator
@@ -87,6 +87,17 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------------
 # the loop
+
+
+def check_attached_base(cfg: Config, engine_model: str, model_path: str) -> None:
+    """`train(roles=)` under LoRA: engines started on another model would keep it as their base (only
+    adapters are synced); a `ConfigError` naming both folders."""
+    if cfg.trainer.lora.rank and os.path.realpath(engine_model) != os.path.realpath(model_path):
+        raise ConfigError(
+            f"config error: `model.path` = {model_path!r}, but the attached engines serve {engine_model!r}: "
+            "under trainer.lora only the adapters are synced, so the engines would keep their base; start "
+            "new roles for this model"
+        )
 
 
 @dataclass
@@ -228,7 +239,9 @@ class Training:
     def _attach(self, roles: Roles, preflight: Callable[[TrainerGroup], None] | None) -> Roles:
         """The caller's roles as this run's: the trainer restarts from `model.path` with this run's
         optimizer settings and the engines sample as fresh ones would (call index 0); the engines get the
-        weights once the sync is planned."""
+        weights once the sync is planned. Under LoRA only adapters reach the engines, so they must already
+        serve `model.path` as their base."""
+        check_attached_base(self.cfg, roles.rollout.model_path, self.model_path)
         roles.trainer.restart_from(self.model_path, self.cfg.trainer)
         roles.rollout.load_state_dict({"calls": 0})
         if preflight is not None:

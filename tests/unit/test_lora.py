@@ -120,3 +120,19 @@ def test_rank_shares_of_the_adapters_join_into_peft_state_on_llama(tmp_path):
         )
     joined = lora.join_peft_rows(shares)
     assert joined.keys() == want.keys() and all(torch.equal(joined[n], want[n]) for n in want)
+
+
+def test_attached_engines_on_another_base_are_refused_under_lora(tmp_path):
+    """`train(roles=)` after a restart from another model (the demo's SFT → GRPO): full fine-tuning syncs
+    the new weights, LoRA would leave the engines on their old base, so it is refused naming both."""
+    from rl_tpu.config import ConfigError, load_config
+    from rl_tpu.controller.loop import check_attached_base
+
+    base, sft = tmp_path / "base", tmp_path / "sft"
+    base.mkdir(), sft.mkdir()
+    (tmp_path / "link").symlink_to(base)
+    lora = load_config(None, ["--trainer.lora.rank=8"])
+    with pytest.raises(ConfigError, match=r"attached engines serve .*base'.*only the adapters are synced"):
+        check_attached_base(lora, str(base), str(sft))
+    check_attached_base(lora, str(base), str(tmp_path / "link"))  # the same folder by another path
+    check_attached_base(load_config(None, []), str(base), str(sft))  # full weights reach the engines

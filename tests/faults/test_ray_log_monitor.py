@@ -26,6 +26,26 @@ from rl_tpu.cluster import init_ray
 assert init_ray(num_cpus=1, include_dashboard=False)
 
 
+# The driver's stdout or stderr, also kept here: Ray's log thread prints the workers' lines to whichever
+# sys.stderr / sys.stdout is current, so the script can wait for a line to arrive.
+class Seen:
+    def __init__(self, stream):
+        self.stream, self.text = stream, []
+
+    def write(self, s):
+        self.text.append(s)
+        return self.stream.write(s)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+sys.stdout, sys.stderr = Seen(sys.stdout), Seen(sys.stderr)
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class Echo:
     def __init__(self):
@@ -94,7 +114,12 @@ try:
 except ray.exceptions.RayActorError:
     pass
 live_pid(echo)
-time.sleep(2.0)
+# until the dying worker's last line has reached the driver (or 60 s: then the test names what is missing)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and not any(
+    f"last-words-from-{pid}" in "".join(s.text) for s in (sys.stdout, sys.stderr)
+):
+    time.sleep(0.05)
 print("RESULT " + json.dumps(rounds), flush=True)
 """.replace("ROUNDS", str(ROUNDS))
 

@@ -52,6 +52,12 @@ def init_ray(*, attempts: int = 3, retry_if: str | None = None, **kwargs) -> boo
         # once it grows, so a longer burst's rest would wait for the worker's next line: 100,000.
         os.environ.setdefault("RAY_LOG_MONITOR_MAX_OPEN_FILES", "2")
         os.environ.setdefault("RAY_LOG_MONITOR_NUM_LINES_TO_READ", "100000")
+        # Ray starts its workers (every actor: trainer ranks, engines) at nice 15 (the raylet's
+        # `worker_niceness`), so any other work at the default priority, the driver and its reward and tool
+        # workers included, takes the CPU from them first: with three busy processes on a 2-core box the
+        # actors got ~1 % of it and a run stalled for minutes in its first steps. Ray's job submission runs
+        # jobs' workers at 0 (ray/dashboard/modules/job/job_manager.py); so do the clusters we start.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     for attempt in range(attempts):
         try:
             ray.init(**kwargs)

@@ -79,7 +79,9 @@ class TrainerGroup:
         if self.world_size < 1:
             raise ValueError(f"TrainerGroup: world_size must be >= 1, got {self.world_size}")
         if not ray.is_initialized():
-            ray.init(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
+            from rl_tpu.cluster import init_ray
+
+            init_ray(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
         from rl_tpu.devices.roles import role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any

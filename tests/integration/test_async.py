@@ -35,6 +35,17 @@ def loop_ray(hooks, loop_ray):  # conftest's, started after `hooks`
     yield
 
 
+@pytest.fixture(autouse=True)
+def no_armed_hooks(hooks):
+    """Each test starts and ends with no hook armed: one a failed test left armed would stop the next
+    test's engine for as long as it says."""
+    for f in hooks.iterdir():
+        f.unlink()
+    yield
+    for f in hooks.iterdir():
+        f.unlink()
+
+
 def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -94,19 +105,23 @@ def test_bounded_staleness_with_partial_rollouts_and_an_engine_killed_mid_rollou
     )
     (hooks / "generate.json").write_text(json.dumps({"engine": 1, "version": 1, "seconds": 900}))
     killed: dict = {}
+    done = threading.Event()  # the run ended: the killer stops waiting (it kills nothing after the test)
 
     def kill() -> None:
         pid_file = hooks / "generate.pid"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
+        while not done.is_set() and not (pid_file.exists() and pid_file.read_text().strip()):
             time.sleep(0.05)
-        killed["pid"] = int(pid_file.read_text())
-        os.kill(killed["pid"], signal.SIGKILL)
+        if not done.is_set():
+            killed["pid"] = int(pid_file.read_text())
+            os.kill(killed["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    train(cfg)
-    killer.join(timeout=5)
+    try:
+        train(cfg)
+    finally:
+        done.set()
+        killer.join(timeout=5)
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["rollout/samples"] for r in rows] == [batch * n] * steps  # none lost, none duplicated

@@ -214,3 +214,35 @@ def test_written_adapter_is_what_vllm_restores_after_dropping_it(stack):
     assert _gap(trainer, _served(worker)) <= TOL  # from the folder, on the next request
     assert not _differ(ws.verify_adapter(sorted(adapter.items())))
     ws.close()
+
+
+def test_tensor_parallel_engine_serves_the_synced_adapter_from_each_ranks_shard(stack):
+    """A TP-2 engine (its ranks in worker processes, an actor of its own): every rank writes its shard of
+    each slot (vLLM's `set_lora` slices A or B by the layer's parallel split), verify finds every rank's
+    slots exact, and the engine serves the trainer's policy."""
+    import ray
+
+    from rl_tpu.rollout import RolloutGroup
+    from rl_tpu.weight_sync import WeightSync
+
+    cfg, trainer, _ = stack
+    group = RolloutGroup(
+        _cfg(*LORA, "--rollout.tensor_parallel_size=2"),
+        trainer.model_path,
+        num_workers=1,
+        num_cpus_per_worker=0,
+    )
+    try:
+        ws = WeightSync([], None, trainer.actors, group.workers, trainer=trainer, lora=True)
+        batch = toy_batch(4, high=200)
+        trainer.train_step(batch.replace(old_log_probs=trainer.compute_log_probs(batch)), cfg.algorithm)
+        ws.sync(7)
+        adapter = sorted(trainer.adapter_state().items())
+        diffs = ws.verify_adapter(adapter)
+        assert len(diffs) == 2 * (3 + 1 + 2 + 1) * 2 and not _differ(diffs), _differ(diffs)
+        groups = ray.get(group.workers[0].generate.remote(PROMPTS, list(range(len(PROMPTS))), GREEDY))
+        served = [(c.prompt_ids, c.response_ids, c.logprobs) for (c,) in groups]
+        assert _gap(trainer, served) <= TOL
+        ws.close()
+    finally:
+        group.shutdown()

@@ -248,6 +248,17 @@ def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, loca
     )
 
 
+def test_actors_run_at_the_drivers_priority_not_rays_nice_15(local_ray):
+    """Ray's raylet starts workers at nice 15: on a busy machine every other process, the driver's reward
+    and tool workers included, would take the CPU from the trainer ranks and engines first."""
+
+    @local_ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert local_ray.get(niceness.remote()) == os.nice(0) == 0
+
+
 _STANDALONE = """
 import json, sys
 from rl_tpu.cluster import init_ray

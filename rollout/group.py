@@ -154,11 +154,12 @@ class RolloutGroup:
         # behind a running call; a stuck engine is caught by the call's own timeout.
         actor_cls = ray.remote(RolloutWorker)
         from rl_tpu.devices import engine_actor_env
-        from rl_tpu.devices.roles import role_options
+        from rl_tpu.devices.roles import add_env_vars, role_options
 
-        env = role_options(self.cfg.rollout.python, "rollout.python")  # the engines' own environment, if any
-        if env_vars := engine_actor_env(self.cfg):  # NOSET where the engine maps its node's GPUs
-            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
+        # the engines' own environment, if any; NOSET where an engine maps its node's GPUs
+        env = add_env_vars(
+            role_options(self.cfg.rollout.python, "rollout.python"), engine_actor_env(self.cfg)
+        )
         return actor_cls.options(max_restarts=0, **self._options[i], **env).remote(
             self.cfg, self.model_path, i, threads=self._threads[i]
         )

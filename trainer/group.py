@@ -82,7 +82,7 @@ class TrainerGroup:
             from rl_tpu.cluster import init_ray
 
             init_ray(num_cpus=cfg.cluster.num_cpus or None, include_dashboard=False, log_to_driver=False)
-        from rl_tpu.devices.roles import role_options
+        from rl_tpu.devices.roles import add_env_vars, role_options
 
         env = role_options(cfg.trainer.python, "trainer.python")  # the trainer's own environment, if any
         from rl_tpu.devices import cpu_process_env, torch_tpu_launch_env
@@ -125,8 +125,7 @@ class TrainerGroup:
                 if self._own_placement is not None:
                     self._own_placement.remove()
                 raise
-        if env_vars:
-            env.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
+        add_env_vars(env, env_vars)
         for attempt in range(_PORT_ATTEMPTS):
             self.actors = [
                 cls.options(**options[r], **env).remote(cfg, self.model_path, r, self.world_size, addr, port)

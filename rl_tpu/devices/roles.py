@@ -67,6 +67,14 @@ def check_role_python(python: str, field: str) -> str:
     return str(path)
 
 
+def add_env_vars(options: dict, env_vars: dict[str, str]) -> dict:
+    """Ray actor `options` (as `role_options` returns them) with `env_vars` added to their runtime
+    environment; unchanged without any (an empty runtime environment is not passed to Ray)."""
+    if env_vars:
+        options.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
+    return options
+
+
 def role_options(python: str, field: str) -> dict:
     """Extra Ray actor options for a role whose interpreter is `python` ("": the controller's own)."""
     if not python:

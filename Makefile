@@ -20,6 +20,7 @@ test:
 	@bash scripts/setup.sh --extra verl --extra bench
 	@bash scripts/setup.sh --role-env xla
 	@bash scripts/setup.sh --role-env tpu  # .venv-tpu (Python 3.12, locks/tpu.txt): ~3 min and ~7 GB of uv cache the first time
+	@bash scripts/setup.sh --verl-0.7.1  # verl's own interactions and GSM8K tool (tests/integration/test_verl_interactions.py)
 	@bash scripts/setup.sh --sandbox  # bubblewrap, for the rollout.sandbox tests (tests/unit/test_containment.py)
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .

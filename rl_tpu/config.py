@@ -245,7 +245,8 @@ class RolloutConfig:
     partial: bool = False
     partial_chunk_tokens: int = F(8, ge=1)  # tokens per chunk when `partial` is on
     # multi-turn (rollout/multi_turn.py, docs/multi_turn.md): "module:Class" or "path.py:Class", an environment
-    # whose `step` answers each assistant turn; "" = one completion per prompt. `max_tokens` bounds each turn,
+    # whose `step` answers each assistant turn, or verl's interaction config file ("interaction.yaml",
+    # rollout/verl_interactions.py); "" = one completion per prompt. `max_tokens` bounds each turn,
     # `max_total_tokens` every token after the prompt (0: max_model_len - data.max_prompt_length)
     env: str = ""
     max_turns: int = F(4, ge=1)  # assistant turns per trajectory (multi-turn)

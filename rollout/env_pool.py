@@ -55,6 +55,7 @@ from typing import Any
 
 from rl_tpu.call_pool import CallResult
 from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits, WorkerProcess, start, worker_limits
+from rl_tpu.rollout import verl_interactions
 from rl_tpu.rollout.multi_turn import EnvError, load_env
 from rl_tpu.user_code import IMPORT_TIMEOUT_S, resolve_spec
 
@@ -137,7 +138,12 @@ class EnvPool:
         # `limits`: each worker's (memory, processes, CPU time, environment, sandbox: rl_tpu/containment.py)
         self.cls = load_env(spec, field_name)  # the driver's checks: a bad spec fails here, in one line
         self.name = self.cls.__name__
-        self.spec, self.field_name = resolve_spec(spec), field_name
+        self.spec = (
+            verl_interactions.resolve(spec)
+            if verl_interactions.is_interaction_config(spec)
+            else resolve_spec(spec)
+        )
+        self.field_name = field_name
         self.timeout_s, self.startup_timeout_s = float(timeout_s), float(startup_timeout_s)
         self.size = max(1, workers)
         self.limits = limits
@@ -202,7 +208,8 @@ class EnvPool:
 
     def step(self, tid: int, messages: list[dict]) -> Future:
         """The instance's `step(messages)`: a future of a `CallResult` holding `(new_messages, reward,
-        done)`, or the error or timeout that ended it; it raises `EnvError` when they break the interface."""
+        done, info)` (`info` `{}` where `step` gave none), or the error or timeout that ended it; it
+        raises `EnvError` when they break the interface."""
         with self._lock:
             self._check_open()
             home = self._homes[tid]

@@ -3,7 +3,8 @@ trajectory id, each call on a thread of its own (an `async` method on the worker
 answer in JSON.
 
 Messages from the pool: `["reset", call_id, tid, sample]`, `["step", call_id, tid, messages]`,
-`["release", tid]`. Answers: `["ready", pid]`, `["load_error", text]`, `["ok", call_id, value]`,
+`["release", tid]` (the instance is dropped, after its `close()` where it has one).
+Answers: `["ready", pid]`, `["load_error", text]`, `["ok", call_id, value]`,
 `["err", call_id, "Type: message", traceback]`, `["bad", call_id, text]` (a return value of the wrong shape).
 """
 
@@ -17,6 +18,7 @@ import threading
 import traceback
 from typing import Any
 
+from rl_tpu.rollout import verl_interactions
 from rl_tpu.rollout.multi_turn import EnvError, check_answer, check_opening
 from rl_tpu.user_code import load_callable
 
@@ -40,7 +42,11 @@ def worker_main(conn, init: tuple[str, str]) -> None:
     """A worker's life (`containment.start` entry): load the class, then run calls as they come."""
     spec, label = init
     try:
-        cls = load_callable(spec, label)
+        if verl_interactions.is_interaction_config(spec):
+            cls = verl_interactions.env_class(spec, label)
+            cls.build()  # imports and constructs the interactions: a failure is this worker's load error
+        else:
+            cls = load_callable(spec, label)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, in one line
         conn.send_bytes(json.dumps(["load_error", " ".join(str(e).split())]).encode())
         return
@@ -88,12 +94,29 @@ class _Host:
             if msg is None:
                 os._exit(0)  # calls still running (hung ones) must not keep the process alive
             if msg[0] == "release":
-                self.instances.pop(msg[1], None)
+                self._close(self.instances.pop(msg[1], None))
                 continue
             try:
                 threading.Thread(target=self.call, args=msg, name="rl_tpu-env-call", daemon=True).start()
             except BaseException as e:  # noqa: BLE001 - "can't start new thread" at the memory limit
                 self.send(["err", msg[1], f"{type(e).__name__}: {e}", ""])
+
+    def _close(self, env: Any) -> None:
+        """An ended trajectory's instance's `close()`, if it has one, on a thread of its own (nobody waits
+        for it: what it raises is printed to the worker's stderr, and the trajectory is already scored)."""
+        if env is None or not callable(getattr(env, "close", None)):
+            return
+
+        def run() -> None:
+            try:
+                _resolve(env.close(), self.loop)
+            except BaseException:  # noqa: BLE001 - user code; the trajectory has ended either way
+                traceback.print_exc()
+
+        try:
+            threading.Thread(target=run, name="rl_tpu-env-close", daemon=True).start()
+        except RuntimeError:  # no thread to spare at the memory limit: the instance is dropped unclosed
+            pass
 
     def call(self, kind: str, call_id: int, tid: int, arg: Any) -> None:
         where = f"{self.cls.__name__}.{kind}"

@@ -12,11 +12,14 @@ Environment interface (a class named by `rollout.env = "module:Class"` or `"path
 instance per trajectory, so it may keep state):
 
     reset(sample: dict) -> list[dict]            # the opening messages for one dataset row
-    step(messages: list[dict]) -> (new_messages, reward | None, done)   # after each assistant turn
+    step(messages: list[dict]) -> (new_messages, reward | None, done[, info])   # after each assistant turn
+    close()                                      # optional: its trajectory ended (however it ended)
 
 Either may be `async`. `messages` is the conversation so far as text (the assistant's turns as the engine
 decoded them, tool calls and results included). The trajectory's reward is the last one `step` gave, or
-None (the caller then scores the final answer with the reward functions).
+None (the caller then scores the final answer with the reward functions). `info`, a dict of numbers, is
+reported per step (`env_info/<key>_mean`, over the trajectories that gave the key: each one's last value).
+`rollout.env` may also be verl's interaction config file (rollout/verl_interactions.py).
 
 Environments run in contained worker processes (`rl_tpu.rollout.env_pool.EnvPool`, `rollout.env_workers`
 of them, started like the tools' workers), each instance in one of them, released when its trajectory
@@ -88,6 +91,10 @@ class EnvError(UserError, RuntimeError):
 
 def load_env(spec: str, field_name: str = "rollout.env") -> type:
     """The environment class `spec` names ("module:Class" or "path.py:Class"), checked for the interface."""
+    from rl_tpu.rollout import verl_interactions
+
+    if verl_interactions.is_interaction_config(spec):  # verl's interaction config file
+        return verl_interactions.env_class(spec, field_name)
     if ":" not in str(spec):
         raise EnvError(f"{field_name} {spec!r}: name the class, as 'module:Class' or 'path/to/file.py:Class'")
     try:
@@ -121,15 +128,24 @@ def check_opening(result: Any, where: str) -> list[dict]:
     return messages
 
 
-def check_answer(result: Any, where: str) -> tuple[list[dict], float | None, bool]:
+def check_answer(result: Any, where: str) -> tuple[list[dict], float | None, bool, dict[str, float]]:
     """`step`'s return value, checked (an `EnvError` saying what is wrong): the new messages, the reward
-    as a float or None, done as a bool."""
-    if not isinstance(result, tuple) or len(result) != 3:
-        raise EnvError(f"{where} must return (new_messages, reward or None, done), got {result!r:.200}")
+    as a float or None, done as a bool, and the optional fourth element, a dict of numbers to report
+    (`{}` when there is none)."""
+    if not isinstance(result, tuple) or len(result) not in (3, 4):
+        raise EnvError(
+            f"{where} must return (new_messages, reward or None, done[, info]), got {result!r:.200}"
+        )
     new, reward, done = _check_messages(result[0], where), result[1], result[2]
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
         raise EnvError(f"{where} must return a number or None as its reward, got {reward!r:.200}")
-    return new, None if reward is None else float(reward), bool(done)
+    info = result[3] if len(result) == 4 else {}
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        for k, v in info.items()
+    ):
+        raise EnvError(f"{where} must return a dict of str to numbers as its info, got {info!r:.200}")
+    return new, None if reward is None else float(reward), bool(done), {k: float(v) for k, v in info.items()}
 
 
 class ChatDelta:
@@ -199,6 +215,7 @@ class Trajectory:
     tool_reward: float = 0.0  # the step rewards the calls gave (`ToolReply`: verl's tools), summed
     env_error: bool = False  # its environment's reset or step raised or lost its worker: ended, reward 0
     env_timeout: bool = False  # its environment's reset or step ran past env_timeout_s: ended, reward 0
+    env_info: dict[str, float] = field(default_factory=dict)  # the last value of each key `step` reported
     # the policy version a trajectory without sampled tokens (its reset failed) reports: the oldest that
     # sampled the others of its rollout, so staleness checks see it as of its batch
     empty_version: int = -1
@@ -350,9 +367,10 @@ class MultiTurn:
         if not result.ok:
             self._env_failed(t, "step", result)
             return
-        new, reward, done = check_answer(result.value, f"{self.envs.name}.step")
+        new, reward, done, info = check_answer(result.value, f"{self.envs.name}.step")
         if reward is not None:
             t.reward = reward
+        t.env_info.update(info)
         self._continue(t, new, done)
 
     def _env_failed(self, t: Trajectory, method: str, result: CallResult) -> None:

@@ -14,16 +14,16 @@ plain functions may sit beside them in the list). The schemas come from the file
 `tool_schema` is a `ToolError`: verl would ask the class, which would mean importing verl in the driver).
 
 Each tool worker builds the tools with verl's own loader (`verl.tools.tool_registry.
-initialize_tools_from_config`: the `verl` extra must be installed, and its import costs the worker ~10 s
-at start), once. A call runs as verl 0.9.1's `ToolAgentLoop._call_tool` runs it: `create(create_kwargs=
-the row's extra_info.tools_kwargs[name].create_kwargs)`, `execute(instance_id, arguments)`, then
-`release(instance_id)` whatever happened; so a tool's state lives for one call, as in verl. The model
-reads the response's text; the step reward `execute` returns is the call's `ToolReply.reward`, summed per
-trajectory and reported (`rollout/tool_reward`), not added to the score (verl records it in
-`tool_rewards` and does not add it either). Differences from verl: `execute` gets `agent_data=None` (verl
-passes its `AgentData`, which does not exist here), responses are text only, and the arguments the model
-wrote are not checked against the schema (as in verl: the tool decides).
-"""
+initialize_tools_from_config`, in verl 0.7 `verl.tools.utils.tool_registry`'s: the `verl` extra must be
+installed, and its import costs the worker ~10 s at start), once. A call runs as verl 0.9.1's
+`ToolAgentLoop._call_tool` runs it: `create(create_kwargs=the row's
+extra_info.tools_kwargs[name].create_kwargs)`, `execute(instance_id, arguments)`, then
+`release(instance_id)` whatever happened; so a tool's state lives for one call, as in verl. The model reads
+the response's text; the step reward `execute` returns is the call's `ToolReply.reward`, summed per
+trajectory and reported (`rollout/tool_reward`), not added to the score (verl records it in `tool_rewards`
+and does not add it either). Differences from verl: `execute` gets `agent_data=None` (verl passes its
+`AgentData`, which does not exist here), responses are text only, and the arguments the model wrote are not
+checked against the schema (as in verl: the tool decides)."""
 
 from __future__ import annotations
 
@@ -41,23 +41,31 @@ def is_tool_config(target: str) -> bool:
     return str(target).lower().endswith(CONFIG_SUFFIXES)
 
 
-def read_tool_config(path: str | Path, field_name: str = "rollout.tools") -> list[dict]:
-    """The `tools` entries of a verl tool config file, checked for what rl-tpu reads (class_name, a native
-    type, tool_schema.function.name); a `ToolError` naming the file and entry otherwise."""
+def read_config_list(path: str | Path, key: str, field_name: str, error: type, what: str) -> list:
+    """The non-empty list under `key` in the YAML file `path` (verl's tool and interaction config files),
+    or an `error` naming the file and what is wrong."""
     import yaml
-
-    from rl_tpu.rollout.tools import ToolError
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ToolError(f"{field_name}: verl tool config {str(p)!r} not found")
+        raise error(f"{field_name}: {what} file {str(p)!r} not found")
     try:
         doc = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ToolError(f"{field_name}: {str(p)!r} is not valid YAML: {e}") from e
-    entries = doc.get("tools") if isinstance(doc, dict) else None
+        raise error(f"{field_name}: {str(p)!r} is not valid YAML: {e}") from e
+    entries = doc.get(key) if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ToolError(f"{field_name}: {str(p)!r} has no `tools:` list (verl's tool config format)")
+        raise error(f"{field_name}: {str(p)!r} has no `{key}:` list ({what} format)")
+    return entries
+
+
+def read_tool_config(path: str | Path, field_name: str = "rollout.tools") -> list[dict]:
+    """The `tools` entries of a verl tool config file, checked for what rl-tpu reads (class_name, a native
+    type, tool_schema.function.name); a `ToolError` naming the file and entry otherwise."""
+    from rl_tpu.rollout.tools import ToolError
+
+    entries = read_config_list(path, "tools", field_name, ToolError, "verl's tool config")
+    p = Path(path).expanduser()
     for i, e in enumerate(entries):
         where = f"{field_name}: {str(p)!r} tools[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("class_name"), str):
@@ -98,7 +106,10 @@ def expand(specs: list[str], field_name: str = "rollout.tools") -> list[str]:
 
 @functools.cache
 def _tools(path: str) -> dict[str, Any]:
-    from verl.tools.tool_registry import initialize_tools_from_config
+    try:  # verl 0.8 and later
+        from verl.tools.tool_registry import initialize_tools_from_config
+    except ImportError:  # verl 0.7 and earlier (where its own GSM8K tool lives)
+        from verl.tools.utils.tool_registry import initialize_tools_from_config
 
     return {t.name: t for t in initialize_tools_from_config(path)}
 

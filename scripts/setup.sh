@@ -50,6 +50,24 @@ if [ "${1:-}" = "--sandbox" ]; then
     exit 0
 fi
 
+# `scripts/setup.sh --verl-0.7.1`: verl 0.7.1 alone (locks/verl-0.7.1.txt, hashed, no dependencies) in
+# .verl-0.7.1/, a folder for PYTHONPATH: the last verl with its own interactions and GSM8K tool, which the
+# tests run unchanged in rl-tpu's environment and tool workers (verl 0.8 removed them).
+if [ "${1:-}" = "--verl-0.7.1" ]; then
+    side_hash=$(inputs_hash locks/verl-0.7.1.txt)
+    if [ "$(cat .verl-0.7.1/.setup-stamp 2>/dev/null)" = "$side_hash" ]; then
+        exit 0
+    fi
+    rm -rf .verl-0.7.1
+    uv pip install --quiet --no-deps --require-hashes --target .verl-0.7.1 --python .venv/bin/python \
+        -r locks/verl-0.7.1.txt
+    # the wheel also ships top-level `tests` and `scripts` packages, which would shadow others on PYTHONPATH
+    rm -rf .verl-0.7.1/tests .verl-0.7.1/scripts
+    echo "$side_hash" > .verl-0.7.1/.setup-stamp
+    echo "setup: .verl-0.7.1 ready (verl 0.7.1, for PYTHONPATH)"
+    exit 0
+fi
+
 if [ "${1:-}" = "--role-env" ] || [ "${1:-}" = "--relock-role-env" ]; then
     role="${2:?usage: scripts/setup.sh --role-env NAME (a locks/NAME.txt)}"
     # default: the controller's platform, x86_64 Linux, Python 3.11 (the local torch 2.13.0+cpu wheel is cp311)

@@ -57,6 +57,7 @@ from rl_tpu.model_folder import check_model_folder, ensure_model, load_tokenizer
 from rl_tpu.model_source import resolve_model_path
 from rl_tpu.placement import PlacementPlan, check_collective_devices, plan_from_config
 from rl_tpu.rewards import RewardPool
+from rl_tpu.rollout import verl_interactions
 from rl_tpu.rollout.multi_turn import load_env
 from rl_tpu.rollout.tools import check_tools_kwargs
 from rl_tpu.weight_sync import WeightSync
@@ -149,6 +150,8 @@ def check_inputs(cfg: Config, roles: Roles | None = None) -> Inputs:
     # row's extra_info.tools_kwargs is checked against the tools' row parameters.
     if cfg.rollout.env:
         load_env(cfg.rollout.env)
+        if verl_interactions.is_interaction_config(cfg.rollout.env):  # each row names its interaction
+            verl_interactions.check_rows(cfg.rollout.env, train_set + test_set)
     if cfg.rollout.tools:
         check_tools_kwargs(list(cfg.rollout.tools), train_set + test_set)
     if cfg.rollout.sandbox and (cfg.rollout.env or cfg.rollout.tools):

@@ -74,7 +74,8 @@ def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str,
     """Multi-turn trajectories' metrics under `prefix` ("rollout/" per step, "eval/"): turns_mean,
     env_reward_frac, env_errors, env_timeouts, truncated (stopped by `max_turns` or `max_total_tokens`)
     and, with `tools`, tool_calls, tool_errors, tool_timeouts (sums), tool_calls_mean and tool_reward_mean
-    (per trajectory: the step rewards tools gave, `ToolReply`)."""
+    (per trajectory: the step rewards tools gave, `ToolReply`); `env_info/<key>_mean` for each key an
+    environment's `step` reported (the mean of each reporting trajectory's last value)."""
     metrics = {
         f"{prefix}turns_mean": sum(t.turns for t in trajs) / len(trajs),
         f"{prefix}env_reward_frac": sum(t.reward is not None for t in trajs) / len(trajs),
@@ -82,6 +83,9 @@ def turn_metrics(trajs: list[Trajectory], prefix: str, tools: bool) -> dict[str,
         f"{prefix}env_timeouts": float(sum(t.env_timeout for t in trajs)),
         f"{prefix}truncated": float(sum(t.finish_reason in ("max_turns", "max_total_tokens") for t in trajs)),
     }
+    for key in sorted({k for t in trajs for k in t.env_info}):  # what `step` reported, over those that did
+        values = [t.env_info[key] for t in trajs if key in t.env_info]
+        metrics[f"{prefix}env_info/{key}_mean"] = sum(values) / len(values)
     if tools:
         metrics[f"{prefix}tool_calls_mean"] = sum(t.tool_calls for t in trajs) / len(trajs)
         metrics[f"{prefix}tool_calls"] = float(sum(t.tool_calls for t in trajs))

@@ -107,7 +107,7 @@ def test_a_hung_call_ends_its_instance_only_and_its_worker_goes_once_the_others_
     child = found[0]["child"]
     hang, answer = pool.step(hung, []), pool.step(a, [{"role": "user", "content": "x"}])
     # the other instance in the hung one's worker answers while it hangs
-    assert answer.result(WAIT_S).value == ([{"role": "user", "content": "again"}], 1.0, False)
+    assert answer.result(WAIT_S).value == ([{"role": "user", "content": "again"}], 1.0, False, {})
     result = hang.result(WAIT_S)
     assert result.timeout and result.error.startswith("timed out after 3 s") and not result.ok
     assert pool.timeouts == 1
@@ -221,7 +221,9 @@ def test_instances_go_to_the_least_loaded_worker_and_errors_come_back(spec, pool
     # a return value of the wrong shape is the class's bug: the future raises it
     tid, f = pool.reset({"kind": "bad"})
     f.result(WAIT_S)
-    with pytest.raises(EnvError, match=r"Env.step must return \(new_messages, reward or None, done\)"):
+    with pytest.raises(
+        EnvError, match=r"Env.step must return \(new_messages, reward or None, done\[, info\]\)"
+    ):
         pool.step(tid, []).result(WAIT_S)
 
 

@@ -187,6 +187,11 @@ def test_engine_killed_during_weight_sync_is_restarted_resynced_and_verified(tmp
     assert {s["policy_version"] for s in _rows(tmp_path / "run" / "samples.jsonl") if s["step"] == 3} == {2}
 
 
+# the call timeout of the hang tests: the hung engine costs this much wait, and a healthy engine's call must
+# finish within it (under 1 s on an idle 2-core box; 30 s leaves room for one loaded to 4 and more)
+CALL_TIMEOUT_S = 30
+
+
 @real_stack
 def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path, hook, caplog):
     """Engine 1 stops answering in step 2's generation (it sleeps an hour): once the call timeout passes,
@@ -194,14 +199,14 @@ def test_engine_hanging_in_generation_past_the_call_timeout_is_replaced(tmp_path
     from rl_tpu.controller.loop import train
 
     caplog.set_level(logging.INFO, logger="rl_tpu")
-    cfg = _cfg(tmp_path, "--trainer.total_steps=3", "--rollout.timeout_s=15")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3", f"--rollout.timeout_s={CALL_TIMEOUT_S}")
     hook("generate", engine=1, version=1, seconds=3600)
     train(cfg)
     hung = hook.pid("generate", timeout=0)
     rows = _assert_whole(tmp_path / "run", 3, 16)
     assert [r["rollout/restarts"] for r in rows] == [0, 1, 1]
     assert _restarts(caplog) == [
-        "rollout worker 1: no answer within 15 s; restarting it (restart 1 of at most 3)"
+        f"rollout worker 1: no answer within {CALL_TIMEOUT_S} s; restarting it (restart 1 of at most 3)"
     ]
     assert _engine_pid(tmp_path / "run", 1) != hung
     assert all(r["sync/verified_params"] > 0 for r in rows)
@@ -227,7 +232,7 @@ def test_engine_hanging_in_a_weight_sync_past_the_call_timeout_is_replaced_and_v
     from rl_tpu.controller.loop import train
 
     caplog.set_level(logging.INFO, logger="rl_tpu")
-    cfg = _cfg(tmp_path, "--trainer.total_steps=3", "--rollout.timeout_s=15")
+    cfg = _cfg(tmp_path, "--trainer.total_steps=3", f"--rollout.timeout_s={CALL_TIMEOUT_S}")
     hook("sync", engine=1, version=2, seconds=3600)
     train(cfg)
     hung = hook.pid("sync", timeout=0)

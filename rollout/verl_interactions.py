@@ -155,11 +155,16 @@ def _build(path: str) -> dict[str, Any]:
     return out
 
 
+async def _value(result: Any) -> Any:
+    """`result`, awaited where it is awaitable (verl's methods are `async`; a duck-typed class's may not be)."""
+    return await result if inspect.isawaitable(result) else result
+
+
 async def _finalize(interaction: Any, instance_id: str) -> None:
     """`finalize_interaction`, with the instance id where it takes one (verl's base class does not)."""
     params = inspect.signature(interaction.finalize_interaction).parameters.values()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    await (
+    await _value(
         interaction.finalize_interaction(instance_id) if positional else interaction.finalize_interaction()
     )
 
@@ -181,13 +186,17 @@ class InteractionEnv:
         where = f"rollout.env {self.path!r}: row {sample.get('uid')}"
         name, self.kwargs = row_interaction(sample.get("extra_info"), list(self.interactions), where)
         self.interaction, self.instance_id = self.interactions[name], uuid.uuid4().hex
-        await self.interaction.start_interaction(self.instance_id, **self.kwargs)
+        await _value(self.interaction.start_interaction(self.instance_id, **self.kwargs))
         return list(sample["messages"])
 
     async def step(self, messages: list[dict]) -> tuple[list[dict], None, bool, dict]:
-        done, text, score, _ = await self.interaction.generate_response(
-            self.instance_id, messages, **self.kwargs
-        )
+        answer = await _value(self.interaction.generate_response(self.instance_id, messages, **self.kwargs))
+        if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+            raise TypeError(
+                f"{type(self.interaction).__name__}.generate_response must return (should_terminate, "
+                f"response, score, metadata) as verl's BaseInteraction does, got {answer!r:.200}"
+            )
+        done, text, score, _ = answer
         info = {} if score is None else {"turn_score": float(score)}
         return ([] if done else [{"role": "user", "content": str(text)}]), None, bool(done), info
 

@@ -40,6 +40,22 @@ ECHO_PY = textwrap.dedent(
     class Bare(EchoInteraction):
         async def finalize_interaction(self):  # verl's base class signature: no instance id
             self.calls.append(("finalize-bare",))
+
+
+    class Plain:
+        """Duck-typed, with plain methods; its answer has verl's shape but for the metadata."""
+
+        def __init__(self, config):
+            pass
+
+        def start_interaction(self, instance_id=None, **kwargs):
+            return instance_id
+
+        def generate_response(self, instance_id, messages, **kwargs):
+            return True, "bye", None
+
+        def finalize_interaction(self, instance_id):
+            pass
     '''
 )
 
@@ -117,6 +133,7 @@ def test_the_adapter_runs_start_respond_finalize(tmp_path, monkeypatch):
         interaction:
           - {name: echo, class_name: echo_interaction.EchoInteraction, config: {}}
           - {name: bare, class_name: echo_interaction.Bare}
+          - {name: plain, class_name: echo_interaction.Plain}
         """,
     )
     cls = load_env(path)
@@ -149,6 +166,12 @@ def test_the_adapter_runs_start_respond_finalize(tmp_path, monkeypatch):
     row["extra_info"] = {"interaction_kwargs": {"name": "bare"}}
     asyncio.run(run(cls(), row, []))
     assert calls[-1] == ("finalize-bare",)
+    row["extra_info"] = {"interaction_kwargs": {"name": "plain"}}
+    assert asyncio.run(run(cls(), row, [])) == [row["messages"]]  # plain methods are called as they are
+    with pytest.raises(
+        TypeError, match=r"Plain.generate_response must return \(should_terminate, response, score"
+    ):
+        asyncio.run(run(cls(), row, ["hi"]))
 
 
 def test_step_info_is_checked_and_reported_over_the_trajectories_that_gave_it():

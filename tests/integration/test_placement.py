@@ -337,7 +337,12 @@ def two_node_cluster():
     ray = str(Path(sys.executable).parent / "ray")
     # no inherited RAY_* settings; no token auth (with a token file in ~/.ray the head enables it and a
     # second `ray start --address` on the same box does not send it)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "disabled"}
+    # workers at the driver's priority, as `init_ray` starts them (Ray's default is nice 15: on a box with other
+    # work, this cluster's actors were starved: 470 s for a 3-step run beside two busy loops)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_worker_niceness": "0",
+    }
     (port, client_port), nodes = _free_ports(2), []
     address = f"127.0.0.1:{port}"
     try:

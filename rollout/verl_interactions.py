@@ -33,12 +33,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-CONFIG_SUFFIXES = (".yaml", ".yml")
 METHODS = ("start_interaction", "generate_response", "finalize_interaction")
 
 
 def is_interaction_config(spec: str) -> bool:
-    return isinstance(spec, str) and spec.strip().lower().endswith(CONFIG_SUFFIXES)
+    from rl_tpu.rollout.verl_tools import is_tool_config  # the same file suffixes
+
+    return isinstance(spec, str) and is_tool_config(spec.strip())
 
 
 def resolve(spec: str) -> str:
@@ -98,11 +99,14 @@ def _missing_hint(module: str) -> str:
     return " (is its folder on PYTHONPATH, or the package installed?)"
 
 
-def check_importable(path: str, field_name: str = "rollout.env") -> None:
-    """Each class_name's module can be found here (not imported: that is the workers'), else an `EnvError`."""
+def check_importable(
+    path: str, interactions: dict[str, tuple[str, dict]], field_name: str = "rollout.env"
+) -> None:
+    """Each class_name's module (of `interactions`, the file's as read) can be found here (not imported:
+    that is the workers'), else an `EnvError`."""
     from rl_tpu.rollout.multi_turn import EnvError
 
-    for name, (class_name, _) in read_interaction_config(path, field_name).items():
+    for name, (class_name, _) in interactions.items():
         module = class_name.rpartition(".")[0]
         if not module_found(module):
             raise EnvError(
@@ -139,10 +143,10 @@ def check_rows(path: str, rows: list, field_name: str = "rollout.env") -> None:
             raise EnvError(str(e)) from e
 
 
-def _build(path: str) -> dict[str, Any]:
-    """Each interaction of the file, constructed with its config (as verl's loader does)."""
+def _build(interactions: dict[str, tuple[str, dict]]) -> dict[str, Any]:
+    """Each interaction (the file's, as read), constructed with its config (as verl's loader does)."""
     out = {}
-    for name, (class_name, config) in read_interaction_config(path).items():
+    for name, (class_name, config) in interactions.items():
         module, _, cls_name = class_name.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module), cls_name)
@@ -174,11 +178,12 @@ class InteractionEnv:
     step, close). `env_class` binds it to a file; `build` constructs the interactions, in the worker."""
 
     path: str = ""
+    configs: dict[str, tuple[str, dict]] = {}  # the file's, by name: (class_name, config)
     interactions: dict[str, Any] | None = None  # by name; built once per process
 
     @classmethod
     def build(cls) -> None:
-        cls.interactions = _build(cls.path)
+        cls.interactions = _build(cls.configs)
 
     async def reset(self, sample: dict) -> list[dict]:
         if self.interactions is None:
@@ -209,8 +214,8 @@ def env_class(spec: str, field_name: str = "rollout.env") -> type:
     """An `InteractionEnv` class bound to the file `spec` names, checked as the driver checks it (the file
     read, the classes' modules found); its interactions are built by the worker (`build`)."""
     path = resolve(spec)
-    interactions = read_interaction_config(path, field_name)
-    check_importable(path, field_name)
-    first = next(iter(interactions.values()))[0].rpartition(".")[2]
-    name = first if len(interactions) == 1 else "VerlInteractions"
-    return type(name, (InteractionEnv,), {"path": path, "interactions": None})
+    configs = read_interaction_config(path, field_name)
+    check_importable(path, configs, field_name)
+    first = next(iter(configs.values()))[0].rpartition(".")[2]
+    name = first if len(configs) == 1 else "VerlInteractions"
+    return type(name, (InteractionEnv,), {"path": path, "configs": configs, "interactions": None})

@@ -387,7 +387,27 @@ _REPORTED = (
     "ray_accelerator_ids",
     "visible_devices",
     "binding",
+    "nice",
 )
+
+
+def niceness_note(actors: list[dict[str, Any]], driver_nice: int) -> str | None:
+    """A line naming the actors that run at a lower priority (a higher nice value) than the driver, or
+    None. A cluster started with `ray start` runs its workers at Ray's nice 15 unless told otherwise, and
+    then any other work on the node, the driver's own reward and tool workers included, takes the CPU
+    from them first: a run slows many-fold without an error."""
+    low: dict[int, list[str]] = {}
+    for a in actors:
+        if a.get("nice") is not None and a["nice"] > driver_nice:
+            low.setdefault(a["nice"], []).append(f"{a['role']} {a['index']}")
+    if not low:
+        return None
+    who = "; ".join(f"{', '.join(names)} at nice {n}" for n, names in sorted(low.items()))
+    return (
+        f"actors run at a lower CPU priority than this driver (nice {driver_nice}): {who}; other work on "
+        "their nodes takes the CPU from them first. Start the cluster's nodes with "
+        "`RAY_worker_niceness=0 ray start ...` (docs/placement.md)"
+    )
 
 
 def placement_record(

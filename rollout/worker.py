@@ -252,6 +252,7 @@ class RolloutWorker(SyncReceiver):
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+            "nice": os.nice(0),  # Ray's `ray start` workers run at 15 unless told otherwise
             **self.binding.record(),
         }
 

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -116,6 +117,7 @@ class TrainerWorker(SyncSender):
             "params": sum(p.numel() for p in self.model.parameters()),
             "attention": self.spec.attention,  # trainer.attention, resolved (rl_tpu/devices/kernels.py)
             "attention_why": self.attention_why,
+            "nice": os.nice(0),  # placement.json; the driver warns when it is above its own
             **self.builder.summary(),  # fsdp_step, matmul, matmul_table, matmul_cached
             **self.device.bind(set_local_rank=False).record(),  # the device Ray assigned this rank
         }

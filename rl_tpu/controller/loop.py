@@ -210,7 +210,7 @@ class Training:
             write_placement_json(inputs.run_dir, roles.groups, rollout, sync.routes(), trainer)
 
         rollout.on_restart = engine_restarted
-        write_placement_json(inputs.run_dir, roles.groups, rollout, sync.routes(), trainer)
+        write_placement_json(inputs.run_dir, roles.groups, rollout, sync.routes(), trainer, warn=True)
         if inputs.resume is not None:
             self._resume(trainer, rollout)
         if inputs.resume is not None or self.shared is not None:

@@ -7,6 +7,7 @@ first that the roles fit the config (`check_roles`). Either way a step sees the 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_tpu.config import Config, to_dict
-from rl_tpu.placement import PlacementGroups, placement_record, plan_from_config, write_placement
+from rl_tpu.placement import (
+    PlacementGroups,
+    niceness_note,
+    placement_record,
+    plan_from_config,
+    write_placement,
+)
+
+log = logging.getLogger("rl_tpu")
 
 if TYPE_CHECKING:
     from rl_tpu.rollout import RolloutGroup
@@ -152,12 +161,16 @@ def start_side_by_side(*makers: Callable[[], Any]) -> tuple:
 
 
 def write_placement_json(
-    run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list, trainer=None
+    run_dir: Path, groups: PlacementGroups, rollout, sync_routes: list, trainer=None, warn: bool = False
 ) -> Path:
-    """RUN_DIR/placement.json: where every actor runs (engines report their own node, threads and device
-    binding; trainer ranks their device binding, from `ready()`, when the `trainer` group is given)."""
+    """RUN_DIR/placement.json: where every actor runs (engines report their own node, threads, nice value
+    and device binding; trainer ranks theirs, from `ready()`, when the `trainer` group is given). `warn`:
+    also log a warning if actors run at a lower CPU priority than this driver (`niceness_note`)."""
     reports = {("rollout", i): r for i, r in enumerate(rollout.threads())}
     if trainer is not None:
         reports |= {("trainer", i): r for i, r in enumerate(trainer.info)}
     actors = placement_record(groups.plan, groups.bundle_nodes(), groups.node_ips, reports)
+    note = niceness_note(actors, os.nice(0)) if warn else None
+    if note:
+        log.warning(note)
     return write_placement(run_dir / "placement.json", groups.plan.placement, actors, sync_routes)

@@ -17,6 +17,7 @@ from rl_tpu.placement import (
     PlacementError,
     check_fits,
     choose_placement,
+    niceness_note,
     omp_threads,
     plan_from_config,
     plan_placement,
@@ -122,6 +123,21 @@ def test_omp_threads_reads_the_first_level_and_falls_back_to_one():
 def test_impossible_placements_name_the_key(kw, message):
     with pytest.raises(PlacementError, match=message):
         _plan(**kw)
+
+
+def test_niceness_note_names_the_actors_below_the_drivers_priority():
+    actors = [
+        {"role": "trainer", "index": 0, "nice": 15},
+        {"role": "trainer", "index": 1, "nice": 15},
+        {"role": "rollout", "index": 0, "nice": 0},
+        {"role": "rollout", "index": 1, "nice": 19},
+        {"role": "rollout", "index": 2},  # no report (an engine still starting): not guessed
+    ]
+    note = niceness_note(actors, driver_nice=0)
+    assert note is not None and "(nice 0): trainer 0, trainer 1 at nice 15; rollout 1 at nice 19;" in note
+    assert "rollout 0" not in note and "RAY_worker_niceness=0 ray start" in note
+    assert niceness_note(actors, driver_nice=19) is None  # nothing below a driver at 19
+    assert "rollout 1 at nice 19; other work" in niceness_note(actors[2:], driver_nice=0)
 
 
 def test_check_fits_names_what_to_change():
@@ -243,6 +259,7 @@ def test_train_places_actors_and_engine_threads_follow_the_bundle(tmp_path, loca
         engine["threads"] == 2
     )  # torch.get_num_threads() in the engine's process, after vLLM started (Ray: 1)
     assert rank0["threads"] == 1
+    assert [a["nice"] for a in actors.values()] == [0, 0, 0]  # each actor's own report (os.nice)
     assert local_ray.util.placement_group_table() == {} or all(  # the run released its bundles
         pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values()
     )
@@ -442,6 +459,7 @@ def test_two_nodes_trainer_and_engines_pinned_apart(tmp_path, two_node_cluster):
     assert r.returncode == 0, r.stderr[-3000:]
     actors, data = _placement(run_dir)
     assert sorted(actors) == [("rollout", 0), ("rollout", 1), ("trainer", 0), ("trainer", 1)]
+    assert {a["nice"] for a in actors.values()} == {0}  # the fixture's RAY_worker_niceness=0 reached them
     trainer_nodes = {a["node_id"] for (role, _), a in actors.items() if role == "trainer"}
     rollout_nodes = {a["node_id"] for (role, _), a in actors.items() if role == "rollout"}
     assert trainer_nodes == {node_ids["node_a"]} and rollout_nodes == {node_ids["node_b"]} != trainer_nodes

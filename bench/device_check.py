@@ -22,7 +22,8 @@ Parts (`--parts`, in this order):
 
 `--cpu` runs every part at tiny sizes on the host (`shm` for the IPC route, gloo for the collective one):
 the test suite runs it (tests/integration/test_device_check.py) so the script is known to finish before
-device time is spent on it.
+device time is spent on it. `--tiny` keeps the GPU but takes the tiny sizes: on a machine with CUDA the
+suite moves bytes through the `cuda_ipc` route that way (seconds, not the 1.7B model's minutes).
 
     python bench/device_check.py                      # on the lent GPU
     python bench/device_check.py --cpu                # the same parts, tiny, on CPU
@@ -140,7 +141,7 @@ def part_sync(device: str, a, transport: str) -> dict:
 
         if torch.cuda.device_count() < 2:
             return {"skipped": "one GPU: NCCL refuses two ranks of one group on one device"}
-    m = gpu_check.TINY if device == "cpu" else gpu_check.QWEN3_1_7B
+    m = gpu_check.TINY if a.tiny else gpu_check.QWEN3_1_7B
     dtype = "float32" if device == "cpu" else "bfloat16"
     out = {}
     for mb in a.buckets_mb:
@@ -152,7 +153,7 @@ def part_step(device: str, a) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
 
-    m = gpu_check.TINY if device == "cpu" else gpu_check.QWEN3_1_7B
+    m = gpu_check.TINY if a.tiny else gpu_check.QWEN3_1_7B
     return gpu_check.check_step(m, device, a.batch, a.seq, a.steps)
 
 
@@ -197,6 +198,7 @@ def _child(name: str, argv: list[str], env: dict, limit: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="every part at tiny sizes on the host")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes on the GPU (implied by --cpu)")
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--buckets-mb", type=float, nargs="+", default=None)
     p.add_argument("--syncs", type=int, default=3)
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit")
+    p.add_argument("--limit", action="append", default=[], metavar="PART=S", help="one part's limit, seconds")
     p.add_argument("--deps", type=Path, default=ROOT / "out" / "device_deps")
     p.add_argument("--pack-deps", type=Path, default=None, help="copy TorchTitan here (to carry) and exit")
     p.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
@@ -213,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"packed": pack_deps(a.pack_deps), "into": str(a.pack_deps)}))
         return 0
     device = "cpu" if a.cpu else "cuda"
-    a.buckets_mb = a.buckets_mb or ([0.01, 0.05] if a.cpu else [64.0, 512.0])
-    a.batch, a.seq = a.batch or (2 if a.cpu else 4), a.seq or (16 if a.cpu else 1024)
+    a.tiny = a.tiny or a.cpu
+    a.buckets_mb = a.buckets_mb or ([0.01, 0.05] if a.tiny else [64.0, 512.0])
+    a.batch, a.seq = a.batch or (2 if a.tiny else 4), a.seq or (16 if a.tiny else 1024)
     if a.run_part:  # inside the part's own process
         Path(a.result).write_text(json.dumps(run_part(a.run_part, device, a)))
         return 0
@@ -223,10 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in paths if x), TOKENIZERS_PARALLELISM="false")
     passed = sys.argv[1:] if argv is None else list(argv)  # the part's process parses the same options
     out: dict = {"bench": "device_check", "device": device, "date": time.strftime("%Y-%m-%d")}
+    limits = {k: v * a.limit_scale for k, v in LIMITS.items()}
+    for item in a.limit:
+        name, _, seconds = item.partition("=")
+        if name not in PARTS:
+            raise SystemExit(f"--limit {item!r}: unknown part {name!r}; parts: {', '.join(PARTS)}")
+        limits[name] = float(seconds)
     for name in a.parts.split(","):
         if name not in PARTS:
             raise SystemExit(f"--parts: unknown part {name!r}; parts: {', '.join(PARTS)}")
-        out[name] = _child(name, passed, env, LIMITS[name] * a.limit_scale)
+        out[name] = _child(name, passed, env, limits[name])
         print(f"{name}: {json.dumps(out[name])}", flush=True)
     shutil.rmtree(tree, ignore_errors=True)
     print(json.dumps(out))

@@ -29,6 +29,7 @@ HARDWARE_SKIPS = (
     "needs an x86_64 CPU with AMX tiles",  # tests/integration/test_rollout.py
     "needs 2 or more cores",  # tests/integration/test_placement.py
     "needs a CPU on which vLLM-CPU repacks",  # tests/integration/test_weight_sync.py (bf16 without AVX-512 BF16)
+    "needs a CUDA GPU",  # tests/integration/test_device_check.py (the cuda_ipc route)
 )
 
 

@@ -125,7 +125,7 @@ def test_a_hung_call_ends_its_instance_only_and_its_worker_goes_once_the_others_
     assert not group_alive(child)  # the process the hung call started went with it
     assert pool.step(tid, []).result(WAIT_S).ok  # the fresh worker goes on
     pool.close()
-    assert not group_alive(new)
+    wait_until(lambda: not group_alive(new), "the closed worker's group lives", 10)
 
 
 @pytest.mark.timeout(300)
@@ -139,7 +139,8 @@ def test_close_kills_a_hung_worker_still_holding_instances(spec, pools):
     assert pool.step(tid, []).result(WAIT_S).timeout
     assert group_alive(old)  # draining: `other` still lives there
     pool.close()
-    assert not group_alive(old) and not group_alive(child)
+    # SIGKILL sent to the group: its members die as the kernel schedules them (a moment under load)
+    wait_until(lambda: not group_alive(old) and not group_alive(child), "the closed worker's group lives", 10)
 
 
 @pytest.mark.timeout(300)

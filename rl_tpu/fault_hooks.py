@@ -1,7 +1,9 @@
 """Test-only (tests/faults/test_faults.py, tests/integration/test_async.py): RL_TPU_TEST_HOOKS, set to a
 folder before Ray starts, lets a test stop an actor at a chosen moment. A process reaching `point` finds
-FOLDER/<point>.json ({"engine", "version", "seconds"}), and if both match (its index and policy version)
-it renames the file to <point>.fired, writes its pid to <point>.pid and sleeps `seconds`: once. Points:
+FOLDER/<point>.json ({"engine", "version", "seconds"}, and optionally "or_later": true), and if both
+match (its index and policy version; with "or_later", any version from "version" on: an async run's
+schedule decides which versions an engine generates with) it renames the file to <point>.fired, writes
+its pid to <point>.pid and sleeps `seconds`: once. Points:
 "sync" (an engine's weight sync has begun and its buckets are requested; its engine index and the
 version it installs), "generate" (an engine's generation; the version it generates with), "train_step"
 (a trainer rank entered its update; its rank and the optimizer steps taken before it). Unset: nothing is
@@ -41,7 +43,8 @@ def fault_hook(point: str, engine: int, version: int) -> None:
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
             spec = json.load(f)
-        if (spec["engine"], spec["version"]) != (engine, version):
+        later = spec.get("or_later", False) and version > spec["version"]
+        if spec["engine"] != engine or (version != spec["version"] and not later):
             return
         os.rename(path, os.path.join(folder, f"{point}.fired"))
     except FileNotFoundError:

@@ -9,6 +9,7 @@ import shutil
 import socket
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,15 +73,14 @@ HOSTILE = textwrap.dedent(
 
     def spawn_many(n, marker):
         # a fork bomb's first steps: as many long sleeps as it is allowed
-        started = 0
+        pids = []
         for _ in range(n):
             try:
-                subprocess.Popen(["sleep", marker], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pids.append(subprocess.Popen(["sleep", marker], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)
             except OSError as e:
-                return {"started": started, "error": str(e)}
-            started += 1
-        return {"started": started, "error": None}
+                return {"started": len(pids), "pids": pids, "error": str(e)}
+        return {"started": len(pids), "pids": pids, "error": None}
 
     def spin():
         while True:
@@ -210,6 +210,17 @@ def _wait_gone(marker: str, timeout_s: float = 10) -> list[int]:
     return _sleeping(marker)
 
 
+def _proc_status(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError as e:
+        return f"/proc/{pid}: {e.strerror}"
+    return (
+        " ".join(line for line in status if line.split(":")[0] in ("Name", "State", "PPid")) + f" {cmdline!r}"
+    )
+
+
 def _kill_all(marker: str) -> None:
     for pid in _sleeping(marker):
         os.kill(pid, 9)
@@ -251,7 +262,9 @@ def test_process_limit_stops_a_fork_bomb_and_its_processes_die_with_the_worker(h
         with _pool(hostile, env_allow=DEFAULT_ENV_ALLOW, procs=16) as pool:
             out = _call(pool, "spawn_many", n=64, marker=marker)
             assert 0 < out["started"] < 16 and "Resource temporarily unavailable" in out["error"], out
-            assert len(_sleeping(marker)) == out["started"]
+            missing = sorted(set(out["pids"]) - set(_sleeping(marker)))
+            # once seen under load: 14 started, 13 found; what the one not found was, if it happens again
+            assert missing == [], {pid: _proc_status(pid) for pid in missing}
         assert _wait_gone(marker) == []
     finally:
         _kill_all(marker)

@@ -29,6 +29,16 @@ def test_a_matching_hook_fires_once(hooks):
     fault_hooks.fault_hook("sync", 1, 2)  # once: the file was renamed
 
 
+def test_an_or_later_hook_fires_once_at_the_first_version_from_its_own(hooks):
+    (hooks / "generate.json").write_text(
+        json.dumps({"engine": 1, "version": 1, "seconds": 0, "or_later": True})
+    )
+    fault_hooks.fault_hook("generate", 1, 0)  # before its version: nothing happens
+    assert (hooks / "generate.json").exists()
+    fault_hooks.fault_hook("generate", 1, 3)  # version 1 never came to engine 1: 3 is later
+    assert (hooks / "generate.fired").exists() and not (hooks / "generate.json").exists()
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o722])
 def test_a_folder_others_can_write_is_refused(hooks, mode):
     hooks.chmod(mode)

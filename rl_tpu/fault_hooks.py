@@ -43,8 +43,8 @@ def fault_hook(point: str, engine: int, version: int) -> None:
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
             spec = json.load(f)
-        later = spec.get("or_later", False) and version > spec["version"]
-        if spec["engine"] != engine or (version != spec["version"] and not later):
+        due = version >= spec["version"] if spec.get("or_later", False) else version == spec["version"]
+        if spec["engine"] != engine or not due:
             return
         os.rename(path, os.path.join(folder, f"{point}.fired"))
     except FileNotFoundError:

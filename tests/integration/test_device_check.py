@@ -18,10 +18,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _check(*args: str, env: dict | None = None, device: str = "--cpu") -> tuple[dict, float]:
+def _check(*args: str, env: dict | None = None, sizes: str = "--cpu") -> tuple[dict, float]:
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "bench/device_check.py", device, *args],
+        [sys.executable, "bench/device_check.py", sizes, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -56,7 +56,7 @@ def test_sync_moves_every_byte_through_cuda_ipc_on_a_gpu():
     """The `cuda_ipc` transport end to end between two processes (torch's CUDA IPC handles as plain
     values, the engine copying out of the mapped buffer, pooled slots reused across syncs): every engine
     tensor bit for bit after the last sync."""
-    res, _ = _check("--parts", "sync_ipc", "--syncs", "3", device="--tiny")
+    res, _ = _check("--parts", "sync_ipc", "--syncs", "3", sizes="--tiny")
     assert "error" not in res["sync_ipc"], res["sync_ipc"]
     for size in ("0.01MB", "0.05MB"):
         sync = res["sync_ipc"][size]

@@ -9,9 +9,9 @@ import shutil
 import socket
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from process_probes import proc_status, sleeping, wait_empty, wait_until  # tests/: shared /proc probes
 
 from rl_tpu import containment
 from rl_tpu.call_pool import CallPool
@@ -123,19 +123,6 @@ def listener():
     srv.close()
 
 
-def _sleeping(marker: str) -> list[int]:
-    """Pids of `sleep <marker>` processes on this machine."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().split(b"\0")[:2] == [b"sleep", marker.encode()]:
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
 # --- the environment allow-list (tools and environments; reward functions see everything)
 
 
@@ -196,44 +183,23 @@ def test_sandbox_sees_and_signals_no_other_process(hostile):
         assert _call(pool, "parent_environ", pid=os.getpid()).startswith("refused")
 
 
-def _wait_sleeping(marker: str, count: int = 1) -> None:
-    deadline = time.monotonic() + 30
-    while len(_sleeping(marker)) < count and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(_sleeping(marker)) >= count, "the processes never started"
+def _wait_sleeping(marker: str) -> None:
+    wait_until(lambda: sleeping(marker), f"no `sleep {marker}` process started", 30)
 
 
-def _not_sleeping_yet(pids: list[int], marker: str, timeout_s: float = 30) -> list[int]:
-    """Of `pids`, those not yet `sleep <marker>` after waiting up to `timeout_s`. `Popen` returns when
-    the child's exec closes its close-on-exec pipe, which the kernel does before it writes the new
-    program's arguments: under load a child was seen a moment later still named `python`, with an empty
-    cmdline."""
-    deadline = time.monotonic() + timeout_s
-    while (missing := sorted(set(pids) - set(_sleeping(marker)))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return missing
+def _not_sleeping_yet(pids: list[int], marker: str) -> list[int]:
+    """Of `pids`, those not yet `sleep <marker>` after up to 30 s. `Popen` returns when the child's exec
+    closes its close-on-exec pipe, which the kernel does before it writes the new program's arguments:
+    under load a child was seen a moment later still named `python`, with an empty cmdline."""
+    return wait_empty(lambda: sorted(set(pids) - set(sleeping(marker))), 30)
 
 
 def _wait_gone(marker: str, timeout_s: float = 10) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while _sleeping(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _sleeping(marker)
-
-
-def _proc_status(pid: int) -> str:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError as e:
-        return f"/proc/{pid}: {e.strerror}"
-    return (
-        " ".join(line for line in status if line.split(":")[0] in ("Name", "State", "PPid")) + f" {cmdline!r}"
-    )
+    return wait_empty(lambda: sleeping(marker), timeout_s)
 
 
 def _kill_all(marker: str) -> None:
-    for pid in _sleeping(marker):
+    for pid in sleeping(marker):
         os.kill(pid, 9)
 
 
@@ -253,7 +219,7 @@ def test_without_sandbox_a_process_that_left_the_group_outlives_the_worker(hosti
         assert _call(pool, "escape", marker=marker) == "started"
         _wait_sleeping(marker)
     try:
-        assert _sleeping(marker)
+        assert sleeping(marker)
     finally:
         _kill_all(marker)
 
@@ -274,7 +240,7 @@ def test_process_limit_stops_a_fork_bomb_and_its_processes_die_with_the_worker(h
             out = _call(pool, "spawn_many", n=64, marker=marker)
             assert 0 < out["started"] < 16 and "Resource temporarily unavailable" in out["error"], out
             missing = _not_sleeping_yet(out["pids"], marker)
-            assert missing == [], {pid: _proc_status(pid) for pid in missing}
+            assert missing == [], {pid: proc_status(pid) for pid in missing}
         assert _wait_gone(marker) == []
     finally:
         _kill_all(marker)
@@ -400,7 +366,4 @@ def test_a_worker_dies_with_a_driver_killed_by_sigkill(tmp_path):
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    deadline = time.monotonic() + 15
-    while not _gone(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(worker), f"worker {worker} outlived its SIGKILLed driver"
+    wait_until(lambda: _gone(worker), f"worker {worker} outlived its SIGKILLed driver", 15)

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from process_probes import group_alive  # tests/: shared /proc probes
+from process_probes import group_alive, wait_until  # tests/: shared /proc probes
 
 from rl_tpu.containment import DEFAULT_ENV_ALLOW, Limits
 from rl_tpu.rollout.env_pool import EnvPool
@@ -88,13 +88,6 @@ def seen(result) -> dict:
     return json.loads(result.value[0]["content"])
 
 
-def wait_until(check, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what} after {timeout_s} s"
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cls", ["Env", "AsyncEnv"])
 def test_a_hung_call_ends_its_instance_only_and_its_worker_goes_once_the_others_end(spec, pools, cls):
@@ -121,7 +114,7 @@ def test_a_hung_call_ends_its_instance_only_and_its_worker_goes_once_the_others_
     # once its instances are released, the drained worker's whole process group is killed
     for t in (hung, a, b):
         pool.release(t)
-    wait_until(lambda: not group_alive(old), "the drained worker's group is still alive")
+    wait_until(lambda: not group_alive(old), "the drained worker's group is still alive", WAIT_S)
     assert not group_alive(child)  # the process the hung call started went with it
     assert pool.step(tid, []).result(WAIT_S).ok  # the fresh worker goes on
     pool.close()

@@ -203,7 +203,9 @@ def test_train_goes_on_through_hung_and_failing_environments(tmp_path):
             "--trainer.test_freq=0",
             "--rollout.n=2",
             "--rollout.engines=2",
-            "--rollout.max_tokens=8",
+            # a turn cut at max_tokens ends its trajectory before `step`: at 8 tokens about one in seven
+            # did, and under load the hanging trajectory was one (sampling on CPU follows the batches)
+            "--rollout.max_tokens=32",
             f"--rollout.stop_token_ids={list(range(100, 228))}",  # a random tiny model seldom stops
             f"--rollout.env={tmp_path / 'again_env.py'}:Again",
             "--rollout.max_turns=3",

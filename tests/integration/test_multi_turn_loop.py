@@ -48,7 +48,9 @@ def _cfg(tmp_path: Path, steps: int, *overrides: str):
             "--trainer.test_freq=0",
             "--rollout.n=2",
             "--rollout.engines=2",
-            "--rollout.max_tokens=8",
+            # a turn cut at max_tokens ends its trajectory before `step`: 32 makes that rare (at 8 about
+            # one turn in seven was cut, and the raising trajectory could be one)
+            "--rollout.max_tokens=32",
             # a random tiny model seldom samples its stop token: stop turns on a quarter of the vocabulary
             f"--rollout.stop_token_ids={list(range(100, 228))}",
             f"--rollout.env={tmp_path / 'again_env.py'}:Again",

@@ -24,6 +24,14 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` no longer runs: gone, or dead and not yet reaped (a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def sleeping(marker: str) -> list[int]:
     """Pids of `sleep <marker>` processes on this machine."""
     out = []
@@ -58,8 +66,8 @@ def wait_empty(probe: Callable[[], list], timeout_s: float) -> list:
     return left
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float) -> None:
-    """Poll `check` until it holds; fail with `what` after `timeout_s`."""
+def wait_until(check: Callable[[], object], what: str, timeout_s: float) -> None:
+    """Poll `check` until it returns something true; fail with `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"{what} after {timeout_s} s"

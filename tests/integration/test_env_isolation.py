@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import textwrap
-import time
 
 import pytest
-from process_probes import group_alive  # tests/: shared /proc probes
+from process_probes import group_alive, wait_until  # tests/: shared /proc probes
 from toy_stack import DIGITS_REWARD  # tests/
 
 from rl_tpu.controller.producer import turn_metrics
@@ -110,10 +109,7 @@ def test_a_hung_step_ends_only_its_trajectory(tok, spec, scheduling, caplog):
         assert any("Env.step timed out after 3 s" in r.getMessage() for r in caplog.records)
         # every trajectory ended, so every instance was released: the drained worker is killed, not later
         assert pool.worker_pids != [hung_pid]
-        deadline = time.monotonic() + WAIT_S
-        while group_alive(hung_pid):
-            assert time.monotonic() < deadline, "the drained worker outlived its instances"
-            time.sleep(0.05)
+        wait_until(lambda: not group_alive(hung_pid), "the drained worker outlived its instances", WAIT_S)
         (t,) = mt.rollout([{"kind": "ok"}])  # the pool serves the next rollout
         assert (t.finish_reason, t.reward) == ("env", 1.0)
     finally:

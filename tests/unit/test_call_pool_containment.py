@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from process_probes import exited  # tests/: shared /proc probes
 
 from rl_tpu.call_pool import CallPool
 from rl_tpu.containment import Limits
@@ -31,11 +32,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     """The process `pid` has exited (no longer running: gone, or a zombie no one reaped yet)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except FileNotFoundError:
+        if exited(pid):
             return True
         time.sleep(0.05)
     return False

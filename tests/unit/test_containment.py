@@ -11,7 +11,13 @@ import textwrap
 import time
 
 import pytest
-from process_probes import proc_status, sleeping, wait_empty, wait_until  # tests/: shared /proc probes
+from process_probes import (  # tests/: shared /proc probes
+    exited,
+    proc_status,
+    sleeping,
+    wait_empty,
+    wait_until,
+)
 
 from rl_tpu import containment
 from rl_tpu.call_pool import CallPool
@@ -338,14 +344,6 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)  # a zombie
-    except FileNotFoundError:
-        return True
-
-
 def test_a_worker_dies_with_a_driver_killed_by_sigkill(tmp_path):
     """A SIGKILLed driver cannot close its workers: each one notices its parent is gone and kills its own
     group, even while user code blocks at import."""
@@ -362,8 +360,8 @@ def test_a_worker_dies_with_a_driver_killed_by_sigkill(tmp_path):
     )
     try:
         worker = int(driver.stdout.readline())
-        assert not _gone(worker)
+        assert not exited(worker)
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    wait_until(lambda: _gone(worker), f"worker {worker} outlived its SIGKILLed driver", 15)
+    wait_until(lambda: exited(worker), f"worker {worker} outlived its SIGKILLed driver", 15)
